@@ -1,0 +1,131 @@
+"""The engine contract shared by every backend, and the lazy registry of backends.
+
+An engine owns one model (weights + tokenizer). All its methods are async; heavy compute runs
+off the event loop (a worker thread or the engine library's own async API). Arrays cross the
+boundary as numpy, never as per-float Python objects.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class EngineUnavailableError(RuntimeError):
+    """A backend cannot be used here: its library is missing or the model cannot be loaded."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an engine needs to load a model."""
+
+    model: str  # a local Hugging Face directory, or a built-in name such as "smollm2-135m"
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    max_model_len: int | None = None  # None: the model's own context length
+    options: Mapping[str, Any] = field(default_factory=dict)  # backend-specific
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    top_logprobs: int = 0  # alternatives reported per generated token
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TokenStep:
+    """One generated token.
+
+    `logprob` and the alternatives come from the model's raw distribution (log_softmax of the
+    logits), before temperature, top_p, penalties or logit_bias, as vLLM reports them by default.
+    """
+
+    token_id: int
+    logprob: float
+    top_ids: np.ndarray  # [k] int64, most likely first
+    top_logprobs: np.ndarray  # [k] float32
+    finish_reason: str | None  # "stop" (end-of-sequence token), "length" (max_tokens), or None
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens 1..T-1, each given the tokens before it."""
+
+    token_logprobs: np.ndarray  # [T-1] float32
+    top_ids: np.ndarray  # [T-1, k] int64
+    top_logprobs: np.ndarray  # [T-1, k] float32
+
+
+class Engine(ABC):
+    """One loaded model. Token ids given to an engine are already validated (0 <= id < vocab_size)."""
+
+    tokenizer: Any  # a Hugging Face (fast) tokenizer
+    vocab_size: int  # width of the logits; may exceed len(tokenizer)
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    model_path: str  # where the weights were loaded from
+
+    @classmethod
+    @abstractmethod
+    def load(cls, config: EngineConfig) -> Engine:
+        """Load the model. Blocking; the gateway calls it in a worker thread."""
+
+    @abstractmethod
+    async def next_token_logprobs(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
+        """log_softmax of the logits after each row: float32 array [len(rows), vocab_size]."""
+
+    @abstractmethod
+    async def prompt_logprobs(self, ids: Sequence[int], top_k: int) -> PromptLogprobs:
+        """Scores of every prompt token after the first; `top_k` alternatives per position."""
+
+    @abstractmethod
+    def generate(self, ids: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenStep]:
+        """Yield generated tokens until end-of-sequence or max_tokens.
+
+        The caller may stop iterating early (stop strings, disconnects) and must then `aclose()`
+        the iterator so the engine frees the request's state.
+        """
+
+    def is_healthy(self) -> bool:
+        return True
+
+    async def aclose(self) -> None:
+        """Release the model's resources."""
+
+
+# backend name -> (module, class, pip extra that provides its library)
+_BACKENDS: dict[str, tuple[str, str, str]] = {
+    "transformers": ("backends.transformers", "TransformersEngine", "logprob-gateway"),
+    "mock": ("backends.mock", "MockEngine", "logprob-gateway"),
+}
+
+BACKEND_NAMES = tuple(_BACKENDS)
+
+
+def engine_class(backend: str) -> type[Engine]:
+    """Import a backend only when it is chosen, so a missing optional library fails only then."""
+    try:
+        module_name, class_name, extra = _BACKENDS[backend]
+    except KeyError:
+        raise EngineUnavailableError(
+            f"unknown backend {backend!r}; choose one of: {', '.join(_BACKENDS)}"
+        ) from None
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise EngineUnavailableError(
+            f"backend {backend!r} needs a library that is not installed ({exc.name}); "
+            f"install it with: pip install '{extra}'"
+        ) from exc
+    return getattr(module, class_name)

@@ -1,0 +1,75 @@
+"""A deterministic engine with a real tokenizer, for gateway-layer tests, fuzzing and benchmarks.
+
+Its logits are a pseudo-random function of the token prefix, so every answer is reproducible
+and consistent across endpoints. It proves nothing about a model: features are proven on real
+engines.
+
+Options: `vocab_size` (default: the tokenizer's size), `max_model_len` via the config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator, Sequence
+
+import numpy as np
+from transformers import AutoTokenizer
+
+from backends.base import Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
+from backends.builtin_models import resolve_model_dir
+from backends import sampling
+from backends.sampling import Sampler, log_softmax
+
+
+class MockEngine(Engine):
+    def __init__(self, tokenizer: object, *, vocab_size: int, max_model_len: int, model_path: str) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = frozenset([eos] if eos is not None else [])
+        self.max_model_len = max_model_len
+        self.model_path = model_path
+        self.calls = 0  # engine invocations, for tests of batching
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> MockEngine:
+        path = resolve_model_dir(config.model)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        vocab_size = int(config.options.get("vocab_size", len(tokenizer)))
+        return cls(
+            tokenizer, vocab_size=vocab_size, max_model_len=config.max_model_len or 2048, model_path=str(path)
+        )
+
+    def logits(self, prefix: Sequence[int]) -> np.ndarray:
+        digest = hashlib.blake2b(np.asarray(prefix, dtype=np.int64).tobytes(), digest_size=8).digest()
+        rng = np.random.default_rng(int.from_bytes(digest, "little"))
+        return rng.standard_normal(self.vocab_size, dtype=np.float32) * 3.0
+
+    async def next_token_logprobs(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
+        self.calls += 1
+        await asyncio.sleep(0)
+        return log_softmax(np.stack([self.logits(row) for row in rows]))
+
+    async def prompt_logprobs(self, ids: Sequence[int], top_k: int) -> PromptLogprobs:
+        self.calls += 1
+        rows = np.zeros((0, self.vocab_size), np.float32)
+        if len(ids) > 1:
+            rows = log_softmax(np.stack([self.logits(ids[:i]) for i in range(1, len(ids))]))
+        chosen = rows[np.arange(len(ids) - 1), np.asarray(ids[1:], dtype=np.int64)]
+        top_ids, top_vals = sampling.top_k(rows, top_k)
+        return PromptLogprobs(chosen.astype(np.float32), top_ids, top_vals)
+
+    async def generate(self, ids: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenStep]:
+        if params.max_tokens <= 0:
+            return
+        self.calls += 1
+        sampler = Sampler(params, self.eos_token_ids)
+        prefix = list(ids)
+        while True:
+            await asyncio.sleep(0)
+            step = sampler.step(self.logits(prefix))
+            yield step
+            if step.finish_reason is not None:
+                return
+            prefix.append(step.token_id)

@@ -1,0 +1,77 @@
+"""Choosing the next token from one row of logits, shared by the engines that sample themselves."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from backends.base import SamplingParams, TokenStep
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float32 log_softmax along the last axis, computed in float64 for stability."""
+    x = logits.astype(np.float64, copy=False)
+    x = x - x.max(axis=-1, keepdims=True)
+    return (x - np.log(np.exp(x).sum(axis=-1, keepdims=True))).astype(np.float32)
+
+
+def top_k(logprobs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest entries of each row, most likely first (ties: lower id first)."""
+    if k <= 0:
+        shape = logprobs.shape[:-1] + (0,)
+        return np.zeros(shape, np.int64), np.zeros(shape, np.float32)
+    k = min(k, logprobs.shape[-1])
+    part = np.argpartition(-logprobs, k - 1, axis=-1)[..., :k]
+    vals = np.take_along_axis(logprobs, part, axis=-1)
+    order = np.lexsort((part, -vals), axis=-1)
+    ids = np.take_along_axis(part, order, axis=-1).astype(np.int64)
+    return ids, np.take_along_axis(logprobs, ids, axis=-1).astype(np.float32)
+
+
+class Sampler:
+    """Per-request sampling state: the random generator and the counts for penalties."""
+
+    def __init__(self, params: SamplingParams, eos_token_ids: frozenset[int]) -> None:
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.rng = np.random.default_rng(params.seed)
+        self.counts: Counter[int] = Counter()
+        self.generated = 0
+
+    def step(self, logits: np.ndarray) -> TokenStep:
+        """Pick a token from a [vocab] float32 logits row and report it."""
+        p = self.params
+        logprobs = log_softmax(logits)
+        scores = logits.astype(np.float64)
+        if p.logit_bias:
+            ids = np.fromiter(p.logit_bias.keys(), np.int64)
+            scores[ids] += np.fromiter(p.logit_bias.values(), np.float64)
+        if self.counts and (p.presence_penalty or p.frequency_penalty):
+            ids = np.fromiter(self.counts.keys(), np.int64)
+            counts = np.fromiter(self.counts.values(), np.float64)
+            scores[ids] -= p.presence_penalty + p.frequency_penalty * counts
+        token = int(np.argmax(scores)) if p.temperature == 0 else self._sample(scores)
+        self.counts[token] += 1
+        self.generated += 1
+        top_ids, top_vals = top_k(logprobs, p.top_logprobs)
+        if token in self.eos_token_ids:
+            finish = "stop"
+        elif self.generated >= p.max_tokens:
+            finish = "length"
+        else:
+            finish = None
+        return TokenStep(token, float(logprobs[token]), top_ids, top_vals, finish)
+
+    def _sample(self, scores: np.ndarray) -> int:
+        probs = np.exp(log_softmax(scores / self.params.temperature).astype(np.float64))
+        if self.params.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            cumulative = np.cumsum(probs[order])
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            keep = order[: int(np.searchsorted(cumulative, self.params.top_p)) + 1]
+            kept = np.zeros_like(probs)
+            kept[keep] = probs[keep]
+            probs = kept
+        probs /= probs.sum()
+        return int(self.rng.choice(probs.shape[0], p=probs))

@@ -1,0 +1,161 @@
+"""Hugging Face transformers engine: CPU by default, CUDA when available.
+
+All model calls run on one worker thread per engine, so concurrent requests interleave at
+forward-pass granularity without blocking the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from backends.base import Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
+from backends.builtin_models import resolve_model_dir
+from backends.sampling import Sampler
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PROMPT_CHUNK = 512  # positions whose full-vocabulary log_softmax is held at once
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":  # exact float32 on CPU; bfloat16 where it is fast
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {dtype!r}") from None
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    found: set[int] = set()
+    for value in (
+        getattr(model.generation_config, "eos_token_id", None),
+        model.config.eos_token_id,
+        tokenizer.eos_token_id,
+    ):
+        if isinstance(value, int):
+            found.add(value)
+        elif value:
+            found.update(value)
+    return frozenset(found)
+
+
+class _DecodeState:
+    """The KV cache of one generation request."""
+
+    cache: Any = None
+
+
+class TransformersEngine(Engine):
+    def __init__(self, model: Any, tokenizer: Any, *, max_model_len: int, model_path: str) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self.max_model_len = max_model_len
+        self.model_path = model_path
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-engine")
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> TransformersEngine:
+        path = resolve_model_dir(config.model)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        log.info("loading %s with transformers on %s in %s", path, device, dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        context = getattr(model.config, "max_position_embeddings", None) or 2048
+        return cls(model, tokenizer, max_model_len=config.max_model_len or context, model_path=str(path))
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # -- dense rows -----------------------------------------------------------------------------
+
+    async def next_token_logprobs(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
+        return await self._run(self._next_token_logprobs, rows)
+
+    @torch.inference_mode()
+    def _next_token_logprobs(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
+        # Left padding keeps every row's last token in the final position; explicit position ids
+        # and the attention mask make each row's result equal to its unpadded forward pass.
+        width = max(len(r) for r in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            use_cache=False,
+            logits_to_keep=1,
+        )
+        return torch.log_softmax(out.logits[:, -1, :].float(), dim=-1).cpu().numpy()
+
+    # -- prompt scoring -------------------------------------------------------------------------
+
+    async def prompt_logprobs(self, ids: Sequence[int], top_k: int) -> PromptLogprobs:
+        return await self._run(self._prompt_logprobs, ids, top_k)
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, ids: Sequence[int], top_k: int) -> PromptLogprobs:
+        tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        logits = self.model(input_ids=tokens, use_cache=False).logits[0, :-1]
+        targets = tokens[0, 1:]
+        chosen, top_ids, top_vals = [], [], []
+        for start in range(0, logits.shape[0], _PROMPT_CHUNK):
+            chunk = torch.log_softmax(logits[start : start + _PROMPT_CHUNK].float(), dim=-1)
+            chosen.append(chunk.gather(-1, targets[start : start + _PROMPT_CHUNK, None])[:, 0])
+            values, indices = chunk.topk(top_k, dim=-1) if top_k else (chunk[:, :0], chunk[:, :0].long())
+            top_ids.append(indices)
+            top_vals.append(values)
+        return PromptLogprobs(
+            token_logprobs=torch.cat(chosen).cpu().numpy() if chosen else np.zeros(0, np.float32),
+            top_ids=torch.cat(top_ids).cpu().numpy() if top_ids else np.zeros((0, top_k), np.int64),
+            top_logprobs=torch.cat(top_vals).cpu().numpy() if top_vals else np.zeros((0, top_k), np.float32),
+        )
+
+    # -- generation -----------------------------------------------------------------------------
+
+    async def generate(self, ids: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenStep]:
+        if params.max_tokens <= 0:
+            return
+        sampler = Sampler(params, self.eos_token_ids)
+        state = _DecodeState()
+        logits = await self._run(self._forward, state, list(ids))
+        while True:
+            step = sampler.step(logits)
+            yield step
+            if step.finish_reason is not None:
+                return
+            logits = await self._run(self._forward, state, [step.token_id])
+
+    @torch.inference_mode()
+    def _forward(self, state: _DecodeState, new_ids: list[int]) -> np.ndarray:
+        tokens = torch.tensor([new_ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=tokens, past_key_values=state.cache, use_cache=True, logits_to_keep=1)
+        state.cache = out.past_key_values
+        return out.logits[0, -1].float().cpu().numpy()
+
+    async def aclose(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

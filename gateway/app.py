@@ -1,0 +1,49 @@
+"""The application factory: routes, error handlers, and the models' lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from litestar import Litestar
+from litestar.datastructures import State
+
+from gateway.errors import EXCEPTION_HANDLERS
+from gateway.registry import ModelRegistry
+from gateway.routes.chat import create_chat_completion
+from gateway.routes.completions import create_completion
+from gateway.routes.models import health, list_models, retrieve_model
+from gateway.settings import Settings
+
+log = logging.getLogger(__name__)
+
+ROUTES = [create_completion, create_chat_completion, list_models, retrieve_model, health]
+
+
+def create_app(settings: Settings, registry: ModelRegistry | None = None) -> Litestar:
+    """Build the app. Models load in the background after start-up, so /health can say "loading"
+    while they do; requests for a model that is not ready get a 503."""
+    registry = registry or ModelRegistry(settings.models)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        loading = asyncio.create_task(registry.load_all())
+        app.state.loading = loading
+        try:
+            yield
+        finally:
+            loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loading
+            await registry.aclose()
+
+    return Litestar(
+        route_handlers=ROUTES,
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=[lifespan],
+        state=State({"settings": settings, "registry": registry}),
+        openapi_config=None,
+        logging_config=None,
+    )

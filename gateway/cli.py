@@ -1,0 +1,59 @@
+"""`logprob-gateway serve`: run the gateway with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from backends.base import BACKEND_NAMES
+from gateway.settings import ConfigError, Settings, load_settings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="logprob-gateway", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve the configured models over HTTP")
+    serve.add_argument("--config", help="TOML config file (see gateway/settings.py)")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--model", help="local Hugging Face directory or built-in model (default: smollm2-135m)")
+    serve.add_argument("--backend", choices=BACKEND_NAMES)
+    serve.add_argument("--served-model-name", dest="name", help="the name clients use (default: from --model)")
+    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    serve.add_argument("--max-model-len", type=int)
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    return load_settings(args.config, overrides)
+
+
+def serve(settings: Settings) -> None:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ConfigError as exc:
+        print(f"logprob-gateway: {exc}", file=sys.stderr)
+        return 2
+    serve(settings)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Every error the gateway reports, and the single place that turns exceptions into responses.
+
+    GatewayError                       500 internal_error
+     ├── InvalidRequestError           400 invalid_request_error   (bad field, bad token id, ...)
+     │    └── ContextLengthError       400 invalid_request_error   code=context_length_exceeded
+     ├── ModelNotFoundError            404 invalid_request_error   code=model_not_found
+     ├── ModelNotReadyError            503 service_unavailable     (still loading, or failed)
+     └── EngineError                   500 internal_error          (the engine failed a request)
+
+Responses use OpenAI's error object: {"error": {"message", "type", "param", "code"}}.
+Exceptions from request decoding (msgspec) and from Litestar itself (unknown route, wrong
+method, body too large) are mapped here too, so no route formats an error by hand.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import msgspec
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
+
+
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    error: ErrorDetail
+
+
+class GatewayError(Exception):
+    status_code = 500
+    error_type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class InvalidRequestError(GatewayError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthError(InvalidRequestError):
+    code = "context_length_exceeded"
+
+
+class ModelNotFoundError(GatewayError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class ModelNotReadyError(GatewayError):
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "model_not_ready"
+
+
+class EngineError(GatewayError):
+    status_code = 500
+    error_type = "internal_error"
+    code = "engine_error"
+
+
+_HTTP_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def error_response(status: int, message: str, error_type: str, param: str | None, code: str | None) -> Response:
+    body = ErrorResponse(error=ErrorDetail(message=message, type=error_type, param=param, code=code))
+    return Response(content=msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+def decode_error(exc: msgspec.DecodeError) -> InvalidRequestError:
+    """A request body that is not valid JSON or does not match the schema."""
+    message = str(exc)
+    match = _PATH.search(message)
+    param = match.group(1) if match and match.group(1) else None
+    if isinstance(exc, msgspec.ValidationError):
+        return InvalidRequestError(f"invalid request: {message}", param=param)
+    return InvalidRequestError(f"request body is not valid JSON: {message}", param=param)
+
+
+def _handle_gateway_error(_: Request, exc: GatewayError) -> Response:
+    if exc.status_code >= 500:
+        log.error("%s: %s", type(exc).__name__, exc.message)
+    return error_response(exc.status_code, exc.message, exc.error_type, exc.param, exc.code)
+
+
+def _handle_decode_error(request: Request, exc: msgspec.DecodeError) -> Response:
+    return _handle_gateway_error(request, decode_error(exc))
+
+
+def _handle_http_exception(_: Request, exc: HTTPException) -> Response:
+    status = exc.status_code
+    error_type = _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
+    return error_response(status, exc.detail, error_type, None, None)
+
+
+def _handle_unexpected(_: Request, exc: Exception) -> Response:
+    log.exception("unexpected error", exc_info=exc)
+    return error_response(500, "internal server error", "internal_error", None, None)
+
+
+EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
+    GatewayError: _handle_gateway_error,
+    msgspec.DecodeError: _handle_decode_error,
+    HTTPException: _handle_http_exception,
+    Exception: _handle_unexpected,
+}

@@ -1,0 +1,172 @@
+"""Generation shared by /v1/completions and /v1/chat/completions.
+
+Checks the sampling fields against the model and the limits, then runs one choice as a stream of
+text pieces: incremental UTF-8 decoding from exact token bytes, stop strings (text after a stop
+string never leaves the server; text that may still become one is held back), finish reasons.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from backends.base import SamplingParams, TokenStep
+from backends.vocab import IncrementalText
+from gateway.errors import ContextLengthError, InvalidRequestError
+from gateway.registry import ServedModel
+from gateway.settings import Limits
+
+
+@dataclass
+class Piece:
+    """Text produced by some tokens of one choice; `finish_reason` is set on the last piece."""
+
+    text: str
+    steps: list[TokenStep] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def tokenize(served: ServedModel, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
+    ids = list(served.require_engine().tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+    if not ids:
+        raise InvalidRequestError(f"{param} is empty after tokenization", param=param)
+    return ids
+
+
+def check_token_ids(served: ServedModel, ids: Sequence[int], param: str) -> list[int]:
+    vocab = served.require_engine().vocab_size
+    if not ids:
+        raise InvalidRequestError(f"{param} must not be empty", param=param)
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad} in {param} is outside the vocabulary [0, {vocab})", param=param)
+    return list(ids)
+
+
+def check_stop(stop: str | list[str] | None, limits: Limits) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > limits.max_stop:
+        raise InvalidRequestError(f"at most {limits.max_stop} stop sequences are allowed", param="stop")
+    if any(s == "" for s in stops):
+        raise InvalidRequestError("stop sequences must not be empty strings", param="stop")
+    return stops
+
+
+def check_logit_bias(served: ServedModel, bias: dict[str, float] | None) -> dict[int, float]:
+    parsed: dict[int, float] = {}
+    vocab = served.require_engine().vocab_size
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab:
+            raise InvalidRequestError(f"logit_bias key {key!r} is not a token id in [0, {vocab})", param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise InvalidRequestError("logit_bias values must be between -100 and 100", param="logit_bias")
+        parsed[int(key)] = value
+    return parsed
+
+
+def check_context(served: ServedModel, prompt_len: int, max_tokens: int | None) -> int:
+    """The number of tokens to generate; raises when prompt + completion exceed the context."""
+    context = served.require_engine().max_model_len
+    too_long = prompt_len > context if max_tokens is not None else prompt_len >= context
+    if too_long or (max_tokens is not None and prompt_len + max_tokens > context):
+        asked = "" if max_tokens is None else f" and asks for {max_tokens} completion tokens"
+        raise ContextLengthError(
+            f"this model's maximum context length is {context} tokens; "
+            f"the request has {prompt_len} prompt tokens{asked}",
+            param="prompt" if too_long else "max_tokens",
+        )
+    if max_tokens is None:
+        max_tokens = context - prompt_len
+    return max_tokens
+
+
+def check_choices(n: int, limits: Limits) -> int:
+    if n > limits.max_n:
+        raise InvalidRequestError(f"n must be at most {limits.max_n}", param="n")
+    return n
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choices of one request differ: each gets its own seed derived from the request's seed."""
+    if params.seed is None or index == 0:
+        return params
+    return replace(params, seed=(params.seed + index) % 2**64)
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
+async def run_choice(
+    served: ServedModel, prompt_ids: Sequence[int], params: SamplingParams, stops: Sequence[str]
+) -> AsyncIterator[Piece]:
+    engine = served.require_engine()
+    text = IncrementalText(served.token_bytes, served.special_ids)
+    pending = ""
+    steps: list[TokenStep] = []
+    generator = engine.generate(prompt_ids, params)
+    try:
+        async for step in generator:
+            steps.append(step)
+            pending += text.add(step.token_id)
+            if step.finish_reason is not None:
+                pending += text.flush()
+            cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                yield Piece(pending[:cut], steps, "stop")
+                return
+            if step.finish_reason is not None:
+                yield Piece(pending, steps, step.finish_reason)
+                return
+            emit = len(pending) - _held_back(pending, stops)
+            yield Piece(pending[:emit], steps)
+            pending, steps = pending[emit:], []
+    finally:
+        await generator.aclose()
+    yield Piece(pending, steps, "length")  # max_tokens == 0: the engine generated nothing
+
+
+async def collect(pieces: AsyncIterator[Piece]) -> Piece:
+    whole = Piece("")
+    async for piece in pieces:
+        whole.text += piece.text
+        whole.steps.extend(piece.steps)
+        whole.finish_reason = piece.finish_reason
+    return whole
+
+
+async def merge(streams: Sequence[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:
+    """Interleave several choices' pieces as they come; cancels the rest if the consumer stops."""
+    queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[Piece]) -> None:
+        try:
+            async for piece in stream:
+                await queue.put((index, piece))
+            await queue.put((index, None))
+        except Exception as exc:  # re-raised in the consumer
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,71 @@
+"""Request decoding and response encoding helpers shared by the routes (JSON and SSE)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+import msgspec
+from litestar import Request, Response
+from litestar.response import Stream
+
+from gateway.errors import ErrorDetail, ErrorResponse, GatewayError
+from gateway.registry import ModelRegistry
+from gateway.settings import Settings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_encoder = msgspec.json.Encoder()
+
+
+async def decode_json(request: Request, body_type: type[T]) -> T:
+    """Decode and validate a JSON body; errors become 400s in errors.py."""
+    return msgspec.json.decode(await request.body(), type=body_type)
+
+
+def json_response(body: Any, status_code: int = 200) -> Response:
+    return Response(content=_encoder.encode(body), status_code=status_code, media_type="application/json")
+
+
+def registry(request: Request) -> ModelRegistry:
+    return request.app.state.registry
+
+
+def settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse_event(body: Any) -> bytes:
+    return b"data: " + _encoder.encode(body) + b"\n\n"
+
+
+async def _sse(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The stream's events, then `data: [DONE]`; a failure mid-stream becomes an error event."""
+    try:
+        async for event in events:
+            yield event
+    except GatewayError as exc:
+        yield sse_event(ErrorResponse(error=ErrorDetail(message=exc.message, type=exc.error_type, code=exc.code)))
+    except Exception:
+        log.exception("stream failed")
+        yield sse_event(ErrorResponse(error=ErrorDetail(message="internal server error", type="internal_error")))
+    yield b"data: [DONE]\n\n"
+
+
+def sse_response(events: AsyncIterator[bytes]) -> Stream:
+    return Stream(
+        content=_sse(events),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -1,0 +1,94 @@
+"""Served models by name: loading them in the background and resolving request model names."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from backends.base import Engine, engine_class
+from backends.vocab import token_bytes_table
+from gateway.errors import ModelNotFoundError, ModelNotReadyError
+from gateway.settings import ModelSettings
+
+log = logging.getLogger(__name__)
+
+
+def parse_model_name(name: str) -> tuple[str, str | None]:
+    """`base:adapter` -> ("base", "adapter"); a name without ':' is the base model."""
+    base, sep, adapter = name.partition(":")
+    return base, (adapter if sep else None)
+
+
+@dataclass
+class ServedModel:
+    settings: ModelSettings
+    engine: Engine | None = None
+    token_bytes: list[bytes] = field(default_factory=list)
+    special_ids: frozenset[int] = frozenset()  # tokens that add no text to completions
+    error: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def name(self) -> str:
+        return self.settings.served_name
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    def require_engine(self) -> Engine:
+        if self.engine is None:
+            reason = f"failed to load: {self.error}" if self.error else "is still loading"
+            raise ModelNotReadyError(f"model {self.name!r} {reason}")
+        return self.engine
+
+
+class ModelRegistry:
+    def __init__(self, models: list[ModelSettings]) -> None:
+        self.models = {m.served_name: ServedModel(m) for m in models}
+
+    async def load_all(self) -> None:
+        """Load every model, one after another (they share the machine); failures are recorded."""
+        for served in self.models.values():
+            await self._load(served)
+
+    async def _load(self, served: ServedModel) -> None:
+        started = time.perf_counter()
+        log.info("loading model %r (%s, backend %s)", served.name, served.settings.model, served.settings.backend)
+        try:
+            cls = engine_class(served.settings.backend)
+            engine = await asyncio.to_thread(cls.load, served.settings.engine_config())
+            served.token_bytes = await asyncio.to_thread(token_bytes_table, engine.tokenizer, engine.vocab_size)
+            served.special_ids = frozenset(engine.tokenizer.all_special_ids) | engine.eos_token_ids
+            served.engine = engine
+        except Exception as exc:  # a model that cannot load must not take the others down
+            served.error = f"{type(exc).__name__}: {exc}"
+            log.error("model %r failed to load: %s", served.name, served.error)
+            return
+        log.info("model %r ready in %.1f s (vocab %d, context %d)", served.name,
+                 time.perf_counter() - started, engine.vocab_size, engine.max_model_len)
+
+    def resolve(self, name: str) -> ServedModel:
+        base, adapter = parse_model_name(name)
+        served = self.models.get(base)
+        if served is None:
+            raise ModelNotFoundError(
+                f"model {name!r} does not exist; available: {', '.join(self.models)}", param="model"
+            )
+        if adapter is not None:
+            raise ModelNotFoundError(
+                f"model {base!r} has no adapter {adapter!r}; no adapters are loaded", param="model"
+            )
+        return served
+
+    @property
+    def healthy(self) -> bool:
+        return all(m.engine is not None and m.engine.is_healthy() for m in self.models.values())
+
+    async def aclose(self) -> None:
+        for served in self.models.values():
+            if served.engine is not None:
+                await served.engine.aclose()
+                served.engine = None

@@ -1,0 +1,147 @@
+"""POST /v1/chat/completions: the model's chat template, then the shared generation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+from litestar import Request, Response, post
+from litestar.response import Stream
+
+from backends.base import SamplingParams, TokenStep
+from backends.vocab import token_display
+from gateway import generation as gen
+from gateway.errors import InvalidRequestError
+from gateway.http import decode_json, json_response, new_id, now, registry, settings, sse_event, sse_response
+from gateway.registry import ServedModel
+from gateway.schemas.chat import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessage,
+    ChoiceLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
+from gateway.schemas.common import Usage
+
+
+def _content(message: ChatMessage) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return "".join(part.text for part in message.content)
+
+
+def chat_prompt_ids(served: ServedModel, messages: list[ChatMessage]) -> list[int]:
+    if not messages:
+        raise InvalidRequestError("messages must not be empty", param="messages")
+    tokenizer = served.require_engine().tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(f"model {served.name!r} has no chat template; use /v1/completions", param="model")
+    conversation = [
+        {"role": "system" if m.role == "developer" else m.role, "content": _content(m)} for m in messages
+    ]
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # templates raise on conversations they do not support
+        raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}", param="messages") from None
+    # The template already spells the special tokens; adding them again would duplicate BOS.
+    return gen.tokenize(served, text, add_special_tokens=False, param="messages")
+
+
+def _token_logprobs(served: ServedModel, steps: Sequence[TokenStep]) -> list[TokenLogprob]:
+    def entry(token_id: int) -> tuple[str, list[int]]:
+        raw = served.token_bytes[token_id]
+        return token_display(raw), list(raw)
+
+    out = []
+    for s in steps:
+        token, raw = entry(s.token_id)
+        top = []
+        for token_id, value in zip(s.top_ids, s.top_logprobs, strict=True):
+            alt, alt_raw = entry(int(token_id))
+            top.append(TopLogprob(token=alt, logprob=float(value), bytes=alt_raw))
+        out.append(TokenLogprob(token=token, logprob=s.logprob, bytes=raw, top_logprobs=top))
+    return out
+
+
+@post("/v1/chat/completions", status_code=200, summary="Create a chat completion")
+async def create_chat_completion(request: Request) -> Response | Stream:
+    body = await decode_json(request, ChatCompletionRequest)
+    limits = settings(request).limits
+    served = registry(request).resolve(body.model)
+    served.require_engine()
+    n = gen.check_choices(body.n or 1, limits)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    if (body.top_logprobs or 0) > limits.max_top_logprobs:
+        raise InvalidRequestError(f"top_logprobs must be at most {limits.max_top_logprobs}", param="top_logprobs")
+    stops = gen.check_stop(body.stop, limits)
+    prompt_ids = chat_prompt_ids(served, body.messages)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = gen.check_context(served, len(prompt_ids), requested)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        seed=body.seed,
+        top_logprobs=body.top_logprobs or 0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=gen.check_logit_bias(served, body.logit_bias),
+    )
+    streams = [gen.run_choice(served, prompt_ids, gen.choice_params(params, j), stops) for j in range(n)]
+    usage = _UsageCounter(len(prompt_ids))
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return sse_response(_stream(served, body, streams, usage, include_usage))
+    pieces = await asyncio.gather(*(gen.collect(s) for s in streams))
+    choices = []
+    for index, piece in enumerate(pieces):
+        usage.add(piece.steps)
+        logprobs = ChoiceLogprobs(content=_token_logprobs(served, piece.steps)) if body.logprobs else None
+        choices.append(ChatChoice(index=index, message=AssistantMessage(content=piece.text), logprobs=logprobs,
+                                  finish_reason=piece.finish_reason))  # type: ignore[arg-type]
+    return json_response(ChatCompletionResponse(id=new_id("chatcmpl"), created=now(), model=body.model,
+                                                choices=choices, usage=usage.usage()))
+
+
+class _UsageCounter:
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+
+    def add(self, steps: Sequence[TokenStep]) -> None:
+        self.completion_tokens += len(steps)
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                     total_tokens=self.prompt_tokens + self.completion_tokens)
+
+
+async def _stream(served: ServedModel, body: ChatCompletionRequest, streams: list[AsyncIterator[gen.Piece]],
+                  usage: _UsageCounter, include_usage: bool) -> AsyncIterator[bytes]:
+    chunk_id, created = new_id("chatcmpl"), now()
+
+    def chunk(choices: list[ChatChunkChoice], final_usage: Usage | None = None) -> bytes:
+        return sse_event(ChatCompletionChunk(id=chunk_id, created=created, model=body.model, choices=choices,
+                                             usage=final_usage))
+
+    for index in range(len(streams)):
+        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+    async for index, piece in gen.merge(streams):
+        usage.add(piece.steps)
+        if not (piece.text or piece.finish_reason or (body.logprobs and piece.steps)):
+            continue
+        logprobs = ChoiceLogprobs(content=_token_logprobs(served, piece.steps)) if body.logprobs else None
+        delta = ChatDelta(content=piece.text) if piece.text else ChatDelta()
+        yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
+                                     finish_reason=piece.finish_reason)])  # type: ignore[arg-type]
+    if include_usage:
+        yield chunk([], usage.usage())

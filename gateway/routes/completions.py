@@ -1,0 +1,217 @@
+"""POST /v1/completions: OpenAI's legacy completions, including echo + logprobs scoring."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from litestar import Request, Response, post
+from litestar.response import Stream
+
+from backends.base import PromptLogprobs, SamplingParams, TokenStep
+from backends.vocab import decode_text, token_display
+from gateway import generation as gen
+from gateway.errors import InvalidRequestError
+from gateway.http import decode_json, json_response, new_id, now, registry, settings, sse_event, sse_response
+from gateway.registry import ServedModel
+from gateway.schemas.common import Usage
+from gateway.schemas.completions import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+
+
+@dataclass
+class _Prompt:
+    ids: list[int]
+    text: str
+
+
+def _prompts(served: ServedModel, prompt: str | list, max_prompts: int) -> list[_Prompt]:
+    """Normalise the four OpenAI prompt forms into token ids plus the prompt's text."""
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        items = [prompt]
+    elif prompt and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        items = prompt
+    else:
+        raise InvalidRequestError(
+            "prompt must be a non-empty string, list of strings, list of token ids, or list of token-id lists",
+            param="prompt",
+        )
+    if len(items) > max_prompts:
+        raise InvalidRequestError(f"at most {max_prompts} prompts per request", param="prompt")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise InvalidRequestError("prompt must not be empty", param="prompt")
+            ids = gen.tokenize(served, item, add_special_tokens=True, param="prompt")
+            prompts.append(_Prompt(ids, item))
+        else:
+            ids = gen.check_token_ids(served, item, "prompt")
+            prompts.append(_Prompt(ids, decode_text(served.token_bytes, ids)))
+    return prompts
+
+
+def _top_dict(served: ServedModel, ids: Sequence[int], values: Sequence[float], chosen: int, logprob: float) -> dict:
+    top = {}
+    for token_id, value in zip(ids, values, strict=True):
+        top.setdefault(token_display(served.token_bytes[int(token_id)]), float(value))
+    top.setdefault(token_display(served.token_bytes[chosen]), logprob)  # as vLLM: the chosen token too
+    return top
+
+
+class _LogprobsBuilder:
+    """Accumulates OpenAI's completion logprobs; text offsets run over prompt + completion text."""
+
+    def __init__(self, served: ServedModel, offset: int) -> None:
+        self.served = served
+        self.offset = offset
+
+    def empty(self) -> CompletionLogprobs:
+        return CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+
+    def _add(self, out: CompletionLogprobs, token_id: int, logprob: float | None, top: dict | None) -> None:
+        token = token_display(self.served.token_bytes[token_id])
+        out.tokens.append(token)
+        out.token_logprobs.append(logprob)
+        out.top_logprobs.append(top)
+        out.text_offset.append(self.offset)
+        self.offset += len(token)
+
+    def prompt(self, ids: Sequence[int], scores: PromptLogprobs) -> CompletionLogprobs:
+        out = self.empty()
+        self._add(out, ids[0], None, None)
+        for i, token_id in enumerate(ids[1:]):
+            value = float(scores.token_logprobs[i])
+            self._add(out, token_id, value, _top_dict(self.served, scores.top_ids[i], scores.top_logprobs[i], token_id, value))
+        return out
+
+    def steps(self, steps: Sequence[TokenStep]) -> CompletionLogprobs:
+        out = self.empty()
+        for s in steps:
+            self._add(out, s.token_id, s.logprob, _top_dict(self.served, s.top_ids, s.top_logprobs, s.token_id, s.logprob))
+        return out
+
+
+def _join(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
+    )
+
+
+@post("/v1/completions", status_code=200, summary="Create a completion (OpenAI legacy completions)")
+async def create_completion(request: Request) -> Response | Stream:
+    body = await decode_json(request, CompletionRequest)
+    limits = settings(request).limits
+    served = registry(request).resolve(body.model)
+    served.require_engine()
+    n = gen.check_choices(body.n or 1, limits)
+    if body.best_of is not None and body.best_of != n:
+        raise InvalidRequestError("best_of is not supported unless it equals n", param="best_of")
+    if body.suffix:
+        raise InvalidRequestError("suffix is not supported", param="suffix")
+    top = body.logprobs
+    if top is not None and top > limits.max_top_logprobs:
+        raise InvalidRequestError(f"logprobs must be at most {limits.max_top_logprobs}", param="logprobs")
+    stops = gen.check_stop(body.stop, limits)
+    prompts = _prompts(served, body.prompt, limits.max_prompts)
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    for p in prompts:
+        gen.check_context(served, len(p.ids), max_tokens)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        seed=body.seed,
+        top_logprobs=top or 0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=gen.check_logit_bias(served, body.logit_bias),
+    )
+    run = _Run(served, body, prompts, n, params, stops)
+    if body.stream:
+        return sse_response(run.stream())
+    return json_response(await run.complete())
+
+
+class _Run:
+    """One validated completion request: its prompts times n choices."""
+
+    def __init__(self, served: ServedModel, body: CompletionRequest, prompts: list[_Prompt], n: int,
+                 params: SamplingParams, stops: list[str]) -> None:
+        self.served, self.body, self.prompts, self.n, self.params, self.stops = served, body, prompts, n, params, stops
+        self.id, self.created = new_id("cmpl"), now()
+        self.want_logprobs = body.logprobs is not None
+        self.prompt_tokens = sum(len(p.ids) for p in prompts)
+
+    def _choices(self) -> list[tuple[_Prompt, AsyncIterator[gen.Piece]]]:
+        return [
+            (p, gen.run_choice(self.served, p.ids, gen.choice_params(self.params, j), self.stops))
+            for p in self.prompts
+            for j in range(self.n)
+        ]
+
+    async def _echo(self, prompt: _Prompt) -> tuple[str, CompletionLogprobs | None]:
+        """The prompt's text and, with logprobs, its tokens scored (the first one has no score)."""
+        if not self.want_logprobs:
+            return prompt.text, None
+        scores = await self.served.require_engine().prompt_logprobs(prompt.ids, self.params.top_logprobs)
+        return prompt.text, _LogprobsBuilder(self.served, 0).prompt(prompt.ids, scores)
+
+    def _response(self, choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=self.created, model=self.body.model, choices=choices, usage=usage)
+
+    async def complete(self) -> CompletionResponse:
+        choices = self._choices()
+        pieces = await asyncio.gather(*(gen.collect(stream) for _, stream in choices))
+        echoes = {}
+        if self.body.echo:
+            echoes = dict(zip(map(id, self.prompts), await asyncio.gather(*(self._echo(p) for p in self.prompts))))
+        out, completion_tokens = [], 0
+        for index, ((prompt, _), piece) in enumerate(zip(choices, pieces, strict=True)):
+            completion_tokens += len(piece.steps)
+            text, logprobs = piece.text, None
+            echo_text, echo_logprobs = echoes.get(id(prompt), ("", None))
+            if self.want_logprobs:
+                offset = len(echo_text) if self.body.echo else len(prompt.text)
+                logprobs = _LogprobsBuilder(self.served, offset).steps(piece.steps)
+                if echo_logprobs is not None:
+                    logprobs = _join(echo_logprobs, logprobs)
+            out.append(CompletionChoice(index=index, text=echo_text + text, logprobs=logprobs,
+                                        finish_reason=piece.finish_reason))  # type: ignore[arg-type]
+        usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
+                      total_tokens=self.prompt_tokens + completion_tokens)
+        return self._response(out, usage)
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        choices = self._choices()
+        builders = [_LogprobsBuilder(self.served, len(p.text)) for p, _ in choices]
+        if self.body.echo:
+            for index, (prompt, _) in enumerate(choices):
+                text, logprobs = await self._echo(prompt)
+                builders[index].offset = len(text)
+                yield sse_event(self._response([CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                                 finish_reason=None)], None))
+        completion_tokens = 0
+        async for index, piece in gen.merge([stream for _, stream in choices]):
+            completion_tokens += len(piece.steps)
+            if not (piece.text or piece.finish_reason or (self.want_logprobs and piece.steps)):
+                continue
+            logprobs = builders[index].steps(piece.steps) if self.want_logprobs else None
+            choice = CompletionChoice(index=index, text=piece.text, logprobs=logprobs,
+                                      finish_reason=piece.finish_reason)  # type: ignore[arg-type]
+            yield sse_event(self._response([choice], None))
+        options = self.body.stream_options
+        if options is not None and options.include_usage:
+            usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=self.prompt_tokens + completion_tokens)
+            yield sse_event(self._response([], usage))

@@ -1,0 +1,42 @@
+"""GET /v1/models, GET /v1/models/{model}, GET /health."""
+
+from __future__ import annotations
+
+from litestar import Request, Response, get
+
+from gateway.http import json_response, registry
+from gateway.registry import ServedModel
+from gateway.schemas.models import Health, ModelCard, ModelHealth, ModelList
+
+
+def _card(served: ServedModel) -> ModelCard:
+    engine = served.engine
+    return ModelCard(
+        id=served.name,
+        created=served.created,
+        root=engine.model_path if engine else served.settings.model,
+        max_model_len=engine.max_model_len if engine else None,
+        vocab_size=engine.vocab_size if engine else None,
+        backend=served.settings.backend,
+        ready=served.ready,
+    )
+
+
+@get("/v1/models", summary="List the served models")
+async def list_models(request: Request) -> Response:
+    return json_response(ModelList(data=[_card(m) for m in registry(request).models.values()]))
+
+
+@get("/v1/models/{model:str}", summary="Describe one served model")
+async def retrieve_model(request: Request, model: str) -> Response:
+    return json_response(_card(registry(request).resolve(model)))
+
+
+@get("/health", summary="200 when every model is loaded and healthy, else 503")
+async def health(request: Request) -> Response:
+    models = registry(request).models.values()
+    healthy = registry(request).healthy
+    failed = any(m.error for m in models)
+    status = "ok" if healthy else ("unhealthy" if failed else "loading")
+    body = Health(status=status, models=[ModelHealth(name=m.name, ready=m.ready, error=m.error) for m in models])
+    return json_response(body, status_code=200 if healthy else 503)

@@ -1,0 +1,1 @@
+"""Wire types: msgspec Structs mirroring OpenAI's API, validated once at decode."""

@@ -1,0 +1,108 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from gateway.schemas.common import (
+    NonNegativeInt,
+    Penalty,
+    PositiveInt,
+    Seed,
+    StreamOptions,
+    Temperature,
+    TopP,
+    Usage,
+)
+
+
+class TextPart(msgspec.Struct, kw_only=True, tag_field="type", tag="text"):
+    text: str
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(msgspec.Struct, kw_only=True):
+    model: str
+    messages: list[ChatMessage]
+    max_tokens: NonNegativeInt | None = None
+    max_completion_tokens: NonNegativeInt | None = None
+    temperature: Temperature | None = 1.0
+    top_p: TopP | None = 1.0
+    n: PositiveInt | None = 1
+    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    logprobs: bool | None = False
+    top_logprobs: NonNegativeInt | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(msgspec.Struct, kw_only=True):
+    content: list[TokenLogprob] | None
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None

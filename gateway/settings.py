@@ -1,0 +1,139 @@
+"""Configuration: a TOML file, overridden by environment variables, overridden by CLI flags.
+
+    host = "0.0.0.0"
+    port = 8000
+
+    [[models]]
+    name = "smollm2-135m"          # the name clients put in `model`
+    model = "smollm2-135m"         # a local Hugging Face directory or a built-in model
+    backend = "transformers"
+    dtype = "auto"
+    device = "auto"
+    max_model_len = 2048
+    options = {}                   # backend-specific
+
+Environment: LOGPROB_GATEWAY_CONFIG, _HOST, _PORT, _MODEL, _BACKEND, _SERVED_MODEL_NAME, _DTYPE,
+_DEVICE, _LOG_LEVEL. A model given by flag or environment replaces the file's model list.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from backends.base import BACKEND_NAMES, EngineConfig
+from backends.builtin_models import DEFAULT_MODEL
+
+ENV_PREFIX = "LOGPROB_GATEWAY_"
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message is one line fit for the terminal."""
+
+
+class ModelSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str = DEFAULT_MODEL
+    name: str | None = None  # default: the built-in name or the directory's name
+    backend: str = "transformers"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    max_model_len: Annotated[int, msgspec.Meta(gt=0)] | None = None
+    options: dict[str, Any] = {}
+
+    @property
+    def served_name(self) -> str:
+        return self.name or Path(self.model.rstrip("/")).name
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            max_model_len=self.max_model_len,
+            options=self.options,
+        )
+
+
+class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    max_n: Annotated[int, msgspec.Meta(gt=0)] = 16
+    max_prompts: Annotated[int, msgspec.Meta(gt=0)] = 64  # prompts in one completion request
+    max_top_logprobs: Annotated[int, msgspec.Meta(ge=0)] = 20
+    max_stop: Annotated[int, msgspec.Meta(ge=0)] = 4
+
+
+class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    models: list[ModelSettings] = msgspec.field(default_factory=lambda: [ModelSettings()])
+    limits: Limits = msgspec.field(default_factory=Limits)
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ConfigError("at least one model must be configured")
+        names = [m.served_name for m in self.models]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ConfigError(f"model names must be unique; repeated: {', '.join(duplicates)}")
+        for m in self.models:
+            if m.backend not in BACKEND_NAMES:
+                raise ConfigError(
+                    f"model {m.served_name!r}: unknown backend {m.backend!r}; "
+                    f"choose one of: {', '.join(BACKEND_NAMES)}"
+                )
+            if ":" in m.served_name:
+                raise ConfigError(f"model name {m.served_name!r} must not contain ':' (it selects adapters)")
+
+
+_MODEL_KEYS = ("model", "backend", "name", "dtype", "device", "max_model_len")
+_ENV_KEYS = {
+    "HOST": "host",
+    "PORT": "port",
+    "LOG_LEVEL": "log_level",
+    "MODEL": "model",
+    "BACKEND": "backend",
+    "SERVED_MODEL_NAME": "name",
+    "DTYPE": "dtype",
+    "DEVICE": "device",
+    "MAX_MODEL_LEN": "max_model_len",
+}
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    return {key: environ[ENV_PREFIX + var] for var, key in _ENV_KEYS.items() if ENV_PREFIX + var in environ}
+
+
+def load_settings(
+    config_file: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Build settings from file < environment < overrides (CLI flags; None values are ignored)."""
+    environ = os.environ if environ is None else environ
+    config_file = config_file or environ.get(ENV_PREFIX + "CONFIG")
+    raw: dict[str, Any] = {}
+    if config_file:
+        try:
+            raw = tomllib.loads(Path(config_file).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {config_file}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {config_file} is not valid TOML: {exc}") from None
+    layered = {**env_overrides(environ), **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    model_fields = {k: layered.pop(k) for k in _MODEL_KEYS if k in layered}
+    if "model" in model_fields:
+        raw["models"] = [model_fields]
+    elif model_fields:  # backend/dtype/... without a model: apply to every configured model
+        raw["models"] = [{**m, **model_fields} for m in raw.get("models", [{}])]
+    raw.update(layered)
+    try:
+        # strict=False: environment values arrive as strings ("8000")
+        return msgspec.convert(raw, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        where = f" in {config_file}" if config_file else ""
+        raise ConfigError(f"invalid configuration{where}: {exc}") from None
