@@ -1,0 +1,48 @@
+"""The transformers engine itself, against a direct forward pass of the same weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from backends.base import EngineConfig, SamplingParams
+from backends.transformers import TransformersEngine
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return TransformersEngine.load(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
+
+
+async def test_batched_rows_equal_unpadded_forward_passes(engine, reference):
+    texts = ["The capital of France is", "Hi", "A longer sentence about the weather in Paris today"]
+    rows = [reference.tokenizer(t).input_ids for t in texts]
+    got = await engine.next_token_logprobs(rows)
+    assert got.shape == (3, engine.vocab_size) and got.dtype == np.float32
+    for row, ids in zip(got, rows, strict=True):
+        assert np.max(np.abs(row - reference.logprobs(ids)[-1])) <= 1e-4
+        assert abs(np.exp(row.astype(np.float64)).sum() - 1) <= 1e-4
+
+
+async def test_prompt_logprobs_equal_forward_pass(engine, reference):
+    ids = reference.tokenizer("Paris is the capital of France").input_ids
+    scores = await engine.prompt_logprobs(ids, 4)
+    rows = reference.logprobs(ids)
+    assert np.max(np.abs(scores.token_logprobs - rows[np.arange(len(ids) - 1), ids[1:]])) <= 1e-4
+    assert scores.top_ids.shape == (len(ids) - 1, 4)
+    assert scores.top_ids[:, 0].tolist() == np.argmax(rows[:-1], axis=-1).tolist()
+
+
+async def test_generation_with_kv_cache_matches_greedy_reference(engine, reference):
+    ids = reference.tokenizer("Once upon a time").input_ids
+    steps = [s async for s in engine.generate(ids, SamplingParams(max_tokens=8, temperature=0))]
+    assert [s.token_id for s in steps] == reference.greedy(ids, 8)
+    assert steps[-1].finish_reason == "length"
+
+
+def test_defaults_pick_float32_on_cpu(engine):
+    assert next(engine.model.parameters()).dtype.is_floating_point
+    assert str(next(engine.model.parameters()).dtype) == "torch.float32"
+    assert engine.eos_token_ids == {2}

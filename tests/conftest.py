@@ -1,0 +1,139 @@
+"""Shared fixtures: the real default model (converted once), a direct transformers reference,
+and one real gateway server process per test session."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir
+
+MODEL = DEFAULT_MODEL
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class GatewayProcess:
+    base_url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def start_gateway(args: list[str], log_path: Path, timeout: float = 600.0) -> GatewayProcess:
+    """Start `logprob-gateway serve` on a free port and wait until /health says 200."""
+    port = free_port()
+    log_file = log_path.open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "TQDM_DISABLE": "1"},
+    )
+    gateway = GatewayProcess(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"gateway exited with {process.returncode}:\n{gateway.log_tail()}")
+        try:
+            if httpx.get(gateway.base_url + "/health", timeout=2).status_code == 200:
+                return gateway
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    stop_gateway(gateway)
+    raise RuntimeError(f"gateway not healthy after {timeout} s:\n{gateway.log_tail()}")
+
+
+def stop_gateway(gateway: GatewayProcess) -> None:
+    gateway.process.terminate()
+    try:
+        gateway.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        gateway.process.kill()
+        gateway.process.wait()
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return resolve_model_dir(MODEL)
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir: Path):
+    """The same weights loaded directly with transformers in float32: the ground truth."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return Reference(model, tokenizer)
+
+
+class Reference:
+    def __init__(self, model, tokenizer) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+
+    def logprobs(self, ids: list[int]):
+        """log_softmax of the logits at every position: float32 numpy [len(ids), vocab]."""
+        import torch
+
+        with torch.inference_mode():
+            logits = self.model(torch.tensor([ids])).logits[0].float()
+            return torch.log_softmax(logits, dim=-1).numpy()
+
+    def greedy(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        import torch
+
+        with torch.inference_mode():
+            # An explicit mask: otherwise generate() masks every token equal to the pad id, and
+            # SmolLM2's pad id is its end-of-turn token, which chat prompts contain.
+            tokens = torch.tensor([ids])
+            out = self.model.generate(
+                tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=max_new_tokens,
+                do_sample=False, eos_token_id=None,
+            )
+        return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def gateway(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    """The real gateway serving the default model (float32 on CPU), as a separate process."""
+    log_path = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    process = start_gateway(["--model", MODEL, "--dtype", "float32"], log_path)
+    yield process
+    stop_gateway(process)
+
+
+@pytest.fixture(scope="session")
+def client(gateway: GatewayProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def async_client(gateway: GatewayProcess) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=gateway.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def http(gateway: GatewayProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.base_url, timeout=120) as c:
+        yield c
