@@ -14,12 +14,26 @@ from gateway.errors import EXCEPTION_HANDLERS
 from gateway.registry import ModelRegistry
 from gateway.routes.chat import create_chat_completion
 from gateway.routes.completions import create_completion
+from gateway.routes.logprobs import batching_stats, next_token_logprobs
 from gateway.routes.models import health, list_models, retrieve_model
+from gateway.routes.vocabulary import detokenize_route, tokenize_route, tokenizer_files, vocabulary
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
 
-ROUTES = [create_completion, create_chat_completion, list_models, retrieve_model, health]
+ROUTES = [
+    create_completion,
+    create_chat_completion,
+    next_token_logprobs,
+    list_models,
+    retrieve_model,
+    vocabulary,
+    tokenizer_files,
+    batching_stats,
+    tokenize_route,
+    detokenize_route,
+    health,
+]
 
 
 def create_app(settings: Settings, registry: ModelRegistry | None = None) -> Litestar:

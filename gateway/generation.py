@@ -27,23 +27,6 @@ class Piece:
     finish_reason: str | None = None
 
 
-def tokenize(served: ServedModel, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
-    ids = list(served.require_engine().tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-    if not ids:
-        raise InvalidRequestError(f"{param} is empty after tokenization", param=param)
-    return ids
-
-
-def check_token_ids(served: ServedModel, ids: Sequence[int], param: str) -> list[int]:
-    vocab = served.require_engine().vocab_size
-    if not ids:
-        raise InvalidRequestError(f"{param} must not be empty", param=param)
-    bad = next((i for i in ids if not 0 <= i < vocab), None)
-    if bad is not None:
-        raise InvalidRequestError(f"token id {bad} in {param} is outside the vocabulary [0, {vocab})", param=param)
-    return list(ids)
-
-
 def check_stop(stop: str | list[str] | None, limits: Limits) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > limits.max_stop:

@@ -21,9 +21,27 @@ T = TypeVar("T")
 _encoder = msgspec.json.Encoder()
 
 
+MSGPACK_TYPES = ("application/msgpack", "application/vnd.msgpack", "application/x-msgpack")
+
+
+def is_msgpack(media_type: str | None) -> bool:
+    return bool(media_type) and any(t in media_type for t in MSGPACK_TYPES)  # type: ignore[operator]
+
+
 async def decode_json(request: Request, body_type: type[T]) -> T:
-    """Decode and validate a JSON body; errors become 400s in errors.py."""
-    return msgspec.json.decode(await request.body(), type=body_type)
+    """Decode and validate a JSON body (or MessagePack, by Content-Type); errors become 400s in errors.py."""
+    body = await request.body()
+    if is_msgpack(request.headers.get("content-type")):
+        return msgspec.msgpack.decode(body, type=body_type)
+    return msgspec.json.decode(body, type=body_type)
+
+
+def wants_msgpack(request: Request) -> bool:
+    return is_msgpack(request.headers.get("accept"))
+
+
+def msgpack_response(body: Any, status_code: int = 200) -> Response:
+    return Response(content=msgspec.msgpack.encode(body), status_code=status_code, media_type=MSGPACK_TYPES[0])
 
 
 def json_response(body: Any, status_code: int = 200) -> Response:

@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from backends.base import Engine, engine_class
 from backends.vocab import token_bytes_table
+from gateway.batching import RowBatcher
 from gateway.errors import ModelNotFoundError, ModelNotReadyError
 from gateway.settings import ModelSettings
 
 log = logging.getLogger(__name__)
+
+
+def _tokenizer_files(tokenizer: object) -> dict[str, str]:
+    """The files from which a client rebuilds the exact tokenizer (tokenizer.json, config, template)."""
+    with tempfile.TemporaryDirectory() as directory:
+        tokenizer.save_pretrained(directory)  # type: ignore[attr-defined]
+        return {p.name: p.read_text() for p in sorted(Path(directory).iterdir()) if p.is_file()}
 
 
 def parse_model_name(name: str) -> tuple[str, str | None]:
@@ -27,6 +37,8 @@ class ServedModel:
     engine: Engine | None = None
     token_bytes: list[bytes] = field(default_factory=list)
     special_ids: frozenset[int] = frozenset()  # tokens that add no text to completions
+    tokenizer_files: dict[str, str] = field(default_factory=dict)
+    batcher: RowBatcher | None = None
     error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -62,6 +74,12 @@ class ModelRegistry:
             engine = await asyncio.to_thread(cls.load, served.settings.engine_config())
             served.token_bytes = await asyncio.to_thread(token_bytes_table, engine.tokenizer, engine.vocab_size)
             served.special_ids = frozenset(engine.tokenizer.all_special_ids) | engine.eos_token_ids
+            served.tokenizer_files = await asyncio.to_thread(_tokenizer_files, engine.tokenizer)
+            served.batcher = RowBatcher(
+                engine.next_token_logprobs,
+                max_batch_rows=served.settings.max_batch_rows,
+                window_s=served.settings.batch_window_ms / 1000,
+            )
             served.engine = engine
         except Exception as exc:  # a model that cannot load must not take the others down
             served.error = f"{type(exc).__name__}: {exc}"
@@ -89,6 +107,8 @@ class ModelRegistry:
 
     async def aclose(self) -> None:
         for served in self.models.values():
+            if served.batcher is not None:
+                await served.batcher.aclose()
             if served.engine is not None:
                 await served.engine.aclose()
                 served.engine = None

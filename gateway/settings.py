@@ -10,6 +10,8 @@
     dtype = "auto"
     device = "auto"
     max_model_len = 2048
+    max_batch_rows = 64            # distinct dense rows per engine call
+    batch_window_ms = 2.0          # how long an idle engine waits for more rows
     options = {}                   # backend-specific
 
 Environment: LOGPROB_GATEWAY_CONFIG, _HOST, _PORT, _MODEL, _BACKEND, _SERVED_MODEL_NAME, _DTYPE,
@@ -43,6 +45,8 @@ class ModelSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"
     max_model_len: Annotated[int, msgspec.Meta(gt=0)] | None = None
+    max_batch_rows: Annotated[int, msgspec.Meta(gt=0)] = 64  # distinct rows per engine call
+    batch_window_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0  # wait for more rows when idle
     options: dict[str, Any] = {}
 
     @property
@@ -64,6 +68,7 @@ class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_prompts: Annotated[int, msgspec.Meta(gt=0)] = 64  # prompts in one completion request
     max_top_logprobs: Annotated[int, msgspec.Meta(ge=0)] = 20
     max_stop: Annotated[int, msgspec.Meta(ge=0)] = 4
+    max_rows: Annotated[int, msgspec.Meta(gt=0)] = 1024  # rows in one next_token_logprobs request
 
 
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -12,6 +12,7 @@ from backends.base import SamplingParams, TokenStep
 from backends.vocab import token_display
 from gateway import generation as gen
 from gateway.errors import InvalidRequestError
+from gateway.prompts import tokenize
 from gateway.http import decode_json, json_response, new_id, now, registry, settings, sse_event, sse_response
 from gateway.registry import ServedModel
 from gateway.schemas.chat import (
@@ -38,7 +39,7 @@ def _content(message: ChatMessage) -> str:
     return "".join(part.text for part in message.content)
 
 
-def chat_prompt_ids(served: ServedModel, messages: list[ChatMessage]) -> list[int]:
+def chat_prompt_ids(served: ServedModel, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
     if not messages:
         raise InvalidRequestError("messages must not be empty", param="messages")
     tokenizer = served.require_engine().tokenizer
@@ -48,11 +49,13 @@ def chat_prompt_ids(served: ServedModel, messages: list[ChatMessage]) -> list[in
         {"role": "system" if m.role == "developer" else m.role, "content": _content(m)} for m in messages
     ]
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
     except Exception as exc:  # templates raise on conversations they do not support
         raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}", param="messages") from None
     # The template already spells the special tokens; adding them again would duplicate BOS.
-    return gen.tokenize(served, text, add_special_tokens=False, param="messages")
+    return tokenize(served, text, add_special_tokens=False, param="messages")
 
 
 def _token_logprobs(served: ServedModel, steps: Sequence[TokenStep]) -> list[TokenLogprob]:

@@ -13,6 +13,7 @@ from backends.base import PromptLogprobs, SamplingParams, TokenStep
 from backends.vocab import decode_text, token_display
 from gateway import generation as gen
 from gateway.errors import InvalidRequestError
+from gateway.prompts import token_inputs
 from gateway.http import decode_json, json_response, new_id, now, registry, settings, sse_event, sse_response
 from gateway.registry import ServedModel
 from gateway.schemas.common import Usage
@@ -31,31 +32,8 @@ class _Prompt:
 
 
 def _prompts(served: ServedModel, prompt: str | list, max_prompts: int) -> list[_Prompt]:
-    """Normalise the four OpenAI prompt forms into token ids plus the prompt's text."""
-    if isinstance(prompt, str):
-        items: list = [prompt]
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        items = [prompt]
-    elif prompt and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
-        items = prompt
-    else:
-        raise InvalidRequestError(
-            "prompt must be a non-empty string, list of strings, list of token ids, or list of token-id lists",
-            param="prompt",
-        )
-    if len(items) > max_prompts:
-        raise InvalidRequestError(f"at most {max_prompts} prompts per request", param="prompt")
-    prompts = []
-    for item in items:
-        if isinstance(item, str):
-            if not item:
-                raise InvalidRequestError("prompt must not be empty", param="prompt")
-            ids = gen.tokenize(served, item, add_special_tokens=True, param="prompt")
-            prompts.append(_Prompt(ids, item))
-        else:
-            ids = gen.check_token_ids(served, item, "prompt")
-            prompts.append(_Prompt(ids, decode_text(served.token_bytes, ids)))
-    return prompts
+    inputs = token_inputs(served, prompt, add_special_tokens=True, max_items=max_prompts, param="prompt")
+    return [_Prompt(i.ids, i.text if i.text is not None else decode_text(served.token_bytes, i.ids)) for i in inputs]
 
 
 def _top_dict(served: ServedModel, ids: Sequence[int], values: Sequence[float], chosen: int, logprob: float) -> dict:

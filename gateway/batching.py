@@ -1,0 +1,112 @@
+"""Merges dense-row requests from many clients into few engine calls.
+
+Requests queue up while the engine is busy; each engine call takes everything queued (up to
+`max_batch_rows` distinct rows), optionally waiting `window_s` for more when the engine was idle,
+runs identical prefixes once, and hands every request its own rows back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+Row = tuple[int, ...]
+EngineCall = Callable[[Sequence[Sequence[int]]], Awaitable[np.ndarray]]
+
+
+@dataclass
+class _Request:
+    rows: list[Row]
+    future: asyncio.Future[np.ndarray]
+
+
+@dataclass
+class BatchStats:
+    requests: int = 0
+    rows: int = 0  # rows asked for
+    engine_rows: int = 0  # rows computed (after de-duplication)
+    batches: int = 0  # engine calls
+    largest_batch: int = 0
+
+
+class RowBatcher:
+    def __init__(self, engine_call: EngineCall, *, max_batch_rows: int = 64, window_s: float = 0.002) -> None:
+        self._engine_call = engine_call
+        self.max_batch_rows = max_batch_rows
+        self.window_s = window_s
+        self.stats = BatchStats()
+        self._queue: asyncio.Queue[_Request] = asyncio.Queue()
+        self._worker: asyncio.Task[None] | None = None
+
+    async def submit(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
+        """float32 [len(rows), vocab]: each row equal to what the engine computes for it alone."""
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._run(), name="row-batcher")
+        request = _Request([tuple(r) for r in rows], asyncio.get_running_loop().create_future())
+        self.stats.requests += 1
+        self.stats.rows += len(rows)
+        await self._queue.put(request)
+        return await request.future
+
+    async def aclose(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._worker
+
+    async def _gather(self) -> list[_Request]:
+        batch = [await self._queue.get()]
+        unique = set(batch[0].rows)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.window_s
+        while len(unique) < self.max_batch_rows:
+            try:
+                request = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    request = await asyncio.wait_for(self._queue.get(), remaining)
+                except TimeoutError:
+                    break
+            batch.append(request)
+            unique.update(request.rows)
+        return batch
+
+    async def _run(self) -> None:
+        while True:
+            batch = [r for r in await self._gather() if not r.future.done()]  # drop cancelled requests
+            if not batch:
+                continue
+            index: dict[Row, int] = {}
+            for request in batch:
+                for row in request.rows:
+                    index.setdefault(row, len(index))
+            unique = list(index)
+            try:
+                # A request larger than max_batch_rows is split over several engine calls.
+                parts = []
+                for start in range(0, len(unique), self.max_batch_rows):
+                    chunk = unique[start : start + self.max_batch_rows]
+                    self.stats.batches += 1
+                    self.stats.largest_batch = max(self.stats.largest_batch, len(chunk))
+                    parts.append(await self._engine_call(chunk))
+                self.stats.engine_rows += len(unique)
+                results = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            except Exception as exc:  # fail only the requests of this batch
+                log.exception("engine call failed for %d rows", len(unique))
+                for request in batch:
+                    if not request.future.done():
+                        request.future.set_exception(exc)
+                continue
+            for request in batch:
+                if not request.future.done():
+                    request.future.set_result(results[[index[row] for row in request.rows]])

@@ -1,0 +1,54 @@
+"""Dense row encodings: float32 / float16 / bfloat16 little-endian bytes, base64, and back.
+
+bfloat16 is the upper half of an IEEE float32, rounded to nearest-even, so every client can decode
+it with integer shifts (numpy has no bfloat16 type).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Literal
+
+import numpy as np
+
+Dtype = Literal["float32", "float16", "bfloat16"]
+DTYPES: tuple[Dtype, ...] = ("float32", "float16", "bfloat16")
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even; NaN stays NaN."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> 16) & 1))
+    out = (rounded >> 16).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+def from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def row_bytes(values: np.ndarray, dtype: Dtype) -> bytes:
+    """Little-endian raw bytes of one row (or any array) in `dtype`."""
+    if dtype == "float32":
+        return np.ascontiguousarray(values, dtype="<f4").tobytes()
+    if dtype == "float16":
+        return np.ascontiguousarray(values, dtype="<f2").tobytes()
+    return to_bfloat16_bits(values).astype("<u2", copy=False).tobytes()
+
+
+def decode_row(raw: bytes | str, dtype: Dtype) -> np.ndarray:
+    """Raw bytes (or their base64 text) back to a float32 array."""
+    data = base64.b64decode(raw) if isinstance(raw, str) else raw
+    if dtype == "float32":
+        return np.frombuffer(data, dtype="<f4").astype(np.float32, copy=False)
+    if dtype == "float16":
+        return np.frombuffer(data, dtype="<f2").astype(np.float32)
+    return from_bfloat16_bits(np.frombuffer(data, dtype="<u2"))
+
+
+def row_base64(values: np.ndarray, dtype: Dtype) -> str:
+    return base64.b64encode(row_bytes(values, dtype)).decode("ascii")

@@ -1,0 +1,71 @@
+"""POST /v1/next_token_logprobs: the full next-token distribution for batches of prefixes."""
+
+from __future__ import annotations
+
+import numpy as np
+from litestar import Request, Response, get, post
+
+from gateway.encoding import row_base64, row_bytes
+from gateway.errors import ContextLengthError, EngineError, GatewayError
+from gateway.http import decode_json, json_response, msgpack_response, registry, settings, wants_msgpack
+from gateway.prompts import token_inputs
+from gateway.schemas.logprobs import (
+    BatchingStats,
+    NextTokenLogprobsRequest,
+    NextTokenLogprobsResponse,
+    NextTokenLogprobsRow,
+    NextTokenLogprobsUsage,
+)
+
+
+def _float_row(values: np.ndarray) -> list[float | None]:
+    # JSON has no -inf: it is sent as null (msgspec writes non-finite floats as null).
+    return values.tolist()
+
+
+@post("/v1/next_token_logprobs", status_code=200, summary="Dense next-token log-probabilities")
+async def next_token_logprobs(request: Request) -> Response:
+    body = await decode_json(request, NextTokenLogprobsRequest)
+    served = registry(request).resolve(body.model)
+    engine = served.require_engine()
+    inputs = token_inputs(served, body.input, add_special_tokens=body.add_special_tokens,
+                          max_items=settings(request).limits.max_rows, param="input")
+    longest = max(len(i.ids) for i in inputs)
+    if longest > engine.max_model_len:
+        raise ContextLengthError(
+            f"an input has {longest} tokens; this model's maximum context length is {engine.max_model_len}",
+            param="input",
+        )
+    assert served.batcher is not None
+    try:
+        rows = await served.batcher.submit([i.ids for i in inputs])
+    except GatewayError:
+        raise
+    except Exception as exc:
+        raise EngineError(f"the engine failed to compute the rows: {type(exc).__name__}: {exc}") from exc
+    binary = wants_msgpack(request)
+    if binary:
+        data = [NextTokenLogprobsRow(index=i, logprobs=row_bytes(r, body.dtype)) for i, r in enumerate(rows)]
+    elif body.encoding_format == "base64":
+        data = [NextTokenLogprobsRow(index=i, logprobs=row_base64(r, body.dtype)) for i, r in enumerate(rows)]
+    else:
+        data = [NextTokenLogprobsRow(index=i, logprobs=_float_row(r)) for i, r in enumerate(rows)]
+    tokens = sum(len(i.ids) for i in inputs)
+    response = NextTokenLogprobsResponse(
+        model=body.model,
+        vocab_size=engine.vocab_size,
+        dtype=body.dtype if binary or body.encoding_format == "base64" else "float32",
+        data=data,
+        usage=NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens),
+    )
+    return msgpack_response(response) if binary else json_response(response)
+
+
+@get("/v1/models/{model:str}/stats", summary="Dense-row batching counters of a model")
+async def batching_stats(request: Request, model: str) -> Response:
+    served = registry(request).resolve(model)
+    served.require_engine()
+    assert served.batcher is not None
+    s = served.batcher.stats
+    return json_response(BatchingStats(model=served.name, requests=s.requests, rows=s.rows,
+                                       engine_rows=s.engine_rows, batches=s.batches, largest_batch=s.largest_batch))

@@ -1,0 +1,73 @@
+"""Vocabulary bytes, tokenizer files, tokenize and detokenize: what a remote client needs to work
+with token ids as if the model were local."""
+
+from __future__ import annotations
+
+import base64
+
+from litestar import Request, Response, get, post
+
+from backends.vocab import decode_text, token_display
+from gateway.errors import InvalidRequestError
+from gateway.http import decode_json, json_response, msgpack_response, registry, wants_msgpack
+from gateway.prompts import check_token_ids, tokenize
+from gateway.routes.chat import chat_prompt_ids
+from gateway.schemas.logprobs import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerFiles,
+    Vocabulary,
+)
+
+
+@get("/v1/models/{model:str}/vocabulary", summary="Exact bytes of every token id")
+async def vocabulary(request: Request, model: str) -> Response:
+    served = registry(request).resolve(model)
+    engine = served.require_engine()
+    binary = wants_msgpack(request)
+    tokens = served.token_bytes if binary else [base64.b64encode(t).decode("ascii") for t in served.token_bytes]
+    body = Vocabulary(
+        model=served.name,
+        vocab_size=engine.vocab_size,
+        tokenizer_size=len(engine.tokenizer),
+        eos_token_ids=sorted(engine.eos_token_ids),
+        bos_token_id=engine.tokenizer.bos_token_id,
+        special_token_ids=sorted(served.special_ids),
+        tokens=tokens,
+    )
+    return msgpack_response(body) if binary else json_response(body)
+
+
+@get("/v1/models/{model:str}/tokenizer", summary="The tokenizer's files, to rebuild it offline")
+async def tokenizer_files(request: Request, model: str) -> Response:
+    served = registry(request).resolve(model)
+    served.require_engine()
+    return json_response(TokenizerFiles(model=served.name, files=served.tokenizer_files))
+
+
+@post(["/v1/tokenize", "/tokenize"], status_code=200, summary="Tokenize a prompt or chat messages (vLLM's shape)")
+async def tokenize_route(request: Request) -> Response:
+    body = await decode_json(request, TokenizeRequest)
+    served = registry(request).resolve(body.model)
+    engine = served.require_engine()
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
+    if body.messages is not None:
+        ids = chat_prompt_ids(served, body.messages, add_generation_prompt=body.add_generation_prompt)
+    elif body.prompt:
+        ids = tokenize(served, body.prompt, add_special_tokens=body.add_special_tokens, param="prompt")
+    else:
+        ids = []
+    strs = [token_display(served.token_bytes[i]) for i in ids] if body.return_token_strs else None
+    return json_response(TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
+                                          token_strs=strs))
+
+
+@post(["/v1/detokenize", "/detokenize"], status_code=200, summary="Token ids back to text (vLLM's shape)")
+async def detokenize_route(request: Request) -> Response:
+    body = await decode_json(request, DetokenizeRequest)
+    served = registry(request).resolve(body.model)
+    ids = check_token_ids(served, body.tokens, "tokens") if body.tokens else []
+    return json_response(DetokenizeResponse(prompt=decode_text(served.token_bytes, ids)))

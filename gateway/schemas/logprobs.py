@@ -1,0 +1,96 @@
+"""POST /v1/next_token_logprobs and the vocabulary/tokenizer endpoints a remote client needs."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from gateway.encoding import Dtype
+from gateway.schemas.chat import ChatMessage
+from gateway.schemas.common import TokenId
+
+# A token-id list, several of them, a string, or several strings (see the completions prompt).
+Input = str | list[str | TokenId | list[TokenId]]
+
+
+class NextTokenLogprobsRequest(msgspec.Struct, kw_only=True):
+    model: str
+    input: Input
+    encoding_format: Literal["float", "base64"] = "float"
+    dtype: Dtype = "float32"
+    add_special_tokens: bool = False
+
+
+class NextTokenLogprobsRow(msgspec.Struct, kw_only=True):
+    object: Literal["next_token_logprobs"] = "next_token_logprobs"
+    index: int
+    # float: JSON numbers (-inf as null); base64: little-endian `dtype` bytes; MessagePack: raw bytes
+    logprobs: list[float | None] | str | bytes
+
+
+class NextTokenLogprobsUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+    cache_hits: int = 0
+
+
+class NextTokenLogprobsResponse(msgspec.Struct, kw_only=True):
+    object: Literal["list"] = "list"
+    model: str
+    vocab_size: int
+    dtype: Dtype
+    data: list[NextTokenLogprobsRow]
+    usage: NextTokenLogprobsUsage
+
+
+class Vocabulary(msgspec.Struct, kw_only=True):
+    object: Literal["vocabulary"] = "vocabulary"
+    model: str
+    vocab_size: int  # logits width: entries past the tokenizer's own size are b""
+    tokenizer_size: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    special_token_ids: list[int]
+    # every token id's exact bytes: base64 strings in JSON, raw bytes in MessagePack
+    tokens: list[str] | list[bytes]
+
+
+class TokenizerFiles(msgspec.Struct, kw_only=True):
+    object: Literal["tokenizer"] = "tokenizer"
+    model: str
+    files: dict[str, str]  # file name -> text, as written by the tokenizer's save_pretrained
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str
+
+
+class BatchingStats(msgspec.Struct, kw_only=True):
+    model: str
+    requests: int
+    rows: int
+    engine_rows: int
+    batches: int
+    largest_batch: int
