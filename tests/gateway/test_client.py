@@ -1,0 +1,95 @@
+"""gateway.client.AsyncGatewayLM (genlm's AsyncLM interface) against the real server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from gateway.client import AsyncGatewayLM, GatewayClientError
+from tests.conftest import MODEL
+
+pytestmark = pytest.mark.slow
+PREFIXES = ["The capital of France is", "Once upon a time", "def main():", "1, 2, 3,"]
+
+
+@pytest.fixture()
+def lm(gateway):
+    client = AsyncGatewayLM(gateway.base_url, MODEL)
+    yield client
+    client.close()
+
+
+def _stats(http):
+    return http.get(f"/v1/models/{MODEL}/stats").json()
+
+
+def test_vocabulary_and_tokenizer_match_the_model(lm, reference):
+    assert lm.vocab_size == len(lm.byte_vocab) == 49152
+    ids = reference.tokenizer("héllo 🎉 world", add_special_tokens=False).input_ids
+    assert b"".join(lm.byte_vocab[i] for i in ids) == "héllo 🎉 world".encode()
+    assert lm.tokenizer("héllo 🎉 world", add_special_tokens=False).input_ids == ids
+    assert lm.str_vocab[ids[0]] == reference.tokenizer.decode([ids[0]])
+    assert lm.eos_token_ids == [2]
+
+
+def test_concurrent_calls_share_one_request_and_match_forward_pass(lm, reference, http):
+    rows = [reference.tokenizer(p).input_ids for p in PREFIXES]
+    before = _stats(http)
+
+    async def run():
+        return await asyncio.gather(*(lm.next_token_logprobs(r) for r in rows))
+
+    results = asyncio.run(run())
+    after = _stats(http)
+    assert after["requests"] - before["requests"] == 1  # one HTTP request carried all rows
+    for got, ids in zip(results, rows, strict=True):
+        assert isinstance(got, torch.Tensor) and got.dtype == torch.float32
+        assert np.max(np.abs(got.numpy() - reference.logprobs(ids)[-1])) <= 1e-4
+
+
+def test_sync_batch_cache_and_clear(lm, reference, http):
+    rows = [reference.tokenizer(p).input_ids for p in PREFIXES]
+    batch = lm.batch_next_token_logprobs_sync(rows)
+    assert tuple(batch.shape) == (len(rows), 49152)
+    before = _stats(http)
+    again = lm.next_token_logprobs_sync(rows[1])  # served from the client's cache
+    assert _stats(http)["requests"] == before["requests"]
+    assert torch.equal(again, batch[1])
+    lm.clear_cache()
+    lm.next_token_logprobs_sync(rows[1])
+    assert _stats(http)["requests"] == before["requests"] + 1
+    async_batch = asyncio.run(lm.batch_next_token_logprobs(rows))
+    # rows computed in different batch compositions agree to float32 round-off, not bit for bit
+    assert torch.max(torch.abs(async_batch - batch)) <= 1e-4
+
+
+def test_sample_is_seeded_and_stops_before_eos(lm, reference):
+    prompt = reference.tokenizer("The capital of France is").input_ids
+
+    async def run(seed):
+        return await lm.sample(prompt, max_tokens=5, eos_token_ids=lm.eos_token_ids, temperature=1.0, seed=seed)
+
+    first, second = asyncio.run(run(3)), asyncio.run(run(3))
+    assert first == second and 0 < len(first) <= 5
+    greedy_like = asyncio.run(lm.sample(prompt, max_tokens=3, eos_token_ids=[], temperature=1e-4, seed=0))
+    assert greedy_like == reference.greedy(prompt, 3)
+
+
+def test_bfloat16_transport_within_precision(gateway, reference):
+    with AsyncGatewayLM(gateway.base_url, MODEL, dtype="bfloat16", cache_size=0) as lm:
+        ids = reference.tokenizer(PREFIXES[0]).input_ids
+        got = lm.next_token_logprobs_sync(ids).numpy()
+    want = reference.logprobs(ids)[-1]
+    assert np.max(np.abs(got - want) / np.maximum(np.abs(want), 1e-3)) <= 2**-8
+
+
+def test_errors_carry_the_server_message(gateway, lm):
+    with pytest.raises(GatewayClientError) as missing:
+        AsyncGatewayLM(gateway.base_url, "no-such-model")
+    assert missing.value.status == 404 and "no-such-model" in missing.value.message
+    with pytest.raises(GatewayClientError) as bad:
+        lm.next_token_logprobs_sync([49152])
+    assert bad.value.status == 400 and "outside the vocabulary" in bad.value.message
