@@ -3,13 +3,7 @@ and one real gateway server process per test session."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -17,58 +11,9 @@ import openai
 import pytest
 
 from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir
+from gateway.launcher import GatewayProcess, start_gateway
 
 MODEL = DEFAULT_MODEL
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class GatewayProcess:
-    base_url: str
-    process: subprocess.Popen
-    log_path: Path
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def start_gateway(args: list[str], log_path: Path, timeout: float = 600.0) -> GatewayProcess:
-    """Start `logprob-gateway serve` on a free port and wait until /health says 200."""
-    port = free_port()
-    log_file = log_path.open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "TQDM_DISABLE": "1"},
-    )
-    gateway = GatewayProcess(f"http://127.0.0.1:{port}", process, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"gateway exited with {process.returncode}:\n{gateway.log_tail()}")
-        try:
-            if httpx.get(gateway.base_url + "/health", timeout=2).status_code == 200:
-                return gateway
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    stop_gateway(gateway)
-    raise RuntimeError(f"gateway not healthy after {timeout} s:\n{gateway.log_tail()}")
-
-
-def stop_gateway(gateway: GatewayProcess) -> None:
-    gateway.process.terminate()
-    try:
-        gateway.process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        gateway.process.kill()
-        gateway.process.wait()
 
 
 @pytest.fixture(scope="session")
@@ -120,7 +65,7 @@ def gateway(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     log_path = tmp_path_factory.mktemp("gateway") / "gateway.log"
     process = start_gateway(["--model", MODEL, "--dtype", "float32"], log_path)
     yield process
-    stop_gateway(process)
+    process.stop()
 
 
 @pytest.fixture(scope="session")

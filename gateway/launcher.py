@@ -1,0 +1,62 @@
+"""Start and stop `logprob-gateway serve` as a child process: for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class GatewayProcess:
+    base_url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_gateway(args: list[str], log_path: Path, timeout: float = 600.0) -> GatewayProcess:
+    """Serve on a free loopback port and wait until /health answers 200 (or fail with the log tail)."""
+    port = free_port()
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "TQDM_DISABLE": "1"},
+        )
+    gateway = GatewayProcess(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"gateway exited with {process.returncode}:\n{gateway.log_tail()}")
+        try:
+            if httpx.get(gateway.base_url + "/health", timeout=2).status_code == 200:
+                return gateway
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    gateway.stop()
+    raise RuntimeError(f"gateway not healthy after {timeout} s:\n{gateway.log_tail()}")
