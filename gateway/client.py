@@ -1,7 +1,8 @@
 """A Python client of the gateway that drops into genlm in place of a local model.
 
-`AsyncGatewayLM` implements genlm-backend's `AsyncLM` interface (next_token_logprobs, the batch
-and sync variants, byte_vocab, str_vocab, tokenizer, clear_cache, sample) over HTTP. Concurrent
+`AsyncGatewayLM` implements genlm-backend's (0.3) `AsyncLM` interface (next_token_logprobs, the
+batch and sync variants, all with a per-call `lora_name`; byte_vocab, str_vocab, tokenizer,
+clear_cache, sample, batch_sample) over HTTP. Concurrent
 `next_token_logprobs` calls are merged into one request (MessagePack, raw float32 rows), the way
 genlm's local backends auto-batch. Needs only httpx, msgspec and numpy; returns torch tensors
 when torch is installed (like genlm), numpy arrays otherwise.
@@ -32,6 +33,16 @@ from gateway.encoding import Dtype, decode_row
 
 MSGPACK = "application/msgpack"
 _HAS_TORCH = importlib.util.find_spec("torch") is not None
+Key = tuple[str, tuple[int, ...]]  # (model name, token ids)
+
+
+def _genlm_tokens(byte_vocab: list[bytes]) -> list[bytes]:
+    """genlm's Token objects (bytes that know their id) when genlm is installed, else plain bytes."""
+    try:
+        from genlm.backend.tokenization.token import Token
+    except ImportError:
+        return byte_vocab
+    return [Token(token_id=i, byte_string=b) for i, b in enumerate(byte_vocab)]
 
 
 class GatewayClientError(RuntimeError):
@@ -87,12 +98,12 @@ class AsyncGatewayLM:
         self._sync = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout)
         self._async: httpx.AsyncClient | None = None
         self._async_loop: asyncio.AbstractEventLoop | None = None
-        self._cache: OrderedDict[tuple[int, ...], np.ndarray] = OrderedDict()
-        self._pending: dict[tuple[int, ...], asyncio.Future[np.ndarray]] = {}
+        self._cache: OrderedDict[Key, np.ndarray] = OrderedDict()
+        self._pending: dict[Key, asyncio.Future[np.ndarray]] = {}
         self._flusher: asyncio.Task[None] | None = None
         vocab = self._get(f"/v1/models/{self._base_model}/vocabulary")
         self.vocab_size: int = vocab["vocab_size"]
-        self.byte_vocab: list[bytes] = vocab["tokens"]
+        self.byte_vocab: list[bytes] = _genlm_tokens(vocab["tokens"])
         self.eos_token_ids: list[int] = vocab["eos_token_ids"]
         self.bos_token_id: int | None = vocab["bos_token_id"]
 
@@ -131,18 +142,13 @@ class AsyncGatewayLM:
                 out.append(self.tokenizer.convert_ids_to_tokens(token_id))
         return out
 
-    # -- LoRA: genlm switches adapters globally; here an instance routes to "base:adapter" ------
-
-    def set_lora(self, lora_path: str | None = None, lora_name: str = "lora_1") -> None:
-        self.model = f"{self._base_model}:{lora_name}"
-
-    def clear_lora(self) -> None:
-        self.model = self._base_model
+    def _model_for(self, lora_name: str | None) -> str:
+        return self.model if lora_name is None else f"{self._base_model}:{lora_name}"
 
     # -- dense rows ------------------------------------------------------------------------------
 
-    def _request_body(self, rows: Sequence[Sequence[int]]) -> bytes:
-        return msgspec.msgpack.encode({"model": self.model, "input": [list(r) for r in rows], "dtype": self.dtype})
+    def _request_body(self, model: str, rows: Sequence[Sequence[int]]) -> bytes:
+        return msgspec.msgpack.encode({"model": model, "input": [list(r) for r in rows], "dtype": self.dtype})
 
     def _decode(self, content: bytes, count: int) -> np.ndarray:
         document = msgspec.msgpack.decode(content)
@@ -151,30 +157,30 @@ class AsyncGatewayLM:
             out[row["index"]] = decode_row(row["logprobs"], self.dtype)
         return out
 
-    def _remember(self, rows: Iterable[tuple[int, ...]], values: np.ndarray) -> None:
+    def _remember(self, keys: Iterable[Key], values: Iterable[np.ndarray]) -> None:
         if self.cache_size <= 0:
             return
-        for row, value in zip(rows, values, strict=True):
-            self._cache[row] = value
-            self._cache.move_to_end(row)
+        for key, value in zip(keys, values, strict=True):
+            self._cache[key] = value
+            self._cache.move_to_end(key)
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
 
-    def _fetch_sync(self, rows: list[tuple[int, ...]]) -> np.ndarray:
+    def _fetch_sync(self, model: str, rows: list[tuple[int, ...]]) -> np.ndarray:
         parts = []
         for start in range(0, len(rows), self.max_rows_per_request):
             chunk = rows[start : start + self.max_rows_per_request]
-            response = self._sync.post("/v1/next_token_logprobs", content=self._request_body(chunk))
+            response = self._sync.post("/v1/next_token_logprobs", content=self._request_body(model, chunk))
             _raise_for_error(response)
             parts.append(self._decode(response.content, len(chunk)))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    async def _fetch(self, rows: list[tuple[int, ...]]) -> np.ndarray:
+    async def _fetch(self, model: str, rows: list[tuple[int, ...]]) -> np.ndarray:
         client = self._async_client()
         parts = []
         for start in range(0, len(rows), self.max_rows_per_request):
             chunk = rows[start : start + self.max_rows_per_request]
-            response = await client.post("/v1/next_token_logprobs", content=self._request_body(chunk))
+            response = await client.post("/v1/next_token_logprobs", content=self._request_body(model, chunk))
             _raise_for_error(response)
             parts.append(self._decode(response.content, len(chunk)))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -186,18 +192,19 @@ class AsyncGatewayLM:
             self._async_loop = loop
         return self._async
 
-    async def next_token_logprobs(self, token_ids: Sequence[int]) -> Any:
+    async def next_token_logprobs(self, token_ids: Sequence[int], lora_name: str | None = None) -> Any:
         """log_softmax over the whole vocabulary after `token_ids`; concurrent calls share one request."""
-        return _as_output(np.array(await self._row(tuple(token_ids))))  # a copy: callers may edit it
+        row = await self._row((self._model_for(lora_name), tuple(token_ids)))
+        return _as_output(np.array(row))  # a copy: callers may edit it
 
-    async def _row(self, row: tuple[int, ...]) -> np.ndarray:
-        cached = self._cache.get(row)
+    async def _row(self, key: Key) -> np.ndarray:
+        cached = self._cache.get(key)
         if cached is not None:
             return cached
-        future = self._pending.get(row)
+        future = self._pending.get(key)
         if future is None:
             future = asyncio.get_running_loop().create_future()
-            self._pending[row] = future
+            self._pending[key] = future
             if self._flusher is None or self._flusher.done():
                 self._flusher = asyncio.create_task(self._flush())
         return await asyncio.shield(future)
@@ -208,32 +215,43 @@ class AsyncGatewayLM:
             await asyncio.sleep(0)
         while self._pending:
             pending, self._pending = self._pending, {}
-            rows = list(pending)
-            try:
-                values = await self._fetch(rows)
-            except Exception as exc:
-                for future in pending.values():
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
-            self._remember(rows, values)
-            for row, value in zip(rows, values, strict=True):
-                if not pending[row].done():
-                    pending[row].set_result(value)
+            by_model: dict[str, list[Key]] = {}
+            for key in pending:
+                by_model.setdefault(key[0], []).append(key)
+            await asyncio.gather(*(self._fetch_into(keys, pending) for keys in by_model.values()))
 
-    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> Any:
-        return self.batch_next_token_logprobs_sync([token_ids])[0]
+    async def _fetch_into(self, keys: list[Key], futures: dict[Key, asyncio.Future[np.ndarray]]) -> None:
+        try:
+            values = await self._fetch(keys[0][0], [row for _, row in keys])
+        except Exception as exc:
+            for key in keys:
+                if not futures[key].done():
+                    futures[key].set_exception(exc)
+            return
+        self._remember(keys, values)
+        for key, value in zip(keys, values, strict=True):
+            if not futures[key].done():
+                futures[key].set_result(value)
 
-    async def batch_next_token_logprobs(self, token_ids_list: Sequence[Sequence[int]]) -> Any:
-        rows = await asyncio.gather(*(self._row(tuple(t)) for t in token_ids_list))
+    def next_token_logprobs_sync(self, token_ids: Sequence[int], lora_name: str | None = None) -> Any:
+        return self.batch_next_token_logprobs_sync([token_ids], lora_name=lora_name)[0]
+
+    async def batch_next_token_logprobs(
+        self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
+    ) -> Any:
+        model = self._model_for(lora_name)
+        rows = await asyncio.gather(*(self._row((model, tuple(t))) for t in token_ids_list))
         return _as_output(np.stack(rows))
 
-    def batch_next_token_logprobs_sync(self, token_ids_list: Sequence[Sequence[int]]) -> Any:
-        rows = [tuple(t) for t in token_ids_list]
-        missing = list(dict.fromkeys(r for r in rows if r not in self._cache))
-        fetched = dict(zip(missing, self._fetch_sync(missing), strict=True)) if missing else {}
-        self._remember(missing, [fetched[r] for r in missing])
-        return _as_output(np.stack([fetched[r] if r in fetched else self._cache[r] for r in rows]))
+    def batch_next_token_logprobs_sync(
+        self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
+    ) -> Any:
+        model = self._model_for(lora_name)
+        keys = [(model, tuple(t)) for t in token_ids_list]
+        missing = list(dict.fromkeys(k for k in keys if k not in self._cache))
+        fetched = dict(zip(missing, self._fetch_sync(model, [r for _, r in missing]), strict=True)) if missing else {}
+        self._remember(missing, [fetched[k] for k in missing])
+        return _as_output(np.stack([fetched[k] if k in fetched else self._cache[k] for k in keys]))
 
     def clear_cache(self) -> None:
         self._cache.clear()
@@ -247,12 +265,14 @@ class AsyncGatewayLM:
         eos_token_ids: Iterable[int],
         temperature: float = 1.0,
         seed: int | None = None,
+        lora_name: str | None = None,
     ) -> list[int]:
         rng = np.random.default_rng(seed)
         eos = set(eos_token_ids)
+        model = self._model_for(lora_name)
         generated: list[int] = []
         for _ in range(max_tokens):
-            logprobs = await self._row(tuple(prompt_token_ids) + tuple(generated))
+            logprobs = await self._row((model, tuple(prompt_token_ids) + tuple(generated)))
             scaled = logprobs.astype(np.float64) / temperature
             probs = np.exp(scaled - scaled.max())
             token = int(rng.choice(probs.shape[0], p=probs / probs.sum()))
@@ -268,11 +288,12 @@ class AsyncGatewayLM:
         eos_token_ids: Iterable[int],
         temperature: float = 1.0,
         seed: int | None = None,
+        lora_name: str | None = None,
     ) -> list[list[int]]:
         eos = list(eos_token_ids)
         return list(
             await asyncio.gather(
-                *(self.sample(p, max_tokens, eos, temperature, seed) for p in prompt_token_ids_list)
+                *(self.sample(p, max_tokens, eos, temperature, seed, lora_name) for p in prompt_token_ids_list)
             )
         )
 

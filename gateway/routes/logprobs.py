@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import msgspec
 import numpy as np
 from litestar import Request, Response, get, post
 
 from gateway.encoding import row_base64, row_bytes
 from gateway.errors import ContextLengthError, EngineError, GatewayError
-from gateway.http import decode_json, json_response, msgpack_response, registry, settings, wants_msgpack
+from gateway.http import MSGPACK_TYPES, decode_json, json_response, registry, settings, wants_msgpack
 from gateway.prompts import token_inputs
 from gateway.schemas.logprobs import (
     BatchingStats,
@@ -44,21 +47,29 @@ async def next_token_logprobs(request: Request) -> Response:
     except Exception as exc:
         raise EngineError(f"the engine failed to compute the rows: {type(exc).__name__}: {exc}") from exc
     binary = wants_msgpack(request)
+    tokens = sum(len(i.ids) for i in inputs)
+    usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens)
+    # Encoding megabytes of floats would stall the event loop: it runs on a worker thread.
+    content = await asyncio.to_thread(_encode, rows, body, engine.vocab_size, usage, binary)
+    return Response(content=content, media_type=MSGPACK_TYPES[0] if binary else "application/json")
+
+
+def _encode(rows: np.ndarray, body: NextTokenLogprobsRequest, vocab_size: int, usage: NextTokenLogprobsUsage,
+            binary: bool) -> bytes:
     if binary:
         data = [NextTokenLogprobsRow(index=i, logprobs=row_bytes(r, body.dtype)) for i, r in enumerate(rows)]
     elif body.encoding_format == "base64":
         data = [NextTokenLogprobsRow(index=i, logprobs=row_base64(r, body.dtype)) for i, r in enumerate(rows)]
     else:
         data = [NextTokenLogprobsRow(index=i, logprobs=_float_row(r)) for i, r in enumerate(rows)]
-    tokens = sum(len(i.ids) for i in inputs)
     response = NextTokenLogprobsResponse(
         model=body.model,
-        vocab_size=engine.vocab_size,
+        vocab_size=vocab_size,
         dtype=body.dtype if binary or body.encoding_format == "base64" else "float32",
         data=data,
-        usage=NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens),
+        usage=usage,
     )
-    return msgpack_response(response) if binary else json_response(response)
+    return msgspec.msgpack.encode(response) if binary else msgspec.json.encode(response)
 
 
 @get("/v1/models/{model:str}/stats", summary="Dense-row batching counters of a model")
