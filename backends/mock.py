@@ -1,7 +1,8 @@
 """A deterministic engine with a real tokenizer, for gateway-layer tests, fuzzing and benchmarks.
 
-Its logits are a pseudo-random function of the token prefix, so every answer is reproducible
-and consistent across endpoints. It proves nothing about a model: features are proven on real
+Its distribution after a prefix is one fixed pseudo-random distribution rotated by a hash of the
+prefix: reproducible, consistent across endpoints, different for every prefix, and cheap enough
+that benchmarks on it measure the gateway rather than the mock. It proves nothing about a model: features are proven on real
 engines.
 
 Options: `vocab_size` (default: the tokenizer's size), `max_model_len` via the config.
@@ -31,6 +32,8 @@ class MockEngine(Engine):
         self.max_model_len = max_model_len
         self.model_path = model_path
         self.calls = 0  # engine invocations, for tests of batching
+        base = np.random.default_rng(0).standard_normal(vocab_size, dtype=np.float32) * 3.0
+        self._base = log_softmax(base)
 
     @classmethod
     def load(cls, config: EngineConfig) -> MockEngine:
@@ -42,20 +45,20 @@ class MockEngine(Engine):
         )
 
     def logits(self, prefix: Sequence[int]) -> np.ndarray:
+        """Already normalised: these logits are also the log-probabilities."""
         digest = hashlib.blake2b(np.asarray(prefix, dtype=np.int64).tobytes(), digest_size=8).digest()
-        rng = np.random.default_rng(int.from_bytes(digest, "little"))
-        return rng.standard_normal(self.vocab_size, dtype=np.float32) * 3.0
+        return np.roll(self._base, int.from_bytes(digest, "little") % self.vocab_size)
 
     async def next_token_logprobs(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
         self.calls += 1
         await asyncio.sleep(0)
-        return log_softmax(np.stack([self.logits(row) for row in rows]))
+        return np.stack([self.logits(row) for row in rows])
 
     async def prompt_logprobs(self, ids: Sequence[int], top_k: int) -> PromptLogprobs:
         self.calls += 1
         rows = np.zeros((0, self.vocab_size), np.float32)
         if len(ids) > 1:
-            rows = log_softmax(np.stack([self.logits(ids[:i]) for i in range(1, len(ids))]))
+            rows = np.stack([self.logits(ids[:i]) for i in range(1, len(ids))])
         chosen = rows[np.arange(len(ids) - 1), np.asarray(ids[1:], dtype=np.int64)]
         top_ids, top_vals = sampling.top_k(rows, top_k)
         return PromptLogprobs(chosen.astype(np.float32), top_ids, top_vals)
