@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from litestar import Litestar
 from litestar.datastructures import State
 
+from gateway.cache import build_cache
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.registry import ModelRegistry
 from gateway.routes.chat import create_chat_completion
@@ -40,11 +41,12 @@ def create_app(settings: Settings, registry: ModelRegistry | None = None) -> Lit
     """Build the app. Models load in the background after start-up, so /health can say "loading"
     while they do; requests for a model that is not ready get a 503."""
     registry = registry or ModelRegistry(settings.models)
+    state = State({"settings": settings, "registry": registry, "cache": None})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        app.state.cache = build_cache(settings.cache)
         loading = asyncio.create_task(registry.load_all())
-        app.state.loading = loading
         try:
             yield
         finally:
@@ -52,12 +54,14 @@ def create_app(settings: Settings, registry: ModelRegistry | None = None) -> Lit
             with contextlib.suppress(asyncio.CancelledError):
                 await loading
             await registry.aclose()
+            if app.state.cache is not None:
+                await app.state.cache.aclose()
 
     return Litestar(
         route_handlers=ROUTES,
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
-        state=State({"settings": settings, "registry": registry}),
+        state=state,
         openapi_config=None,
         logging_config=None,
     )

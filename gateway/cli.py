@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--redis-url", help="share the output cache through Redis (default: in-process LRU)")
+    serve.add_argument("--no-cache", dest="cache_enabled", action="store_const", const=False,
+                       help="turn the output cache off")
     return parser
 
 

@@ -101,6 +101,7 @@ class AsyncGatewayLM:
         self._cache: OrderedDict[Key, np.ndarray] = OrderedDict()
         self._pending: dict[Key, asyncio.Future[np.ndarray]] = {}
         self._flusher: asyncio.Task[None] | None = None
+        self.requests_sent = 0  # dense-row HTTP requests, for diagnostics
         vocab = self._get(f"/v1/models/{self._base_model}/vocabulary")
         self.vocab_size: int = vocab["vocab_size"]
         self.byte_vocab: list[bytes] = _genlm_tokens(vocab["tokens"])
@@ -170,6 +171,7 @@ class AsyncGatewayLM:
         parts = []
         for start in range(0, len(rows), self.max_rows_per_request):
             chunk = rows[start : start + self.max_rows_per_request]
+            self.requests_sent += 1
             response = self._sync.post("/v1/next_token_logprobs", content=self._request_body(model, chunk))
             _raise_for_error(response)
             parts.append(self._decode(response.content, len(chunk)))
@@ -180,6 +182,7 @@ class AsyncGatewayLM:
         parts = []
         for start in range(0, len(rows), self.max_rows_per_request):
             chunk = rows[start : start + self.max_rows_per_request]
+            self.requests_sent += 1
             response = await client.post("/v1/next_token_logprobs", content=self._request_body(model, chunk))
             _raise_for_error(response)
             parts.append(self._decode(response.content, len(chunk)))

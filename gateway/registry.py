@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from backends.base import Engine, engine_class
 from backends.vocab import token_bytes_table
 from gateway.batching import RowBatcher
+from gateway.cache import weights_fingerprint
 from gateway.errors import ModelNotFoundError, ModelNotReadyError
 from gateway.settings import ModelSettings
 
@@ -39,6 +40,7 @@ class ServedModel:
     special_ids: frozenset[int] = frozenset()  # tokens that add no text to completions
     tokenizer_files: dict[str, str] = field(default_factory=dict)
     batcher: RowBatcher | None = None
+    fingerprint: str = ""  # identity of the weights, for cache keys
     error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -75,6 +77,9 @@ class ModelRegistry:
             served.token_bytes = await asyncio.to_thread(token_bytes_table, engine.tokenizer, engine.vocab_size)
             served.special_ids = frozenset(engine.tokenizer.all_special_ids) | engine.eos_token_ids
             served.tokenizer_files = await asyncio.to_thread(_tokenizer_files, engine.tokenizer)
+            served.fingerprint = await asyncio.to_thread(
+                weights_fingerprint, engine.model_path, served.settings.backend, engine.dtype, str(engine.vocab_size)
+            )
             served.batcher = RowBatcher(
                 engine.next_token_logprobs,
                 max_batch_rows=served.settings.max_batch_rows,

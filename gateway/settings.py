@@ -14,8 +14,12 @@
     batch_window_ms = 2.0          # how long an idle engine waits for more rows
     options = {}                   # backend-specific
 
+    [cache]
+    redis_url = "redis://localhost:6379/0"   # unset: in-process LRU of memory_bytes
+    ttl_s = 604800
+
 Environment: LOGPROB_GATEWAY_CONFIG, _HOST, _PORT, _MODEL, _BACKEND, _SERVED_MODEL_NAME, _DTYPE,
-_DEVICE, _LOG_LEVEL. A model given by flag or environment replaces the file's model list.
+_DEVICE, _MAX_MODEL_LEN, _LOG_LEVEL, _REDIS_URL, _CACHE (false: no cache). A model given by flag or environment replaces the file's model list.
 """
 
 from __future__ import annotations
@@ -71,12 +75,25 @@ class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_rows: Annotated[int, msgspec.Meta(gt=0)] = 1024  # rows in one next_token_logprobs request
 
 
+class CacheSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Output cache of dense rows: Redis when `redis_url` is set, else an in-process LRU."""
+
+    enabled: bool = True
+    redis_url: str | None = None  # e.g. redis://cache:6379/0; shared by every replica
+    ttl_s: Annotated[int, msgspec.Meta(gt=0)] = 7 * 24 * 3600
+    memory_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 2**20  # in-process LRU size
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 0.25  # per Redis call
+    retry_after_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0  # skip Redis this long after a failure
+    namespace: str = "lpg"
+
+
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     models: list[ModelSettings] = msgspec.field(default_factory=lambda: [ModelSettings()])
     limits: Limits = msgspec.field(default_factory=Limits)
+    cache: CacheSettings = msgspec.field(default_factory=CacheSettings)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -106,7 +123,10 @@ _ENV_KEYS = {
     "DTYPE": "dtype",
     "DEVICE": "device",
     "MAX_MODEL_LEN": "max_model_len",
+    "REDIS_URL": "redis_url",
+    "CACHE": "cache_enabled",
 }
+_CACHE_KEYS = {"redis_url": "redis_url", "cache_enabled": "enabled"}
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -131,6 +151,9 @@ def load_settings(
             raise ConfigError(f"config file {config_file} is not valid TOML: {exc}") from None
     layered = {**env_overrides(environ), **{k: v for k, v in (overrides or {}).items() if v is not None}}
     model_fields = {k: layered.pop(k) for k in _MODEL_KEYS if k in layered}
+    cache_fields = {_CACHE_KEYS[k]: layered.pop(k) for k in list(_CACHE_KEYS) if k in layered}
+    if cache_fields:
+        raw["cache"] = {**raw.get("cache", {}), **cache_fields}
     if "model" in model_fields:
         raw["models"] = [model_fields]
     elif model_fields:  # backend/dtype/... without a model: apply to every configured model

@@ -8,6 +8,7 @@ import msgspec
 import numpy as np
 from litestar import Request, Response, get, post
 
+from gateway.dense import dense_rows
 from gateway.encoding import row_base64, row_bytes
 from gateway.errors import ContextLengthError, EngineError, GatewayError
 from gateway.http import MSGPACK_TYPES, decode_json, json_response, registry, settings, wants_msgpack
@@ -39,16 +40,15 @@ async def next_token_logprobs(request: Request) -> Response:
             f"an input has {longest} tokens; this model's maximum context length is {engine.max_model_len}",
             param="input",
         )
-    assert served.batcher is not None
     try:
-        rows = await served.batcher.submit([i.ids for i in inputs])
+        rows, hits = await dense_rows(served, request.app.state.cache, [i.ids for i in inputs])
     except GatewayError:
         raise
     except Exception as exc:
         raise EngineError(f"the engine failed to compute the rows: {type(exc).__name__}: {exc}") from exc
     binary = wants_msgpack(request)
     tokens = sum(len(i.ids) for i in inputs)
-    usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens)
+    usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens, cache_hits=hits)
     # Encoding megabytes of floats would stall the event loop: it runs on a worker thread.
     content = await asyncio.to_thread(_encode, rows, body, engine.vocab_size, usage, binary)
     return Response(content=content, media_type=MSGPACK_TYPES[0] if binary else "application/json")

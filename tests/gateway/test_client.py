@@ -22,10 +22,6 @@ def lm(gateway):
     client.close()
 
 
-def _stats(http):
-    return http.get(f"/v1/models/{MODEL}/stats").json()
-
-
 def test_vocabulary_and_tokenizer_match_the_model(lm, reference):
     assert lm.vocab_size == len(lm.byte_vocab) == 49152
     ids = reference.tokenizer("héllo 🎉 world", add_special_tokens=False).input_ids
@@ -35,32 +31,29 @@ def test_vocabulary_and_tokenizer_match_the_model(lm, reference):
     assert lm.eos_token_ids == [2]
 
 
-def test_concurrent_calls_share_one_request_and_match_forward_pass(lm, reference, http):
+def test_concurrent_calls_share_one_request_and_match_forward_pass(lm, reference):
     rows = [reference.tokenizer(p).input_ids for p in PREFIXES]
-    before = _stats(http)
-
     async def run():
         return await asyncio.gather(*(lm.next_token_logprobs(r) for r in rows))
 
     results = asyncio.run(run())
-    after = _stats(http)
-    assert after["requests"] - before["requests"] == 1  # one HTTP request carried all rows
+    assert lm.requests_sent == 1  # one HTTP request carried all rows
     for got, ids in zip(results, rows, strict=True):
         assert isinstance(got, torch.Tensor) and got.dtype == torch.float32
         assert np.max(np.abs(got.numpy() - reference.logprobs(ids)[-1])) <= 1e-4
 
 
-def test_sync_batch_cache_and_clear(lm, reference, http):
+def test_sync_batch_cache_and_clear(lm, reference):
     rows = [reference.tokenizer(p).input_ids for p in PREFIXES]
     batch = lm.batch_next_token_logprobs_sync(rows)
     assert tuple(batch.shape) == (len(rows), 49152)
-    before = _stats(http)
+    sent = lm.requests_sent
     again = lm.next_token_logprobs_sync(rows[1])  # served from the client's cache
-    assert _stats(http)["requests"] == before["requests"]
+    assert lm.requests_sent == sent
     assert torch.equal(again, batch[1])
     lm.clear_cache()
     lm.next_token_logprobs_sync(rows[1])
-    assert _stats(http)["requests"] == before["requests"] + 1
+    assert lm.requests_sent == sent + 1
     async_batch = asyncio.run(lm.batch_next_token_logprobs(rows))
     # rows computed in different batch compositions agree to float32 round-off, not bit for bit
     assert torch.max(torch.abs(async_batch - batch)) <= 1e-4

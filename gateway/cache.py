@@ -1,0 +1,263 @@
+"""Output cache of dense rows, shared by gateway replicas through Redis, or in-process.
+
+The cache is an optimisation, never part of correctness: any failure of the store (down, slow,
+garbage) reads as a miss, and the rows are computed as if there were no cache.
+
+    RowStore                  bytes by key: get_many / set_many / delete_many
+     ├── MemoryStore          in-process LRU bounded by bytes
+     └── RedisStore           pipelined MGET / SET EX, timeouts, circuit breaker
+    DenseRowCache             keys, value framing and checks, over one RowStore
+
+Keys: `{namespace}:v{FORMAT}:row:{sha256(model fingerprint, adapter, dtype, token ids)}`.
+Values: a 16-byte header (magic + version, row length, blake2b-64 of the payload) and the raw
+little-endian float32 row. A value whose header, length or checksum is off is a miss and is deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import struct
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gateway.settings import CacheSettings
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+_MAGIC = b"LGR" + bytes([FORMAT])
+_HEADER = struct.Struct("<4sI8s")  # magic+version, float32 count, blake2b-64 of the payload
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    errors: int = 0  # store failures (timeouts, connection errors)
+    corrupt: int = 0  # values that failed the checks, deleted
+
+
+class RowStore(ABC):
+    @abstractmethod
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values in key order; None for a miss. Never raises for store failures."""
+
+    @abstractmethod
+    async def set_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Best effort; never raises for store failures."""
+
+    @abstractmethod
+    async def delete_many(self, keys: Sequence[str]) -> None: ...
+
+    async def aclose(self) -> None:
+        return None
+
+
+class MemoryStore(RowStore):
+    """An in-process LRU bounded by the total size of its values."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.size = 0
+        self._items: OrderedDict[str, bytes] = OrderedDict()
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        out = []
+        for key in keys:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            out.append(value)
+        return out
+
+    async def set_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        for key, value in items:
+            if len(value) > self.max_bytes:
+                continue
+            old = self._items.pop(key, None)
+            self.size -= len(old) if old is not None else 0
+            self._items[key] = value
+            self.size += len(value)
+        while self.size > self.max_bytes:
+            _, evicted = self._items.popitem(last=False)
+            self.size -= len(evicted)
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            old = self._items.pop(key, None)
+            self.size -= len(old) if old is not None else 0
+
+
+class RedisStore(RowStore):
+    """Redis (or Valkey) with bounded latency: every call has a timeout, and after a failure the
+    store is skipped for `retry_after_s` (a circuit breaker), so an outage costs one timeout, not
+    one per request. The outage is logged once; the store resumes by itself."""
+
+    def __init__(self, url: str, *, ttl_s: int, timeout_s: float, retry_after_s: float, stats: CacheStats) -> None:
+        import redis.asyncio as redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        # One immediate retry replaces a pooled connection that died with a restarted server;
+        # beyond that a failed call is a miss, and the breaker decides when to try again.
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1)
+        )
+        self.url = url
+        self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self.stats = stats
+        self._skip_until = 0.0
+        self._outage = False
+
+    def _available(self) -> bool:
+        return time.monotonic() >= self._skip_until
+
+    def _failed(self, exc: BaseException) -> None:
+        self.stats.errors += 1
+        self._skip_until = time.monotonic() + self.retry_after_s
+        if not self._outage:
+            self._outage = True
+            log.warning("redis cache at %s unavailable (%s: %s); serving without it, retrying every %.0f s",
+                        _redact(self.url), type(exc).__name__, exc, self.retry_after_s)
+
+    def _succeeded(self) -> None:
+        if self._outage:
+            self._outage = False
+            log.warning("redis cache at %s is back", _redact(self.url))
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys or not self._available():
+            return [None] * len(keys)
+        try:
+            values = await asyncio.wait_for(self._client.mget(list(keys)), self.timeout_s * 2)
+        except Exception as exc:
+            self._failed(exc)
+            return [None] * len(keys)
+        self._succeeded()
+        return [v if isinstance(v, bytes) else None for v in values]
+
+    async def set_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        if not items or not self._available():
+            return
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key, value in items:
+                pipe.set(key, value, ex=self.ttl_s)
+            await asyncio.wait_for(pipe.execute(), self.timeout_s * 2)
+        except Exception as exc:
+            self._failed(exc)
+            return
+        self._succeeded()
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        if not keys or not self._available():
+            return
+        try:
+            await asyncio.wait_for(self._client.delete(*keys), self.timeout_s * 2)
+        except Exception as exc:
+            self._failed(exc)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def _redact(url: str) -> str:
+    """Never log a password embedded in the URL."""
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.split("@", 1)[1]
+    return scheme + sep + rest
+
+
+def weights_fingerprint(model_dir: str | Path, *extra: str) -> str:
+    """Identity of a model's weights without reading them: config.json and every safetensors
+    header (tensor names, dtypes, shapes, offsets), plus `extra` (backend, dtype, ...)."""
+    digest = hashlib.sha256()
+    for part in extra:
+        digest.update(part.encode() + b"\0")
+    root = Path(model_dir)
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (root / name).is_file():
+            digest.update(name.encode() + b"\0" + (root / name).read_bytes())
+    for weights in sorted(root.glob("*.safetensors")):
+        with weights.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            digest.update(weights.name.encode() + b"\0" + f.read(min(size, 100_000_000)))
+    return digest.hexdigest()
+
+
+class DenseRowCache:
+    def __init__(self, store: RowStore, *, namespace: str = "lpg", stats: CacheStats | None = None) -> None:
+        self.store = store
+        self.namespace = namespace
+        self.stats = stats or CacheStats()
+
+    def key(self, fingerprint: str, adapter: str | None, ids: Sequence[int]) -> str:
+        digest = hashlib.sha256()
+        digest.update(json.dumps([fingerprint, adapter, "float32"]).encode())
+        digest.update(np.asarray(ids, dtype="<i8").tobytes())
+        return f"{self.namespace}:v{FORMAT}:row:{digest.hexdigest()}"
+
+    @staticmethod
+    def encode(row: np.ndarray) -> bytes:
+        payload = np.ascontiguousarray(row, dtype="<f4").tobytes()
+        check = hashlib.blake2b(payload, digest_size=8).digest()
+        return _HEADER.pack(_MAGIC, row.shape[0], check) + payload
+
+    @staticmethod
+    def decode(value: bytes, width: int) -> np.ndarray | None:
+        if len(value) != _HEADER.size + 4 * width:
+            return None
+        magic, count, check = _HEADER.unpack_from(value)
+        payload = memoryview(value)[_HEADER.size :]
+        if magic != _MAGIC or count != width or hashlib.blake2b(payload, digest_size=8).digest() != check:
+            return None
+        return np.frombuffer(payload, dtype="<f4")
+
+    async def lookup(self, keys: Sequence[str], width: int) -> list[np.ndarray | None]:
+        values = await self.store.get_many(keys)
+        rows: list[np.ndarray | None] = []
+        corrupt = []
+        for key, value in zip(keys, values, strict=True):
+            row = None if value is None else self.decode(value, width)
+            if value is not None and row is None:
+                corrupt.append(key)
+            rows.append(row)
+        if corrupt:
+            self.stats.corrupt += len(corrupt)
+            log.warning("dropping %d corrupted cache values", len(corrupt))
+            await self.store.delete_many(corrupt)
+        hits = sum(r is not None for r in rows)
+        self.stats.hits += hits
+        self.stats.misses += len(rows) - hits
+        return rows
+
+    async def store_rows(self, keys: Sequence[str], rows: np.ndarray) -> None:
+        await self.store.set_many([(k, self.encode(r)) for k, r in zip(keys, rows, strict=True)])
+
+    async def aclose(self) -> None:
+        await self.store.aclose()
+
+
+def build_cache(settings: CacheSettings) -> DenseRowCache | None:
+    if not settings.enabled:
+        return None
+    stats = CacheStats()
+    store: RowStore
+    if settings.redis_url:
+        store = RedisStore(settings.redis_url, ttl_s=settings.ttl_s, timeout_s=settings.timeout_s,
+                           retry_after_s=settings.retry_after_s, stats=stats)
+    else:
+        store = MemoryStore(settings.memory_bytes)
+    return DenseRowCache(store, namespace=settings.namespace, stats=stats)

@@ -1,0 +1,37 @@
+"""Dense rows for a request: the output cache first, then the batcher for what it lacks."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from gateway.cache import DenseRowCache
+from gateway.registry import ServedModel
+
+log = logging.getLogger(__name__)
+
+
+async def dense_rows(
+    served: ServedModel, cache: DenseRowCache | None, rows: Sequence[list[int]], adapter: str | None = None
+) -> tuple[np.ndarray, int]:
+    """float32 [len(rows), vocab] and how many rows came from the cache (bit-identical to computing them)."""
+    engine = served.require_engine()
+    assert served.batcher is not None
+    if cache is None:
+        return await served.batcher.submit(rows), 0
+    keys = [cache.key(served.fingerprint, adapter, row) for row in rows]
+    cached = await cache.lookup(keys, engine.vocab_size)
+    missing = [i for i, row in enumerate(cached) if row is None]
+    out = np.empty((len(rows), engine.vocab_size), dtype=np.float32)
+    for i, row in enumerate(cached):
+        if row is not None:
+            out[i] = row
+    if missing:
+        computed = await served.batcher.submit([rows[i] for i in missing])
+        out[missing] = computed
+        await cache.store_rows([keys[i] for i in missing], computed)
+    hits = len(rows) - len(missing)
+    log.debug("model %s: %d rows, %d from the cache", served.name, len(rows), hits)
+    return out, hits

@@ -1,0 +1,112 @@
+"""Two real gateway processes sharing one real Redis: hits across replicas, bit-identical rows,
+outages invisible to clients, corrupted values recomputed, models never sharing entries."""
+
+from __future__ import annotations
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+
+from gateway.launcher import start_gateway
+from tests.conftest import MODEL
+
+pytestmark = pytest.mark.slow
+MSGPACK = {"Accept": "application/msgpack"}
+
+
+@pytest.fixture(scope="module")
+def replicas(redis_server, model_dir, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("replicas")
+    config = workdir / "gateway.toml"
+    config.write_text(f"""
+[[models]]
+name = "{MODEL}"
+model = "{model_dir}"
+dtype = "float32"
+
+[[models]]
+name = "mock"
+model = "{model_dir}"
+backend = "mock"
+
+[cache]
+redis_url = "{redis_server.url}"
+retry_after_s = 0.5
+timeout_s = 0.2
+""")
+    gateways = [start_gateway(["--config", str(config)], workdir / f"replica{i}.log") for i in range(2)]
+    yield gateways
+    for gateway in gateways:
+        gateway.stop()
+
+
+def dense(gateway, rows, model=MODEL):
+    response = httpx.post(gateway.base_url + "/v1/next_token_logprobs", headers=MSGPACK, timeout=60,
+                          json={"model": model, "input": rows})
+    assert response.status_code == 200, response.text
+    doc = msgspec.msgpack.decode(response.content)
+    raw = [row["logprobs"] for row in doc["data"]]
+    return raw, doc["usage"]["cache_hits"]
+
+
+def as_array(raw):
+    return np.stack([np.frombuffer(r, dtype="<f4") for r in raw])
+
+
+def test_second_replica_reads_rows_the_first_computed(replicas, reference):
+    first, second = replicas
+    rows = [reference.tokenizer(t).input_ids for t in ["Shared cache one", "Shared cache two, longer"]]
+    computed, hits = dense(first, rows)
+    assert hits == 0
+    cached, hits = dense(second, rows)
+    assert hits == 2
+    assert cached == computed  # bytes, bit for bit
+    for row, ids in zip(as_array(cached), rows, strict=True):
+        assert np.max(np.abs(row - reference.logprobs(ids)[-1])) <= 1e-4
+
+
+def test_models_never_share_entries(replicas, reference):
+    first, second = replicas
+    rows = [reference.tokenizer("Which model answers?").input_ids]
+    real, _ = dense(first, rows)
+    mock, hits = dense(second, rows, model="mock")
+    assert hits == 0 and mock != real
+    again, hits = dense(first, rows, model="mock")
+    assert hits == 1 and again == mock
+
+
+def test_redis_outage_is_invisible_and_cache_resumes(replicas, redis_server, reference):
+    first, second = replicas
+    prefixes = [reference.tokenizer(f"During the outage, number {i}").input_ids for i in range(12)]
+    redis_server.stop()
+    try:
+        for ids in prefixes:  # every request succeeds, with the right numbers
+            raw, hits = dense(first, [ids])
+            assert hits == 0
+            assert np.max(np.abs(as_array(raw)[0] - reference.logprobs(ids)[-1])) <= 1e-4
+    finally:
+        redis_server.start()
+    import time
+
+    time.sleep(0.6)  # past retry_after_s: the replicas try Redis again
+    computed, hits = dense(first, prefixes[:3])
+    cached, hits_second = dense(second, prefixes[:3])
+    assert hits_second == 3 and cached == computed
+    assert "unavailable" in first.log_path.read_text() and "is back" in first.log_path.read_text()
+
+
+def test_corrupted_values_are_recomputed_and_replaced(replicas, redis_server, reference):
+    first, second = replicas
+    rows = [reference.tokenizer("Corrupt me").input_ids]
+    computed, _ = dense(first, rows)
+    client = redis_server.client()
+    keys = list(client.scan_iter("lpg:v1:row:*"))
+    assert keys
+    for key in keys:
+        value = client.get(key)
+        client.set(key, value[:-8] + b"\x00" * 8)  # same length, wrong bytes
+    again, hits = dense(second, rows)
+    assert hits == 0 and again == computed
+    _, hits = dense(first, rows)
+    assert hits == 1  # the fresh value replaced the corrupted one

@@ -1,0 +1,118 @@
+"""The output cache's parts: value framing, keys, the in-process LRU, and Redis with outages."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+import pytest
+
+from gateway.cache import CacheStats, DenseRowCache, MemoryStore, RedisStore, weights_fingerprint
+
+
+def _row(seed: int, width: int = 1000) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal(width).astype(np.float32)
+    return x - np.log(np.exp(x.astype(np.float64)).sum()).astype(np.float32)
+
+
+def test_values_read_back_bit_identical_and_corruption_is_detected():
+    row = _row(0)
+    value = DenseRowCache.encode(row)
+    assert np.array_equal(DenseRowCache.decode(value, 1000).view(np.uint32), row.view(np.uint32))
+    flipped = bytearray(value)
+    flipped[100] ^= 1
+    assert DenseRowCache.decode(bytes(flipped), 1000) is None  # checksum
+    assert DenseRowCache.decode(value[:-4], 1000) is None  # length
+    assert DenseRowCache.decode(value, 999) is None  # another vocabulary
+    assert DenseRowCache.decode(b"garbage", 1000) is None
+
+
+def test_keys_separate_models_adapters_and_prefixes():
+    cache = DenseRowCache(MemoryStore(10**6))
+    keys = {
+        cache.key("model-a", None, [1, 2, 3]),
+        cache.key("model-b", None, [1, 2, 3]),
+        cache.key("model-a", "lora_1", [1, 2, 3]),
+        cache.key("model-a", "lora_2", [1, 2, 3]),
+        cache.key("model-a", None, [1, 2]),
+        cache.key("model-a", None, [1, 2, 3, 0]),
+    }
+    assert len(keys) == 6
+    assert all(k.startswith("lpg:v1:row:") for k in keys)
+    assert cache.key("model-a", None, [1, 2, 3]) == cache.key("model-a", None, (1, 2, 3))
+
+
+def test_weights_fingerprint_follows_config_and_weights(model_dir, tmp_path):
+    base = weights_fingerprint(model_dir, "transformers", "float32")
+    assert base == weights_fingerprint(model_dir, "transformers", "float32")
+    assert base != weights_fingerprint(model_dir, "transformers", "bfloat16")
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "config.json").write_text((model_dir / "config.json").read_text().replace("49152", "49153"))
+    assert weights_fingerprint(copy, "transformers", "float32") != base
+
+
+async def test_memory_store_is_an_lru_bounded_by_bytes():
+    store = MemoryStore(max_bytes=300)
+    await store.set_many([("a", b"x" * 100), ("b", b"y" * 100), ("c", b"z" * 100)])
+    assert await store.get_many(["a"]) == [b"x" * 100]  # a is now the most recent
+    await store.set_many([("d", b"w" * 100)])
+    assert await store.get_many(["a", "b", "c", "d"]) == [b"x" * 100, None, b"z" * 100, b"w" * 100]
+    assert store.size == 300
+    await store.set_many([("huge", b"h" * 1000)])  # larger than the whole cache: not stored
+    assert await store.get_many(["huge"]) == [None] and store.size == 300
+
+
+async def test_corrupted_values_are_misses_and_deleted():
+    store = MemoryStore(10**7)
+    cache = DenseRowCache(store)
+    keys = [cache.key("m", None, [i]) for i in range(3)]
+    rows = np.stack([_row(i) for i in range(3)])
+    await cache.store_rows(keys, rows)
+    await store.set_many([(keys[1], b"not a row")])
+    got = await cache.lookup(keys, 1000)
+    assert np.array_equal(got[0], rows[0]) and got[1] is None and np.array_equal(got[2], rows[2])
+    assert await store.get_many([keys[1]]) == [None]
+    assert (cache.stats.hits, cache.stats.misses, cache.stats.corrupt) == (2, 1, 1)
+
+
+async def test_redis_round_trip_pipelined_with_ttl(redis_server):
+    stats = CacheStats()
+    store = RedisStore(redis_server.url, ttl_s=1, timeout_s=0.5, retry_after_s=0.2, stats=stats)
+    cache = DenseRowCache(store, namespace="test-ttl", stats=stats)
+    keys = [cache.key("m", None, [i]) for i in range(20)]
+    rows = np.stack([_row(i) for i in range(20)])
+    await cache.store_rows(keys, rows)
+    got = await cache.lookup(keys, 1000)
+    assert all(np.array_equal(g.view(np.uint32), r.view(np.uint32)) for g, r in zip(got, rows, strict=True))
+    assert redis_server.client().ttl(keys[0]) in (0, 1)
+    await asyncio.sleep(1.6)
+    assert await cache.lookup(keys[:3], 1000) == [None, None, None]
+    assert stats.errors == 0
+    await store.aclose()
+
+
+async def test_redis_outage_is_a_miss_logged_once_and_recovers(redis_server, caplog):
+    stats = CacheStats()
+    store = RedisStore(redis_server.url, ttl_s=60, timeout_s=0.2, retry_after_s=0.3, stats=stats)
+    cache = DenseRowCache(store, namespace="test-outage", stats=stats)
+    key = cache.key("m", None, [1])
+    await cache.store_rows([key], _row(1)[None])
+    caplog.set_level(logging.WARNING, logger="gateway.cache")
+    redis_server.stop()
+    try:
+        started = time.monotonic()
+        for _ in range(20):  # many requests during the outage: misses, no exception, fast
+            assert await cache.lookup([key], 1000) == [None]
+            await cache.store_rows([key], _row(1)[None])
+        assert time.monotonic() - started < 3
+        assert sum("unavailable" in r.message for r in caplog.records) == 1
+    finally:
+        redis_server.start()
+    await asyncio.sleep(0.35)
+    await cache.store_rows([key], _row(1)[None])
+    assert np.array_equal(( await cache.lookup([key], 1000))[0], _row(1))
+    assert sum("is back" in r.message for r in caplog.records) == 1
+    await store.aclose()
