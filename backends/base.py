@@ -75,6 +75,7 @@ class Engine(ABC):
     eos_token_ids: frozenset[int]
     max_model_len: int
     model_path: str  # where the weights were loaded from
+    dtype: str  # the dtype computations run in, e.g. "float32"
 
     @classmethod
     @abstractmethod

@@ -31,6 +31,7 @@ class MockEngine(Engine):
         self.eos_token_ids = frozenset([eos] if eos is not None else [])
         self.max_model_len = max_model_len
         self.model_path = model_path
+        self.dtype = "float32"
         self.calls = 0  # engine invocations, for tests of batching
         base = np.random.default_rng(0).standard_normal(vocab_size, dtype=np.float32) * 3.0
         self._base = log_softmax(base)

@@ -71,6 +71,7 @@ class TransformersEngine(Engine):
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.max_model_len = max_model_len
         self.model_path = model_path
+        self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-engine")
 
     @classmethod
