@@ -20,6 +20,10 @@ class EngineUnavailableError(RuntimeError):
     """A backend cannot be used here: its library is missing or the model cannot be loaded."""
 
 
+class AdapterError(ValueError):
+    """An adapter cannot be loaded into (or unloaded from) this engine; the message says why."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What an engine needs to load a model."""
@@ -83,20 +87,34 @@ class Engine(ABC):
         """Load the model. Blocking; the gateway calls it in a worker thread."""
 
     @abstractmethod
-    async def next_token_logprobs(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
-        """log_softmax of the logits after each row: float32 array [len(rows), vocab_size]."""
+    async def next_token_logprobs(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None
+    ) -> np.ndarray:
+        """log_softmax of the logits after each row: float32 array [len(rows), vocab_size].
+
+        `adapters[i]` names the LoRA adapter for row i (None: the base model); one call may mix them.
+        """
 
     @abstractmethod
-    async def prompt_logprobs(self, ids: Sequence[int], top_k: int) -> PromptLogprobs:
+    async def prompt_logprobs(self, ids: Sequence[int], top_k: int, adapter: str | None = None) -> PromptLogprobs:
         """Scores of every prompt token after the first; `top_k` alternatives per position."""
 
     @abstractmethod
-    def generate(self, ids: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenStep]:
+    def generate(
+        self, ids: Sequence[int], params: SamplingParams, adapter: str | None = None
+    ) -> AsyncIterator[TokenStep]:
         """Yield generated tokens until end-of-sequence or max_tokens.
 
         The caller may stop iterating early (stop strings, disconnects) and must then `aclose()`
         the iterator so the engine frees the request's state.
         """
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA adapter under `name`; raises AdapterError if it does not fit the model."""
+        raise AdapterError(f"the {type(self).__name__} backend does not support adapters")
+
+    async def unload_adapter(self, name: str) -> None:
+        raise AdapterError(f"the {type(self).__name__} backend does not support adapters")
 
     def is_healthy(self) -> bool:
         return True

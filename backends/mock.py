@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 import numpy as np
 from transformers import AutoTokenizer
 
-from backends.base import Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
+from backends.base import AdapterError, Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
 from backends.builtin_models import resolve_model_dir
 from backends import sampling
 from backends.sampling import Sampler, log_softmax
@@ -32,6 +32,7 @@ class MockEngine(Engine):
         self.max_model_len = max_model_len
         self.model_path = model_path
         self.dtype = "float32"
+        self.adapters: dict[str, str] = {}
         self.calls = 0  # engine invocations, for tests of batching
         base = np.random.default_rng(0).standard_normal(vocab_size, dtype=np.float32) * 3.0
         self._base = log_softmax(base)
@@ -45,26 +46,41 @@ class MockEngine(Engine):
             tokenizer, vocab_size=vocab_size, max_model_len=config.max_model_len or 2048, model_path=str(path)
         )
 
-    def logits(self, prefix: Sequence[int]) -> np.ndarray:
+    def logits(self, prefix: Sequence[int], adapter: str | None = None) -> np.ndarray:
         """Already normalised: these logits are also the log-probabilities."""
-        digest = hashlib.blake2b(np.asarray(prefix, dtype=np.int64).tobytes(), digest_size=8).digest()
+        if adapter is not None and adapter not in self.adapters:
+            raise AdapterError(f"adapter {adapter!r} is not loaded")
+        digest = hashlib.blake2b(np.asarray(prefix, dtype=np.int64).tobytes(), digest_size=8,
+                                 person=(adapter or "").encode()[:16]).digest()
         return np.roll(self._base, int.from_bytes(digest, "little") % self.vocab_size)
 
-    async def next_token_logprobs(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
+    async def next_token_logprobs(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None
+    ) -> np.ndarray:
         self.calls += 1
         await asyncio.sleep(0)
-        return np.stack([self.logits(row) for row in rows])
+        adapters = adapters or [None] * len(rows)
+        return np.stack([self.logits(row, a) for row, a in zip(rows, adapters, strict=True)])
 
-    async def prompt_logprobs(self, ids: Sequence[int], top_k: int) -> PromptLogprobs:
+    async def load_adapter(self, name: str, path: str) -> None:
+        self.adapters[name] = path  # the mock's "adapter" only changes the hash of its rows
+
+    async def unload_adapter(self, name: str) -> None:
+        if self.adapters.pop(name, None) is None:
+            raise AdapterError(f"adapter {name!r} is not loaded")
+
+    async def prompt_logprobs(self, ids: Sequence[int], top_k: int, adapter: str | None = None) -> PromptLogprobs:
         self.calls += 1
         rows = np.zeros((0, self.vocab_size), np.float32)
         if len(ids) > 1:
-            rows = np.stack([self.logits(ids[:i]) for i in range(1, len(ids))])
+            rows = np.stack([self.logits(ids[:i], adapter) for i in range(1, len(ids))])
         chosen = rows[np.arange(len(ids) - 1), np.asarray(ids[1:], dtype=np.int64)]
         top_ids, top_vals = sampling.top_k(rows, top_k)
         return PromptLogprobs(chosen.astype(np.float32), top_ids, top_vals)
 
-    async def generate(self, ids: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenStep]:
+    async def generate(
+        self, ids: Sequence[int], params: SamplingParams, adapter: str | None = None
+    ) -> AsyncIterator[TokenStep]:
         if params.max_tokens <= 0:
             return
         self.calls += 1
@@ -72,7 +88,7 @@ class MockEngine(Engine):
         prefix = list(ids)
         while True:
             await asyncio.sleep(0)
-            step = sampler.step(self.logits(prefix))
+            step = sampler.step(self.logits(prefix, adapter))
             yield step
             if step.finish_reason is not None:
                 return

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from backends.base import Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
+from backends.base import AdapterError, Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
 from backends.builtin_models import resolve_model_dir
 from backends.sampling import Sampler
 
@@ -62,6 +62,9 @@ class _DecodeState:
     cache: Any = None
 
 
+BASE = "__base__"  # PEFT's name for "no adapter" in mixed-adapter batches
+
+
 class TransformersEngine(Engine):
     def __init__(self, model: Any, tokenizer: Any, *, max_model_len: int, model_path: str) -> None:
         self.model = model
@@ -73,6 +76,7 @@ class TransformersEngine(Engine):
         self.model_path = model_path
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-engine")
+        self._peft: Any = None  # the PeftModel wrapping `model` once an adapter is loaded
 
     @classmethod
     def load(cls, config: EngineConfig) -> TransformersEngine:
@@ -88,13 +92,54 @@ class TransformersEngine(Engine):
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    def _call(self, adapters: Sequence[str | None], **kwargs: Any) -> Any:
+        """A forward pass where row i uses adapter i: PEFT's mixed-adapter batches, never a global switch."""
+        if self._peft is None:
+            if any(adapters):
+                raise AdapterError(f"no adapter is loaded (asked for {sorted(set(filter(None, adapters)))})")
+            return self.model(**kwargs)
+        return self._peft(**kwargs, adapter_names=[a or BASE for a in adapters])
+
+    # -- adapters (loaded and unloaded on the worker thread, so never during a forward pass) ----
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        await self._run(self._load_adapter, name, path)
+
+    def _load_adapter(self, name: str, path: str) -> None:
+        from peft import PeftModel
+
+        try:
+            if self._peft is None:
+                self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name, is_trainable=False)
+                self._peft.eval()
+            else:
+                self._peft.load_adapter(path, adapter_name=name, is_trainable=False)
+        except Exception as exc:  # shape mismatches, missing modules, unreadable files
+            if self._peft is not None and name in self._peft.peft_config:
+                self._peft.delete_adapter(name)
+            raise AdapterError(f"adapter {name!r} does not fit this model: {type(exc).__name__}: {exc}") from exc
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._run(self._unload_adapter, name)
+
+    def _unload_adapter(self, name: str) -> None:
+        if self._peft is None or name not in self._peft.peft_config:
+            raise AdapterError(f"adapter {name!r} is not loaded")
+        if len(self._peft.peft_config) == 1:  # the last one: back to the plain model
+            self.model = self._peft.unload()
+            self._peft = None
+        else:
+            self._peft.delete_adapter(name)
+
     # -- dense rows -----------------------------------------------------------------------------
 
-    async def next_token_logprobs(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
-        return await self._run(self._next_token_logprobs, rows)
+    async def next_token_logprobs(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None
+    ) -> np.ndarray:
+        return await self._run(self._next_token_logprobs, rows, adapters or [None] * len(rows))
 
     @torch.inference_mode()
-    def _next_token_logprobs(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
+    def _next_token_logprobs(self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]) -> np.ndarray:
         # Left padding keeps every row's last token in the final position; explicit position ids
         # and the attention mask make each row's result equal to its unpadded forward pass.
         width = max(len(r) for r in rows)
@@ -104,7 +149,8 @@ class TransformersEngine(Engine):
             ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
             mask[i, width - len(row) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(
+        out = self._call(
+            adapters,
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=positions.to(self.device),
@@ -115,13 +161,13 @@ class TransformersEngine(Engine):
 
     # -- prompt scoring -------------------------------------------------------------------------
 
-    async def prompt_logprobs(self, ids: Sequence[int], top_k: int) -> PromptLogprobs:
-        return await self._run(self._prompt_logprobs, ids, top_k)
+    async def prompt_logprobs(self, ids: Sequence[int], top_k: int, adapter: str | None = None) -> PromptLogprobs:
+        return await self._run(self._prompt_logprobs, ids, top_k, adapter)
 
     @torch.inference_mode()
-    def _prompt_logprobs(self, ids: Sequence[int], top_k: int) -> PromptLogprobs:
+    def _prompt_logprobs(self, ids: Sequence[int], top_k: int, adapter: str | None) -> PromptLogprobs:
         tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        logits = self.model(input_ids=tokens, use_cache=False).logits[0, :-1]
+        logits = self._call([adapter], input_ids=tokens, use_cache=False).logits[0, :-1]
         targets = tokens[0, 1:]
         chosen, top_ids, top_vals = [], [], []
         for start in range(0, logits.shape[0], _PROMPT_CHUNK):
@@ -138,23 +184,25 @@ class TransformersEngine(Engine):
 
     # -- generation -----------------------------------------------------------------------------
 
-    async def generate(self, ids: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenStep]:
+    async def generate(
+        self, ids: Sequence[int], params: SamplingParams, adapter: str | None = None
+    ) -> AsyncIterator[TokenStep]:
         if params.max_tokens <= 0:
             return
         sampler = Sampler(params, self.eos_token_ids)
         state = _DecodeState()
-        logits = await self._run(self._forward, state, list(ids))
+        logits = await self._run(self._forward, state, list(ids), adapter)
         while True:
             step = sampler.step(logits)
             yield step
             if step.finish_reason is not None:
                 return
-            logits = await self._run(self._forward, state, [step.token_id])
+            logits = await self._run(self._forward, state, [step.token_id], adapter)
 
     @torch.inference_mode()
-    def _forward(self, state: _DecodeState, new_ids: list[int]) -> np.ndarray:
+    def _forward(self, state: _DecodeState, new_ids: list[int], adapter: str | None) -> np.ndarray:
         tokens = torch.tensor([new_ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=tokens, past_key_values=state.cache, use_cache=True, logits_to_keep=1)
+        out = self._call([adapter], input_ids=tokens, past_key_values=state.cache, use_cache=True, logits_to_keep=1)
         state.cache = out.past_key_values
         return out.logits[0, -1].float().cpu().numpy()
 

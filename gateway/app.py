@@ -13,6 +13,7 @@ from litestar.datastructures import State
 from gateway.cache import build_cache
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.registry import ModelRegistry
+from gateway.routes.admin import load_lora_adapter, unload_lora_adapter
 from gateway.routes.chat import create_chat_completion
 from gateway.routes.completions import create_completion
 from gateway.routes.logprobs import batching_stats, next_token_logprobs
@@ -33,6 +34,8 @@ ROUTES = [
     batching_stats,
     tokenize_route,
     detokenize_route,
+    load_lora_adapter,
+    unload_lora_adapter,
     health,
 ]
 

@@ -2,7 +2,8 @@
 
 Requests queue up while the engine is busy; each engine call takes everything queued (up to
 `max_batch_rows` distinct rows), optionally waiting `window_s` for more when the engine was idle,
-runs identical prefixes once, and hands every request its own rows back.
+runs identical (adapter, prefix) rows once, and hands every request its own rows back. Rows of
+different adapters share an engine call: the engine applies each row's adapter.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-Row = tuple[int, ...]
-EngineCall = Callable[[Sequence[Sequence[int]]], Awaitable[np.ndarray]]
+Row = tuple[str | None, tuple[int, ...]]  # (adapter, token ids)
+EngineCall = Callable[[Sequence[Sequence[int]], Sequence[str | None]], Awaitable[np.ndarray]]
 
 
 @dataclass
@@ -45,11 +46,11 @@ class RowBatcher:
         self._queue: asyncio.Queue[_Request] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None
 
-    async def submit(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
+    async def submit(self, rows: Sequence[Sequence[int]], adapter: str | None = None) -> np.ndarray:
         """float32 [len(rows), vocab]: each row equal to what the engine computes for it alone."""
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run(), name="row-batcher")
-        request = _Request([tuple(r) for r in rows], asyncio.get_running_loop().create_future())
+        request = _Request([(adapter, tuple(r)) for r in rows], asyncio.get_running_loop().create_future())
         self.stats.requests += 1
         self.stats.rows += len(rows)
         await self._queue.put(request)
@@ -98,7 +99,7 @@ class RowBatcher:
                     chunk = unique[start : start + self.max_batch_rows]
                     self.stats.batches += 1
                     self.stats.largest_batch = max(self.stats.largest_batch, len(chunk))
-                    parts.append(await self._engine_call(chunk))
+                    parts.append(await self._engine_call([ids for _, ids in chunk], [a for a, _ in chunk]))
                 self.stats.engine_rows += len(unique)
                 results = parts[0] if len(parts) == 1 else np.concatenate(parts)
             except Exception as exc:  # fail only the requests of this batch

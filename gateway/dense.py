@@ -20,8 +20,9 @@ async def dense_rows(
     engine = served.require_engine()
     assert served.batcher is not None
     if cache is None:
-        return await served.batcher.submit(rows), 0
-    keys = [cache.key(served.fingerprint, adapter, row) for row in rows]
+        return await served.batcher.submit(rows, adapter), 0
+    adapter_id = None if adapter is None else f"{adapter}:{served.adapters[adapter].fingerprint}"
+    keys = [cache.key(served.fingerprint, adapter_id, row) for row in rows]
     cached = await cache.lookup(keys, engine.vocab_size)
     missing = [i for i, row in enumerate(cached) if row is None]
     out = np.empty((len(rows), engine.vocab_size), dtype=np.float32)
@@ -29,7 +30,7 @@ async def dense_rows(
         if row is not None:
             out[i] = row
     if missing:
-        computed = await served.batcher.submit([rows[i] for i in missing])
+        computed = await served.batcher.submit([rows[i] for i in missing], adapter)
         out[missing] = computed
         await cache.store_rows([keys[i] for i in missing], computed)
     hits = len(rows) - len(missing)

@@ -3,6 +3,8 @@
     GatewayError                       500 internal_error
      ├── InvalidRequestError           400 invalid_request_error   (bad field, bad token id, ...)
      │    └── ContextLengthError       400 invalid_request_error   code=context_length_exceeded
+     ├── AuthenticationError           401 authentication_error    (missing or wrong key)
+     ├── ForbiddenError                403 permission_error        (disabled, or outside allowed paths)
      ├── ModelNotFoundError            404 invalid_request_error   code=model_not_found
      ├── ModelNotReadyError            503 service_unavailable     (still loading, or failed)
      └── EngineError                   500 internal_error          (the engine failed a request)
@@ -21,6 +23,8 @@ from typing import Any
 import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
+
+from backends.base import AdapterError
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,16 @@ class InvalidRequestError(GatewayError):
 
 class ContextLengthError(InvalidRequestError):
     code = "context_length_exceeded"
+
+
+class AuthenticationError(GatewayError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class ForbiddenError(GatewayError):
+    status_code = 403
+    error_type = "permission_error"
 
 
 class ModelNotFoundError(GatewayError):
@@ -111,6 +125,11 @@ def _handle_http_exception(_: Request, exc: HTTPException) -> Response:
     return error_response(status, exc.detail, error_type, None, None)
 
 
+def _handle_adapter_error(request: Request, exc: AdapterError) -> Response:
+    """An adapter unloaded while a request for it was in flight, or one the engine rejects."""
+    return _handle_gateway_error(request, InvalidRequestError(str(exc), param="model"))
+
+
 def _handle_unexpected(_: Request, exc: Exception) -> Response:
     log.exception("unexpected error", exc_info=exc)
     return error_response(500, "internal server error", "internal_error", None, None)
@@ -119,6 +138,7 @@ def _handle_unexpected(_: Request, exc: Exception) -> Response:
 EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
     GatewayError: _handle_gateway_error,
     msgspec.DecodeError: _handle_decode_error,
+    AdapterError: _handle_adapter_error,
     HTTPException: _handle_http_exception,
     Exception: _handle_unexpected,
 }

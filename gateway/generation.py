@@ -89,13 +89,17 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
 
 
 async def run_choice(
-    served: ServedModel, prompt_ids: Sequence[int], params: SamplingParams, stops: Sequence[str]
+    served: ServedModel,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    stops: Sequence[str],
+    adapter: str | None = None,
 ) -> AsyncIterator[Piece]:
     engine = served.require_engine()
     text = IncrementalText(served.token_bytes, served.special_ids)
     pending = ""
     steps: list[TokenStep] = []
-    generator = engine.generate(prompt_ids, params)
+    generator = engine.generate(prompt_ids, params, adapter)
     try:
         async for step in generator:
             steps.append(step)

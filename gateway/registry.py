@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 from dataclasses import dataclass, field
 
-from backends.base import Engine, engine_class
+from backends.base import AdapterError, Engine, engine_class
 from backends.vocab import token_bytes_table
 from gateway.batching import RowBatcher
 from gateway.cache import weights_fingerprint
-from gateway.errors import ModelNotFoundError, ModelNotReadyError
+from gateway.adapters import adapter_fingerprint, check_adapter_dir, check_adapter_name
+from gateway.errors import InvalidRequestError, ModelNotFoundError, ModelNotReadyError
 from gateway.settings import ModelSettings
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,14 @@ def parse_model_name(name: str) -> tuple[str, str | None]:
 
 
 @dataclass
+class AdapterInfo:
+    name: str
+    path: str
+    fingerprint: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
 class ServedModel:
     settings: ModelSettings
     engine: Engine | None = None
@@ -41,6 +50,8 @@ class ServedModel:
     tokenizer_files: dict[str, str] = field(default_factory=dict)
     batcher: RowBatcher | None = None
     fingerprint: str = ""  # identity of the weights, for cache keys
+    adapters: dict[str, AdapterInfo] = field(default_factory=dict)
+    _adapter_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -57,6 +68,37 @@ class ServedModel:
             reason = f"failed to load: {self.error}" if self.error else "is still loading"
             raise ModelNotReadyError(f"model {self.name!r} {reason}")
         return self.engine
+
+    async def add_adapter(self, name: str, path: Path) -> AdapterInfo:
+        """Validate and load a LoRA adapter; on any failure the model is left as it was."""
+        check_adapter_name(name)
+        engine = self.require_engine()
+        async with self._adapter_lock:
+            if name in self.adapters:
+                raise InvalidRequestError(f"adapter {name!r} is already loaded on {self.name!r}", param="lora_name")
+            await asyncio.to_thread(check_adapter_dir, path, self.settings.max_lora_rank)
+            fingerprint = await asyncio.to_thread(adapter_fingerprint, path)
+            try:
+                await engine.load_adapter(name, str(path))
+            except AdapterError as exc:
+                raise InvalidRequestError(str(exc), param="lora_path") from None
+            info = AdapterInfo(name, str(path), fingerprint)
+            self.adapters[name] = info
+        log.info("model %r: adapter %r loaded from %s", self.name, name, path)
+        return info
+
+    async def remove_adapter(self, name: str) -> None:
+        engine = self.require_engine()
+        async with self._adapter_lock:
+            if name not in self.adapters:
+                raise ModelNotFoundError(self._no_adapter_message(name), param="lora_name")
+            del self.adapters[name]  # new requests stop seeing it before the weights go
+            await engine.unload_adapter(name)
+        log.info("model %r: adapter %r unloaded", self.name, name)
+
+    def _no_adapter_message(self, adapter: str) -> str:
+        available = ", ".join(f"{self.name}:{a}" for a in self.adapters) or "none"
+        return f"model {self.name!r} has no adapter {adapter!r}; available adapters: {available}"
 
 
 class ModelRegistry:
@@ -86,25 +128,27 @@ class ModelRegistry:
                 window_s=served.settings.batch_window_ms / 1000,
             )
             served.engine = engine
+            for name, path in served.settings.adapters.items():
+                await served.add_adapter(name, Path(path))
         except Exception as exc:  # a model that cannot load must not take the others down
+            served.engine = None
             served.error = f"{type(exc).__name__}: {exc}"
             log.error("model %r failed to load: %s", served.name, served.error)
             return
         log.info("model %r ready in %.1f s (vocab %d, context %d)", served.name,
                  time.perf_counter() - started, engine.vocab_size, engine.max_model_len)
 
-    def resolve(self, name: str) -> ServedModel:
+    def resolve(self, name: str) -> tuple[ServedModel, str | None]:
+        """The served base model and the adapter (None: the base) that a request's `model` names."""
         base, adapter = parse_model_name(name)
         served = self.models.get(base)
         if served is None:
             raise ModelNotFoundError(
                 f"model {name!r} does not exist; available: {', '.join(self.models)}", param="model"
             )
-        if adapter is not None:
-            raise ModelNotFoundError(
-                f"model {base!r} has no adapter {adapter!r}; no adapters are loaded", param="model"
-            )
-        return served
+        if adapter is not None and adapter not in served.adapters:
+            raise ModelNotFoundError(served._no_adapter_message(adapter), param="model")
+        return served, adapter
 
     @property
     def healthy(self) -> bool:

@@ -10,6 +10,8 @@
     dtype = "auto"
     device = "auto"
     max_model_len = 2048
+    adapters = {lora_1 = "/adapters/lora_1"}   # served as "smollm2-135m:lora_1"
+    adapters_root = "/adapters"    # run-time loads (admin endpoints) must lie inside it
     max_batch_rows = 64            # distinct dense rows per engine call
     batch_window_ms = 2.0          # how long an idle engine waits for more rows
     options = {}                   # backend-specific
@@ -19,7 +21,7 @@
     ttl_s = 604800
 
 Environment: LOGPROB_GATEWAY_CONFIG, _HOST, _PORT, _MODEL, _BACKEND, _SERVED_MODEL_NAME, _DTYPE,
-_DEVICE, _MAX_MODEL_LEN, _LOG_LEVEL, _REDIS_URL, _CACHE (false: no cache). A model given by flag or environment replaces the file's model list.
+_DEVICE, _MAX_MODEL_LEN, _LOG_LEVEL, _REDIS_URL, _CACHE (false: no cache), _ADMIN_KEY. A model given by flag or environment replaces the file's model list.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class ModelSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_model_len: Annotated[int, msgspec.Meta(gt=0)] | None = None
     max_batch_rows: Annotated[int, msgspec.Meta(gt=0)] = 64  # distinct rows per engine call
     batch_window_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0  # wait for more rows when idle
+    adapters: dict[str, str] = {}  # LoRA adapters loaded at start: name -> PEFT directory
+    adapters_root: str | None = None  # run-time loads must lie inside it; None: run-time loads off
+    max_lora_rank: Annotated[int, msgspec.Meta(gt=0)] = 64
     options: dict[str, Any] = {}
 
     @property
@@ -91,6 +96,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    admin_key: str | None = None  # enables /v1/load_lora_adapter and /v1/unload_lora_adapter
     models: list[ModelSettings] = msgspec.field(default_factory=lambda: [ModelSettings()])
     limits: Limits = msgspec.field(default_factory=Limits)
     cache: CacheSettings = msgspec.field(default_factory=CacheSettings)
@@ -125,6 +131,7 @@ _ENV_KEYS = {
     "MAX_MODEL_LEN": "max_model_len",
     "REDIS_URL": "redis_url",
     "CACHE": "cache_enabled",
+    "ADMIN_KEY": "admin_key",
 }
 _CACHE_KEYS = {"redis_url": "redis_url", "cache_enabled": "enabled"}
 

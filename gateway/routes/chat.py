@@ -78,7 +78,7 @@ def _token_logprobs(served: ServedModel, steps: Sequence[TokenStep]) -> list[Tok
 async def create_chat_completion(request: Request) -> Response | Stream:
     body = await decode_json(request, ChatCompletionRequest)
     limits = settings(request).limits
-    served = registry(request).resolve(body.model)
+    served, adapter = registry(request).resolve(body.model)
     served.require_engine()
     n = gen.check_choices(body.n or 1, limits)
     if body.top_logprobs is not None and not body.logprobs:
@@ -99,7 +99,7 @@ async def create_chat_completion(request: Request) -> Response | Stream:
         frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias=gen.check_logit_bias(served, body.logit_bias),
     )
-    streams = [gen.run_choice(served, prompt_ids, gen.choice_params(params, j), stops) for j in range(n)]
+    streams = [gen.run_choice(served, prompt_ids, gen.choice_params(params, j), stops, adapter) for j in range(n)]
     usage = _UsageCounter(len(prompt_ids))
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -90,7 +90,7 @@ def _join(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
 async def create_completion(request: Request) -> Response | Stream:
     body = await decode_json(request, CompletionRequest)
     limits = settings(request).limits
-    served = registry(request).resolve(body.model)
+    served, adapter = registry(request).resolve(body.model)
     served.require_engine()
     n = gen.check_choices(body.n or 1, limits)
     if body.best_of is not None and body.best_of != n:
@@ -115,7 +115,7 @@ async def create_completion(request: Request) -> Response | Stream:
         frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias=gen.check_logit_bias(served, body.logit_bias),
     )
-    run = _Run(served, body, prompts, n, params, stops)
+    run = _Run(served, adapter, body, prompts, n, params, stops)
     if body.stream:
         return sse_response(run.stream())
     return json_response(await run.complete())
@@ -124,16 +124,17 @@ async def create_completion(request: Request) -> Response | Stream:
 class _Run:
     """One validated completion request: its prompts times n choices."""
 
-    def __init__(self, served: ServedModel, body: CompletionRequest, prompts: list[_Prompt], n: int,
-                 params: SamplingParams, stops: list[str]) -> None:
-        self.served, self.body, self.prompts, self.n, self.params, self.stops = served, body, prompts, n, params, stops
+    def __init__(self, served: ServedModel, adapter: str | None, body: CompletionRequest, prompts: list[_Prompt],
+                 n: int, params: SamplingParams, stops: list[str]) -> None:
+        self.served, self.adapter, self.body, self.prompts = served, adapter, body, prompts
+        self.n, self.params, self.stops = n, params, stops
         self.id, self.created = new_id("cmpl"), now()
         self.want_logprobs = body.logprobs is not None
         self.prompt_tokens = sum(len(p.ids) for p in prompts)
 
     def _choices(self) -> list[tuple[_Prompt, AsyncIterator[gen.Piece]]]:
         return [
-            (p, gen.run_choice(self.served, p.ids, gen.choice_params(self.params, j), self.stops))
+            (p, gen.run_choice(self.served, p.ids, gen.choice_params(self.params, j), self.stops, self.adapter))
             for p in self.prompts
             for j in range(self.n)
         ]
@@ -142,7 +143,7 @@ class _Run:
         """The prompt's text and, with logprobs, its tokens scored (the first one has no score)."""
         if not self.want_logprobs:
             return prompt.text, None
-        scores = await self.served.require_engine().prompt_logprobs(prompt.ids, self.params.top_logprobs)
+        scores = await self.served.require_engine().prompt_logprobs(prompt.ids, self.params.top_logprobs, self.adapter)
         return prompt.text, _LogprobsBuilder(self.served, 0).prompt(prompt.ids, scores)
 
     def _response(self, choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:

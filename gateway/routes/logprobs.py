@@ -30,7 +30,7 @@ def _float_row(values: np.ndarray) -> list[float | None]:
 @post("/v1/next_token_logprobs", status_code=200, summary="Dense next-token log-probabilities")
 async def next_token_logprobs(request: Request) -> Response:
     body = await decode_json(request, NextTokenLogprobsRequest)
-    served = registry(request).resolve(body.model)
+    served, adapter = registry(request).resolve(body.model)
     engine = served.require_engine()
     inputs = token_inputs(served, body.input, add_special_tokens=body.add_special_tokens,
                           max_items=settings(request).limits.max_rows, param="input")
@@ -41,7 +41,7 @@ async def next_token_logprobs(request: Request) -> Response:
             param="input",
         )
     try:
-        rows, hits = await dense_rows(served, request.app.state.cache, [i.ids for i in inputs])
+        rows, hits = await dense_rows(served, request.app.state.cache, [i.ids for i in inputs], adapter)
     except GatewayError:
         raise
     except Exception as exc:
@@ -74,7 +74,7 @@ def _encode(rows: np.ndarray, body: NextTokenLogprobsRequest, vocab_size: int, u
 
 @get("/v1/models/{model:str}/stats", summary="Dense-row batching counters of a model")
 async def batching_stats(request: Request, model: str) -> Response:
-    served = registry(request).resolve(model)
+    served, _ = registry(request).resolve(model)
     served.require_engine()
     assert served.batcher is not None
     s = served.batcher.stats

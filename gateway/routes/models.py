@@ -5,7 +5,7 @@ from __future__ import annotations
 from litestar import Request, Response, get
 
 from gateway.http import json_response, registry
-from gateway.registry import ServedModel
+from gateway.registry import AdapterInfo, ServedModel
 from gateway.schemas.models import Health, ModelCard, ModelHealth, ModelList
 
 
@@ -22,14 +22,26 @@ def _card(served: ServedModel) -> ModelCard:
     )
 
 
-@get("/v1/models", summary="List the served models")
+def _adapter_card(served: ServedModel, adapter: AdapterInfo) -> ModelCard:
+    base = _card(served)
+    return ModelCard(id=f"{served.name}:{adapter.name}", created=adapter.created, root=adapter.path, parent=served.name,
+                     max_model_len=base.max_model_len, vocab_size=base.vocab_size, backend=base.backend,
+                     ready=base.ready)
+
+
+@get("/v1/models", summary="List the served models and their adapters")
 async def list_models(request: Request) -> Response:
-    return json_response(ModelList(data=[_card(m) for m in registry(request).models.values()]))
+    cards = []
+    for served in registry(request).models.values():
+        cards.append(_card(served))
+        cards.extend(_adapter_card(served, a) for a in served.adapters.values())
+    return json_response(ModelList(data=cards))
 
 
-@get("/v1/models/{model:str}", summary="Describe one served model")
+@get("/v1/models/{model:str}", summary="Describe one served model or adapter")
 async def retrieve_model(request: Request, model: str) -> Response:
-    return json_response(_card(registry(request).resolve(model)))
+    served, adapter = registry(request).resolve(model)
+    return json_response(_card(served) if adapter is None else _adapter_card(served, served.adapters[adapter]))
 
 
 @get("/health", summary="200 when every model is loaded and healthy, else 503")

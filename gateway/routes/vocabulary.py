@@ -24,7 +24,7 @@ from gateway.schemas.logprobs import (
 
 @get("/v1/models/{model:str}/vocabulary", summary="Exact bytes of every token id")
 async def vocabulary(request: Request, model: str) -> Response:
-    served = registry(request).resolve(model)
+    served, _ = registry(request).resolve(model)
     engine = served.require_engine()
     binary = wants_msgpack(request)
     tokens = served.token_bytes if binary else [base64.b64encode(t).decode("ascii") for t in served.token_bytes]
@@ -42,7 +42,7 @@ async def vocabulary(request: Request, model: str) -> Response:
 
 @get("/v1/models/{model:str}/tokenizer", summary="The tokenizer's files, to rebuild it offline")
 async def tokenizer_files(request: Request, model: str) -> Response:
-    served = registry(request).resolve(model)
+    served, _ = registry(request).resolve(model)
     served.require_engine()
     return json_response(TokenizerFiles(model=served.name, files=served.tokenizer_files))
 
@@ -50,7 +50,7 @@ async def tokenizer_files(request: Request, model: str) -> Response:
 @post(["/v1/tokenize", "/tokenize"], status_code=200, summary="Tokenize a prompt or chat messages (vLLM's shape)")
 async def tokenize_route(request: Request) -> Response:
     body = await decode_json(request, TokenizeRequest)
-    served = registry(request).resolve(body.model)
+    served, _ = registry(request).resolve(body.model)
     engine = served.require_engine()
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
@@ -68,6 +68,6 @@ async def tokenize_route(request: Request) -> Response:
 @post(["/v1/detokenize", "/detokenize"], status_code=200, summary="Token ids back to text (vLLM's shape)")
 async def detokenize_route(request: Request) -> Response:
     body = await decode_json(request, DetokenizeRequest)
-    served = registry(request).resolve(body.model)
+    served, _ = registry(request).resolve(body.model)
     ids = check_token_ids(served, body.tokens, "tokens") if body.tokens else []
     return json_response(DetokenizeResponse(prompt=decode_text(served.token_bytes, ids)))

@@ -34,3 +34,20 @@ class ModelHealth(msgspec.Struct, kw_only=True):
 class Health(msgspec.Struct, kw_only=True):
     status: Literal["ok", "loading", "unhealthy"]
     models: list[ModelHealth]
+
+
+class LoadLoraAdapterRequest(msgspec.Struct, kw_only=True):
+    lora_name: str
+    lora_path: str  # relative to the model's adapters_root, or an absolute path inside it
+    model: str | None = None  # the base model; may be omitted when only one is served
+
+
+class UnloadLoraAdapterRequest(msgspec.Struct, kw_only=True):
+    lora_name: str
+    model: str | None = None
+
+
+class AdapterStatus(msgspec.Struct, kw_only=True):
+    object: Literal["lora_adapter"] = "lora_adapter"
+    id: str  # the name clients use: "base:adapter"
+    status: Literal["loaded", "unloaded"]
