@@ -51,6 +51,7 @@ class ServedModel:
     batcher: RowBatcher | None = None
     fingerprint: str = ""  # identity of the weights, for cache keys
     adapters: dict[str, AdapterInfo] = field(default_factory=dict)
+    loaded: bool = False  # the engine and the configured adapters are all in place
     _adapter_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -61,7 +62,7 @@ class ServedModel:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None
+        return self.loaded and self.engine is not None
 
     def require_engine(self) -> Engine:
         if self.engine is None:
@@ -130,6 +131,7 @@ class ModelRegistry:
             served.engine = engine
             for name, path in served.settings.adapters.items():
                 await served.add_adapter(name, Path(path))
+            served.loaded = True
         except Exception as exc:  # a model that cannot load must not take the others down
             served.engine = None
             served.error = f"{type(exc).__name__}: {exc}"
@@ -152,7 +154,7 @@ class ModelRegistry:
 
     @property
     def healthy(self) -> bool:
-        return all(m.engine is not None and m.engine.is_healthy() for m in self.models.values())
+        return all(m.ready and m.engine is not None and m.engine.is_healthy() for m in self.models.values())
 
     async def aclose(self) -> None:
         for served in self.models.values():

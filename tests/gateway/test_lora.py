@@ -1,0 +1,209 @@
+"""LoRA adapters selected by model name, with real PEFT adapters made here, checked against a
+direct transformers + PEFT forward pass of the same adapter."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from gateway.launcher import start_gateway
+from tests.conftest import MODEL
+
+pytestmark = pytest.mark.slow
+ADMIN = {"Authorization": "Bearer admin-secret"}
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+
+
+def make_adapter(model_dir, path, seed, rank=4, **save):
+    """A LoRA adapter with random (non-zero) B matrices, so it changes the model's outputs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(base, config).save_pretrained(path, **save)
+    return path
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    paths = {"a": make_adapter(model_dir, root / "a", 1), "b": make_adapter(model_dir, root / "b", 2)}
+    make_adapter(model_dir, root / "too_big", 3, rank=80)
+    make_adapter(model_dir, root / "pickled", 4, safe_serialization=False)
+    mismatched = make_adapter(model_dir, root / "mismatched", 5)
+    config = json.loads((mismatched / "adapter_config.json").read_text())
+    config["target_modules"] = ["no_such_module"]
+    (mismatched / "adapter_config.json").write_text(json.dumps(config))
+    outside = tmp_path_factory.mktemp("outside")
+    make_adapter(model_dir, outside / "evil", 6)
+    (root / "link").symlink_to(outside / "evil")
+    return root, paths, outside
+
+
+@pytest.fixture(scope="module")
+def lora_gateway(adapters, model_dir, tmp_path_factory):
+    root, paths, _ = adapters
+    config = tmp_path_factory.mktemp("lora") / "gateway.toml"
+    config.write_text(f"""
+admin_key = "admin-secret"
+
+[[models]]
+name = "{MODEL}"
+model = "{model_dir}"
+dtype = "float32"
+adapters_root = "{root}"
+adapters = {{a = "{paths['a']}"}}
+""")
+    gateway = start_gateway(["--config", str(config)], config.parent / "gateway.log")
+    yield gateway
+    gateway.stop()
+
+
+@pytest.fixture(scope="module")
+def peft_reference(adapters, model_dir):
+    """Each adapter applied by PEFT to its own copy of the base model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    _, paths, _ = adapters
+    models = {}
+    for name, path in paths.items():
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        models[name] = PeftModel.from_pretrained(base, path).eval()
+    return models
+
+
+def ref_last_row(model, ids):
+    with torch.inference_mode():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1).numpy()
+
+
+def ref_greedy(model, ids, n):
+    tokens = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.generate(input_ids=tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=n,
+                             do_sample=False, eos_token_id=None)
+    return out[0, len(ids):].tolist()
+
+
+def dense(gateway, model, rows):
+    r = httpx.post(gateway.base_url + "/v1/next_token_logprobs", json={"model": model, "input": rows}, timeout=60)
+    assert r.status_code == 200, r.text
+    return np.array([d["logprobs"] for d in r.json()["data"]], dtype=np.float32), r.json()["usage"]["cache_hits"]
+
+
+def complete(gateway, model, prompt, n=6):
+    r = httpx.post(gateway.base_url + "/v1/completions", timeout=60,
+                   json={"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def admin(gateway, path, body, headers=ADMIN):
+    return httpx.post(gateway.base_url + path, json=body, headers=headers, timeout=60)
+
+
+def test_models_lists_adapters(lora_gateway, adapters):
+    data = httpx.get(lora_gateway.base_url + "/v1/models").json()["data"]
+    by_id = {m["id"]: m for m in data}
+    assert set(by_id) == {MODEL, f"{MODEL}:a"}
+    assert by_id[f"{MODEL}:a"]["parent"] == MODEL and by_id[f"{MODEL}:a"]["root"] == str(adapters[1]["a"])
+
+
+def test_dense_rows_and_greedy_text_equal_peft_forward(lora_gateway, peft_reference, reference):
+    rows = [reference.tokenizer(p).input_ids for p in PROMPTS]
+    base, _ = dense(lora_gateway, MODEL, rows)
+    with_a, _ = dense(lora_gateway, f"{MODEL}:a", rows)
+    for i, ids in enumerate(rows):
+        assert np.max(np.abs(base[i] - reference.logprobs(ids)[-1])) <= 1e-4
+        assert np.max(np.abs(with_a[i] - ref_last_row(peft_reference["a"], ids))) <= 1e-4
+    assert np.max(np.abs(with_a - base)) > 0.5  # the adapter really changes the model
+    ids = rows[0]
+    assert complete(lora_gateway, f"{MODEL}:a", PROMPTS[0]) == reference.tokenizer.decode(
+        ref_greedy(peft_reference["a"], ids, 6))
+    assert complete(lora_gateway, MODEL, PROMPTS[0]) == reference.tokenizer.decode(reference.greedy(ids, 6))
+
+
+def test_runtime_load_mixed_concurrent_traffic_and_unload(lora_gateway, peft_reference, reference):
+    r = admin(lora_gateway, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "b"})
+    assert r.status_code == 200 and r.json()["id"] == f"{MODEL}:b"
+    rows = [reference.tokenizer(p).input_ids for p in PROMPTS]
+    names = [MODEL, f"{MODEL}:a", f"{MODEL}:b"]
+    sequential = {n: dense(lora_gateway, n, rows)[0] for n in names}
+    texts = {n: complete(lora_gateway, n, PROMPTS[1], 4) for n in names}
+    for i, ids in enumerate(rows):
+        assert np.max(np.abs(sequential[f"{MODEL}:b"][i] - ref_last_row(peft_reference["b"], ids))) <= 1e-4
+
+    async def mixed():
+        async with httpx.AsyncClient(base_url=lora_gateway.base_url, timeout=120) as client:
+            async def one(name, k):
+                prefix = rows[k % len(rows)] + [k]  # fresh rows, so the engine computes them together
+                r = await client.post("/v1/next_token_logprobs", json={"model": name, "input": [prefix]})
+                return name, prefix, np.array(r.json()["data"][0]["logprobs"], dtype=np.float32)
+
+            async def text(name):
+                r = await client.post("/v1/completions", json={"model": name, "prompt": PROMPTS[1],
+                                                               "max_tokens": 4, "temperature": 0})
+                return name, r.json()["choices"][0]["text"]
+
+            dense_results = asyncio.gather(*(one(names[k % 3], k) for k in range(24)))
+            text_results = asyncio.gather(*(text(n) for n in names))
+            return await dense_results, await text_results
+
+    dense_results, text_results = asyncio.run(mixed())
+    models = {MODEL: reference.model, f"{MODEL}:a": peft_reference["a"], f"{MODEL}:b": peft_reference["b"]}
+    for name, prefix, row in dense_results:
+        assert np.max(np.abs(row - ref_last_row(models[name], prefix))) <= 1e-4
+    assert dict(text_results) == texts
+
+    r = admin(lora_gateway, "/v1/unload_lora_adapter", {"lora_name": "b"})
+    assert r.status_code == 200 and r.json()["status"] == "unloaded"
+    gone = httpx.post(lora_gateway.base_url + "/v1/next_token_logprobs", json={"model": f"{MODEL}:b", "input": [[1]]})
+    assert gone.status_code == 404
+    assert f"{MODEL}:a" in gone.json()["error"]["message"]  # lists what is available
+    again, _ = dense(lora_gateway, MODEL, rows)
+    assert np.max(np.abs(again - sequential[MODEL])) <= 1e-4  # the base is untouched
+
+
+def test_adapters_never_share_cache_entries(lora_gateway, reference):
+    rows = [reference.tokenizer("Cache per adapter").input_ids]
+    base, _ = dense(lora_gateway, MODEL, rows)
+    with_a, hits = dense(lora_gateway, f"{MODEL}:a", rows)
+    assert hits == 0 and np.max(np.abs(with_a - base)) > 0.5
+    _, hits = dense(lora_gateway, f"{MODEL}:a", rows)
+    assert hits == 1
+
+
+@pytest.mark.parametrize(("body", "headers", "status", "needle"), [
+    ({"lora_name": "c", "lora_path": "a"}, {}, 401, "admin key"),
+    ({"lora_name": "c", "lora_path": "a"}, {"Authorization": "Bearer wrong"}, 401, "admin key"),
+    ({"lora_name": "c", "lora_path": "../outside"}, ADMIN, 403, "adapters root"),
+    ({"lora_name": "c", "lora_path": "/etc"}, ADMIN, 403, "adapters root"),
+    ({"lora_name": "c", "lora_path": "link"}, ADMIN, 403, "adapters root"),
+    ({"lora_name": "c", "lora_path": "too_big"}, ADMIN, 400, "rank"),
+    ({"lora_name": "c", "lora_path": "pickled"}, ADMIN, 400, "safetensors"),
+    ({"lora_name": "c", "lora_path": "mismatched"}, ADMIN, 400, "does not fit"),
+    ({"lora_name": "c", "lora_path": "missing"}, ADMIN, 400, "adapter_config.json"),
+    ({"lora_name": "a", "lora_path": "b"}, ADMIN, 400, "already loaded"),
+    ({"lora_name": "bad name!", "lora_path": "b"}, ADMIN, 400, "adapter name"),
+])
+def test_bad_admin_requests_leave_the_service_unchanged(lora_gateway, body, headers, status, needle):
+    before = httpx.get(lora_gateway.base_url + "/v1/models").json()["data"]
+    r = admin(lora_gateway, "/v1/load_lora_adapter", body, headers)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+    assert httpx.get(lora_gateway.base_url + "/v1/models").json()["data"] == before
+    assert httpx.get(lora_gateway.base_url + "/health").status_code == 200
+
+
+def test_admin_endpoints_are_off_without_an_admin_key(http):
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "a"})
+    assert r.status_code == 403 and "disabled" in r.json()["error"]["message"]
+    assert http.post("/v1/completions", json={"model": f"{MODEL}:nope", "prompt": "x"}).status_code == 404
