@@ -96,7 +96,9 @@ class Engine(ABC):
         """
 
     @abstractmethod
-    async def prompt_logprobs(self, ids: Sequence[int], top_k: int, adapter: str | None = None) -> PromptLogprobs:
+    async def prompt_logprobs(
+        self, ids: Sequence[int], top_k: int, adapter: str | None = None
+    ) -> PromptLogprobs:
         """Scores of every prompt token after the first; `top_k` alternatives per position."""
 
     @abstractmethod
@@ -119,8 +121,9 @@ class Engine(ABC):
     def is_healthy(self) -> bool:
         return True
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027 (optional hook)
         """Release the model's resources."""
+        return None
 
 
 # backend name -> (module, class, pip extra that provides its library)

@@ -2,8 +2,8 @@
 
 Its distribution after a prefix is one fixed pseudo-random distribution rotated by a hash of the
 prefix: reproducible, consistent across endpoints, different for every prefix, and cheap enough
-that benchmarks on it measure the gateway rather than the mock. It proves nothing about a model: features are proven on real
-engines.
+that benchmarks on it measure the gateway rather than the mock. It proves nothing about a model:
+features are proven on real engines.
 
 Options: `vocab_size` (default: the tokenizer's size), `max_model_len` via the config.
 """
@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Sequence
 import numpy as np
 from transformers import AutoTokenizer
 
+from backends import sampling
 from backends.base import AdapterError, Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
 from backends.builtin_models import resolve_model_dir
-from backends import sampling
 from backends.sampling import Sampler, log_softmax
 
 
@@ -50,8 +50,9 @@ class MockEngine(Engine):
         """Already normalised: these logits are also the log-probabilities."""
         if adapter is not None and adapter not in self.adapters:
             raise AdapterError(f"adapter {adapter!r} is not loaded")
-        digest = hashlib.blake2b(np.asarray(prefix, dtype=np.int64).tobytes(), digest_size=8,
-                                 person=(adapter or "").encode()[:16]).digest()
+        digest = hashlib.blake2b(
+            np.asarray(prefix, dtype=np.int64).tobytes(), digest_size=8, person=(adapter or "").encode()[:16]
+        ).digest()
         return np.roll(self._base, int.from_bytes(digest, "little") % self.vocab_size)
 
     async def next_token_logprobs(
@@ -69,7 +70,9 @@ class MockEngine(Engine):
         if self.adapters.pop(name, None) is None:
             raise AdapterError(f"adapter {name!r} is not loaded")
 
-    async def prompt_logprobs(self, ids: Sequence[int], top_k: int, adapter: str | None = None) -> PromptLogprobs:
+    async def prompt_logprobs(
+        self, ids: Sequence[int], top_k: int, adapter: str | None = None
+    ) -> PromptLogprobs:
         self.calls += 1
         rows = np.zeros((0, self.vocab_size), np.float32)
         if len(ids) > 1:

@@ -110,14 +110,18 @@ class TransformersEngine(Engine):
 
         try:
             if self._peft is None:
-                self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name, is_trainable=False)
+                self._peft = PeftModel.from_pretrained(
+                    self.model, path, adapter_name=name, is_trainable=False
+                )
                 self._peft.eval()
             else:
                 self._peft.load_adapter(path, adapter_name=name, is_trainable=False)
         except Exception as exc:  # shape mismatches, missing modules, unreadable files
             if self._peft is not None and name in self._peft.peft_config:
                 self._peft.delete_adapter(name)
-            raise AdapterError(f"adapter {name!r} does not fit this model: {type(exc).__name__}: {exc}") from exc
+            raise AdapterError(
+                f"adapter {name!r} does not fit this model: {type(exc).__name__}: {exc}"
+            ) from exc
 
     async def unload_adapter(self, name: str) -> None:
         await self._run(self._unload_adapter, name)
@@ -139,7 +143,9 @@ class TransformersEngine(Engine):
         return await self._run(self._next_token_logprobs, rows, adapters or [None] * len(rows))
 
     @torch.inference_mode()
-    def _next_token_logprobs(self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]) -> np.ndarray:
+    def _next_token_logprobs(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]
+    ) -> np.ndarray:
         # Left padding keeps every row's last token in the final position; explicit position ids
         # and the attention mask make each row's result equal to its unpadded forward pass.
         width = max(len(r) for r in rows)
@@ -161,7 +167,9 @@ class TransformersEngine(Engine):
 
     # -- prompt scoring -------------------------------------------------------------------------
 
-    async def prompt_logprobs(self, ids: Sequence[int], top_k: int, adapter: str | None = None) -> PromptLogprobs:
+    async def prompt_logprobs(
+        self, ids: Sequence[int], top_k: int, adapter: str | None = None
+    ) -> PromptLogprobs:
         return await self._run(self._prompt_logprobs, ids, top_k, adapter)
 
     @torch.inference_mode()
@@ -202,7 +210,9 @@ class TransformersEngine(Engine):
     @torch.inference_mode()
     def _forward(self, state: _DecodeState, new_ids: list[int], adapter: str | None) -> np.ndarray:
         tokens = torch.tensor([new_ids], dtype=torch.long, device=self.device)
-        out = self._call([adapter], input_ids=tokens, past_key_values=state.cache, use_cache=True, logits_to_keep=1)
+        out = self._call(
+            [adapter], input_ids=tokens, past_key_values=state.cache, use_cache=True, logits_to_keep=1
+        )
         state.cache = out.past_key_values
         return out.logits[0, -1].float().cpu().numpy()
 

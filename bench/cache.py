@@ -25,8 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gateway.launcher import RedisServer, start_gateway  # noqa: E402
 
-MODELS = {"mock": ("mock", 'backend = "mock"\noptions = {vocab_size = 131072}'),
-          "transformers": ("smollm2-135m", 'dtype = "float32"')}
+MODELS = {
+    "mock": ("mock", 'backend = "mock"\noptions = {vocab_size = 131072}'),
+    "transformers": ("smollm2-135m", 'dtype = "float32"'),
+}
 
 
 def config(engine: str, store: str, redis_url: str) -> str:
@@ -51,13 +53,17 @@ def measure(base_url: str, model: str, bodies: list[bytes], expect_hits: int) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--engines", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--requests", type=int, default=20)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    print("| model | vocab | store | miss: ms/request | miss: rows/s | hit: ms/request | hit: rows/s | speed-up |")
+    print(
+        "| model | vocab | store | miss: ms/request | miss: rows/s | hit: ms/request | hit: rows/s | speed-up |"
+    )
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisServer(Path(tmp))
@@ -70,16 +76,27 @@ def main() -> None:
                     path.write_text(config(engine, store, redis.url))
                     gateway = start_gateway(["--config", str(path)], Path(tmp) / f"{engine}-{store}.log")
                     try:
-                        bodies = [msgspec.msgpack.encode({"model": model, "input": [
-                            [int(t) for t in rng.integers(100, 40000, size=16)] for _ in range(args.rows)]})
-                            for _ in range(args.requests)]
+                        bodies = [
+                            msgspec.msgpack.encode(
+                                {
+                                    "model": model,
+                                    "input": [
+                                        [int(t) for t in rng.integers(100, 40000, size=16)]
+                                        for _ in range(args.rows)
+                                    ],
+                                }
+                            )
+                            for _ in range(args.requests)
+                        ]
                         vocab = httpx.get(f"{gateway.base_url}/v1/models/{model}").json()["vocab_size"]
                         miss_ms, miss_rps = measure(gateway.base_url, model, bodies, 0)
                         hit_ms, hit_rps = measure(gateway.base_url, model, bodies, args.rows)
                     finally:
                         gateway.stop()
-                    print(f"| {model} | {vocab} | {store} | {miss_ms:.1f} | {miss_rps * args.rows:.0f} | "
-                          f"{hit_ms:.1f} | {hit_rps * args.rows:.0f} | {miss_ms / hit_ms:.1f}x |")
+                    print(
+                        f"| {model} | {vocab} | {store} | {miss_ms:.1f} | {miss_rps * args.rows:.0f} | "
+                        f"{hit_ms:.1f} | {hit_rps * args.rows:.0f} | {miss_ms / hit_ms:.1f}x |"
+                    )
         finally:
             redis.stop()
 

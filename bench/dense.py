@@ -46,8 +46,9 @@ def engine_args(engine: str, workdir: Path) -> tuple[list[str], str]:
     return ["--model", "smollm2-135m", "--dtype", "float32"], "smollm2-135m"
 
 
-async def run_encoding(base_url: str, model: str, encoding: tuple, rows: int, requests: int,
-                       concurrency: int, seed: int) -> dict:
+async def run_encoding(
+    base_url: str, model: str, encoding: tuple, rows: int, requests: int, concurrency: int, seed: int
+) -> dict:
     label, encoding_format, dtype, binary = encoding
     rng = np.random.default_rng(seed)
     headers = {"Accept": "application/msgpack", "Content-Type": "application/msgpack"} if binary else {}
@@ -61,6 +62,7 @@ async def run_encoding(base_url: str, model: str, encoding: tuple, rows: int, re
     bodies = [body(i) for i in range(requests + concurrency)]
     sizes: list[int] = []
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=300) as client:
+
         async def worker(items: list[bytes], record: bool) -> None:
             for content in items:
                 response = await client.post("/v1/next_token_logprobs", content=content)
@@ -87,12 +89,18 @@ def print_table(engine: str, results: list[dict]) -> None:
     print("| encoding | req/s | rows/s | MB/s | bytes/row |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for r in results:
-        print(f"| {r['encoding']} | {r['req/s']:.1f} | {r['rows/s']:.0f} | {r['MB/s']:.1f} | {r['bytes/row']:.0f} |")
+        print(
+            f"| {r['encoding']} | {r['req/s']:.1f} | {r['rows/s']:.0f} | {r['MB/s']:.1f} | {r['bytes/row']:.0f} |"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engines", nargs="+", default=["mock", "transformers"], choices=["mock", "transformers"])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--engines", nargs="+", default=["mock", "transformers"], choices=["mock", "transformers"]
+    )
     parser.add_argument("--rows", type=int, default=8, help="rows per request")
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--concurrency", type=int, default=2)
@@ -103,13 +111,18 @@ def main() -> None:
             gateway = start_gateway(serve_args, Path(tmp) / f"{engine}.log")
             try:
                 results = [
-                    asyncio.run(run_encoding(gateway.base_url, model, enc, args.rows, args.requests,
-                                             args.concurrency, seed=i))
+                    asyncio.run(
+                        run_encoding(
+                            gateway.base_url, model, enc, args.rows, args.requests, args.concurrency, seed=i
+                        )
+                    )
                     for i, enc in enumerate(ENCODINGS)
                 ]
             finally:
                 gateway.stop()
-            print_table(f"{engine} ({model}), {args.rows} rows/request, concurrency {args.concurrency}", results)
+            print_table(
+                f"{engine} ({model}), {args.rows} rows/request, concurrency {args.concurrency}", results
+            )
 
 
 if __name__ == "__main__":

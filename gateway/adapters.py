@@ -31,8 +31,9 @@ def check_adapter_name(name: str) -> str:
 def confine(root: str | None, given: str) -> Path:
     """`given` (relative to `root`, or absolute) resolved, and refused unless it lies inside `root`."""
     if root is None:
-        raise ForbiddenError("loading adapters at run time is disabled for this model (no adapters_root)",
-                             param="lora_path")
+        raise ForbiddenError(
+            "loading adapters at run time is disabled for this model (no adapters_root)", param="lora_path"
+        )
     base = Path(root).resolve()
     candidate = (base / given).resolve()
     if not candidate.is_relative_to(base):
@@ -44,19 +45,24 @@ def check_adapter_dir(path: Path, max_rank: int) -> dict:
     """The adapter's config, after checking it is a loadable PEFT LoRA adapter within limits."""
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
-        raise InvalidRequestError(f"{path.name!r} is not a PEFT adapter (no adapter_config.json)", param="lora_path")
+        raise InvalidRequestError(
+            f"{path.name!r} is not a PEFT adapter (no adapter_config.json)", param="lora_path"
+        )
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise InvalidRequestError(f"adapter_config.json is unreadable: {exc}", param="lora_path") from None
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        raise InvalidRequestError("only PEFT LoRA adapters are supported (peft_type must be LORA)", param="lora_path")
+        raise InvalidRequestError(
+            "only PEFT LoRA adapters are supported (peft_type must be LORA)", param="lora_path"
+        )
     rank = config.get("r")
     if not isinstance(rank, int) or not 0 < rank <= max_rank:
         raise InvalidRequestError(f"adapter rank {rank!r} is outside 1..{max_rank}", param="lora_path")
     if not (path / WEIGHTS).is_file():
-        raise InvalidRequestError(f"the adapter must ship its weights as {WEIGHTS} (pickled weights are refused)",
-                                  param="lora_path")
+        raise InvalidRequestError(
+            f"the adapter must ship its weights as {WEIGHTS} (pickled weights are refused)", param="lora_path"
+        )
     return config
 
 

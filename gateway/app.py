@@ -12,12 +12,13 @@ from litestar.datastructures import State
 
 from gateway.cache import build_cache
 from gateway.errors import EXCEPTION_HANDLERS
+from gateway.metrics import Metrics, StateCollector
 from gateway.registry import ModelRegistry
 from gateway.routes.admin import load_lora_adapter, unload_lora_adapter
 from gateway.routes.chat import create_chat_completion
 from gateway.routes.completions import create_completion
 from gateway.routes.logprobs import batching_stats, next_token_logprobs
-from gateway.routes.models import health, list_models, retrieve_model
+from gateway.routes.models import health, list_models, prometheus_metrics, retrieve_model
 from gateway.routes.vocabulary import detokenize_route, tokenize_route, tokenizer_files, vocabulary
 from gateway.settings import Settings
 
@@ -37,18 +38,21 @@ ROUTES = [
     load_lora_adapter,
     unload_lora_adapter,
     health,
+    prometheus_metrics,
 ]
 
 
 def create_app(settings: Settings, registry: ModelRegistry | None = None) -> Litestar:
     """Build the app. Models load in the background after start-up, so /health can say "loading"
     while they do; requests for a model that is not ready get a 503."""
-    registry = registry or ModelRegistry(settings.models)
-    state = State({"settings": settings, "registry": registry, "cache": None})
+    metrics = Metrics()
+    registry = registry or ModelRegistry(settings.models, metrics)
+    metrics.registry.register(StateCollector(registry))
+    state = State({"settings": settings, "registry": registry, "cache": None, "metrics": metrics})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        app.state.cache = build_cache(settings.cache)
+        app.state.cache = build_cache(settings.cache, metrics)
         loading = asyncio.create_task(registry.load_all())
         try:
             yield

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,6 +26,7 @@ EngineCall = Callable[[Sequence[Sequence[int]], Sequence[str | None]], Awaitable
 class _Request:
     rows: list[Row]
     future: asyncio.Future[np.ndarray]
+    enqueued: float = field(default_factory=lambda: asyncio.get_running_loop().time())
 
 
 @dataclass
@@ -38,8 +39,18 @@ class BatchStats:
 
 
 class RowBatcher:
-    def __init__(self, engine_call: EngineCall, *, max_batch_rows: int = 64, window_s: float = 0.002) -> None:
+    def __init__(
+        self,
+        engine_call: EngineCall,
+        *,
+        max_batch_rows: int = 64,
+        window_s: float = 0.002,
+        on_batch: Callable[[int], None] | None = None,
+        on_wait: Callable[[float], None] | None = None,
+    ) -> None:
         self._engine_call = engine_call
+        self._on_batch = on_batch or (lambda rows: None)  # distinct rows of each engine call
+        self._on_wait = on_wait or (lambda seconds: None)  # queueing time of each request
         self.max_batch_rows = max_batch_rows
         self.window_s = window_s
         self.stats = BatchStats()
@@ -55,6 +66,10 @@ class RowBatcher:
         self.stats.rows += len(rows)
         await self._queue.put(request)
         return await request.future
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
 
     async def aclose(self) -> None:
         if self._worker is not None:
@@ -87,6 +102,9 @@ class RowBatcher:
             batch = [r for r in await self._gather() if not r.future.done()]  # drop cancelled requests
             if not batch:
                 continue
+            now = asyncio.get_running_loop().time()
+            for request in batch:
+                self._on_wait(now - request.enqueued)
             index: dict[Row, int] = {}
             for request in batch:
                 for row in request.rows:
@@ -99,6 +117,7 @@ class RowBatcher:
                     chunk = unique[start : start + self.max_batch_rows]
                     self.stats.batches += 1
                     self.stats.largest_batch = max(self.stats.largest_batch, len(chunk))
+                    self._on_batch(len(chunk))
                     parts.append(await self._engine_call([ids for _, ids in chunk], [a for a, _ in chunk]))
                 self.stats.engine_rows += len(unique)
                 results = parts[0] if len(parts) == 1 else np.concatenate(parts)

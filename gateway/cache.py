@@ -23,12 +23,13 @@ import struct
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from gateway.metrics import Metrics
 from gateway.settings import CacheSettings
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,16 @@ class RedisStore(RowStore):
     store is skipped for `retry_after_s` (a circuit breaker), so an outage costs one timeout, not
     one per request. The outage is logged once; the store resumes by itself."""
 
-    def __init__(self, url: str, *, ttl_s: int, timeout_s: float, retry_after_s: float, stats: CacheStats) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl_s: int,
+        timeout_s: float,
+        retry_after_s: float,
+        stats: CacheStats,
+        on_error: Callable[[], None] = lambda: None,
+    ) -> None:
         import redis.asyncio as redis
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
@@ -117,6 +127,7 @@ class RedisStore(RowStore):
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self.stats = stats
+        self._on_error = on_error
         self._skip_until = 0.0
         self._outage = False
 
@@ -125,11 +136,17 @@ class RedisStore(RowStore):
 
     def _failed(self, exc: BaseException) -> None:
         self.stats.errors += 1
+        self._on_error()
         self._skip_until = time.monotonic() + self.retry_after_s
         if not self._outage:
             self._outage = True
-            log.warning("redis cache at %s unavailable (%s: %s); serving without it, retrying every %.0f s",
-                        _redact(self.url), type(exc).__name__, exc, self.retry_after_s)
+            log.warning(
+                "redis cache at %s unavailable (%s: %s); serving without it, retrying every %.0f s",
+                _redact(self.url),
+                type(exc).__name__,
+                exc,
+                self.retry_after_s,
+            )
 
     def _succeeded(self) -> None:
         if self._outage:
@@ -198,10 +215,18 @@ def weights_fingerprint(model_dir: str | Path, *extra: str) -> str:
 
 
 class DenseRowCache:
-    def __init__(self, store: RowStore, *, namespace: str = "lpg", stats: CacheStats | None = None) -> None:
+    def __init__(
+        self,
+        store: RowStore,
+        *,
+        namespace: str = "lpg",
+        stats: CacheStats | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.store = store
         self.namespace = namespace
         self.stats = stats or CacheStats()
+        self.metrics = metrics or Metrics()
 
     def key(self, fingerprint: str, adapter: str | None, ids: Sequence[int]) -> str:
         digest = hashlib.sha256()
@@ -226,7 +251,9 @@ class DenseRowCache:
         return np.frombuffer(payload, dtype="<f4")
 
     async def lookup(self, keys: Sequence[str], width: int) -> list[np.ndarray | None]:
+        started = time.perf_counter()
         values = await self.store.get_many(keys)
+        self.metrics.cache_duration.labels("get").observe(time.perf_counter() - started)
         rows: list[np.ndarray | None] = []
         corrupt = []
         for key, value in zip(keys, values, strict=True):
@@ -241,23 +268,33 @@ class DenseRowCache:
         hits = sum(r is not None for r in rows)
         self.stats.hits += hits
         self.stats.misses += len(rows) - hits
+        self.metrics.cache_lookups.labels("hit").inc(hits)
+        self.metrics.cache_lookups.labels("miss").inc(len(rows) - hits)
         return rows
 
     async def store_rows(self, keys: Sequence[str], rows: np.ndarray) -> None:
+        started = time.perf_counter()
         await self.store.set_many([(k, self.encode(r)) for k, r in zip(keys, rows, strict=True)])
+        self.metrics.cache_duration.labels("set").observe(time.perf_counter() - started)
 
     async def aclose(self) -> None:
         await self.store.aclose()
 
 
-def build_cache(settings: CacheSettings) -> DenseRowCache | None:
+def build_cache(settings: CacheSettings, metrics: Metrics) -> DenseRowCache | None:
     if not settings.enabled:
         return None
     stats = CacheStats()
     store: RowStore
     if settings.redis_url:
-        store = RedisStore(settings.redis_url, ttl_s=settings.ttl_s, timeout_s=settings.timeout_s,
-                           retry_after_s=settings.retry_after_s, stats=stats)
+        store = RedisStore(
+            settings.redis_url,
+            ttl_s=settings.ttl_s,
+            timeout_s=settings.timeout_s,
+            retry_after_s=settings.retry_after_s,
+            stats=stats,
+            on_error=metrics.cache_errors.inc,
+        )
     else:
         store = MemoryStore(settings.memory_bytes)
-    return DenseRowCache(store, namespace=settings.namespace, stats=stats)
+    return DenseRowCache(store, namespace=settings.namespace, stats=stats, metrics=metrics)

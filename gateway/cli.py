@@ -18,16 +18,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="TOML config file (see gateway/settings.py)")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
-    serve.add_argument("--model", help="local Hugging Face directory or built-in model (default: smollm2-135m)")
+    serve.add_argument(
+        "--model", help="local Hugging Face directory or built-in model (default: smollm2-135m)"
+    )
     serve.add_argument("--backend", choices=BACKEND_NAMES)
-    serve.add_argument("--served-model-name", dest="name", help="the name clients use (default: from --model)")
+    serve.add_argument(
+        "--served-model-name", dest="name", help="the name clients use (default: from --model)"
+    )
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--redis-url", help="share the output cache through Redis (default: in-process LRU)")
-    serve.add_argument("--no-cache", dest="cache_enabled", action="store_const", const=False,
-                       help="turn the output cache off")
+    serve.add_argument(
+        "--no-cache",
+        dest="cache_enabled",
+        action="store_const",
+        const=False,
+        help="turn the output cache off",
+    )
     return parser
 
 
@@ -40,11 +49,18 @@ def serve(settings: Settings) -> None:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.metrics import instrument
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    app = create_app(settings)
+    uvicorn.run(
+        instrument(app, app.state.metrics),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

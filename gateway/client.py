@@ -117,9 +117,11 @@ class AsyncGatewayLM:
     def _get(self, path: str) -> Any:
         response = self._sync.get(path)
         _raise_for_error(response)
-        return msgspec.msgpack.decode(response.content) if MSGPACK in response.headers.get(
-            "content-type", ""
-        ) else response.json()
+        return (
+            msgspec.msgpack.decode(response.content)
+            if MSGPACK in response.headers.get("content-type", "")
+            else response.json()
+        )
 
     @cached_property
     def tokenizer(self) -> Any:
@@ -191,7 +193,9 @@ class AsyncGatewayLM:
     def _async_client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         if self._async is None or self._async_loop is not loop:  # an AsyncClient belongs to one loop
-            self._async = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout)
+            self._async = httpx.AsyncClient(
+                base_url=self.base_url, headers=self._headers, timeout=self._timeout
+            )
             self._async_loop = loop
         return self._async
 
@@ -252,7 +256,11 @@ class AsyncGatewayLM:
         model = self._model_for(lora_name)
         keys = [(model, tuple(t)) for t in token_ids_list]
         missing = list(dict.fromkeys(k for k in keys if k not in self._cache))
-        fetched = dict(zip(missing, self._fetch_sync(model, [r for _, r in missing]), strict=True)) if missing else {}
+        fetched = (
+            dict(zip(missing, self._fetch_sync(model, [r for _, r in missing]), strict=True))
+            if missing
+            else {}
+        )
         self._remember(missing, [fetched[k] for k in missing])
         return _as_output(np.stack([fetched[k] if k in fetched else self._cache[k] for k in keys]))
 
@@ -296,7 +304,10 @@ class AsyncGatewayLM:
         eos = list(eos_token_ids)
         return list(
             await asyncio.gather(
-                *(self.sample(p, max_tokens, eos, temperature, seed, lora_name) for p in prompt_token_ids_list)
+                *(
+                    self.sample(p, max_tokens, eos, temperature, seed, lora_name)
+                    for p in prompt_token_ids_list
+                )
             )
         )
 

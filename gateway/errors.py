@@ -90,11 +90,18 @@ class EngineError(GatewayError):
     code = "engine_error"
 
 
-_HTTP_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
+_HTTP_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 
 
-def error_response(status: int, message: str, error_type: str, param: str | None, code: str | None) -> Response:
+def error_response(
+    status: int, message: str, error_type: str, param: str | None, code: str | None
+) -> Response:
     body = ErrorResponse(error=ErrorDetail(message=message, type=error_type, param=param, code=code))
     return Response(content=msgspec.json.encode(body), status_code=status, media_type="application/json")
 

@@ -8,6 +8,7 @@ string never leaves the server; text that may still become one is held back), fi
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -41,7 +42,9 @@ def check_logit_bias(served: ServedModel, bias: dict[str, float] | None) -> dict
     vocab = served.require_engine().vocab_size
     for key, value in (bias or {}).items():
         if not key.isdigit() or int(key) >= vocab:
-            raise InvalidRequestError(f"logit_bias key {key!r} is not a token id in [0, {vocab})", param="logit_bias")
+            raise InvalidRequestError(
+                f"logit_bias key {key!r} is not a token id in [0, {vocab})", param="logit_bias"
+            )
         if not -100.0 <= value <= 100.0:
             raise InvalidRequestError("logit_bias values must be between -100 and 100", param="logit_bias")
         parsed[int(key)] = value
@@ -99,9 +102,15 @@ async def run_choice(
     text = IncrementalText(served.token_bytes, served.special_ids)
     pending = ""
     steps: list[TokenStep] = []
+    first_token = served.metrics.time_to_first_token.labels(served.name)
+    between_tokens = served.metrics.inter_token_latency.labels(served.name)
+    last = started = time.perf_counter()
     generator = engine.generate(prompt_ids, params, adapter)
     try:
         async for step in generator:
+            now = time.perf_counter()
+            (between_tokens if last > started else first_token).observe(now - last)
+            last = now
             steps.append(step)
             pending += text.add(step.token_id)
             if step.finish_reason is not None:

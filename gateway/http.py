@@ -13,7 +13,8 @@ from litestar import Request, Response
 from litestar.response import Stream
 
 from gateway.errors import ErrorDetail, ErrorResponse, GatewayError
-from gateway.registry import ModelRegistry
+from gateway.metrics import set_labels
+from gateway.registry import ModelRegistry, ServedModel
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,9 @@ def wants_msgpack(request: Request) -> bool:
 
 
 def msgpack_response(body: Any, status_code: int = 200) -> Response:
-    return Response(content=msgspec.msgpack.encode(body), status_code=status_code, media_type=MSGPACK_TYPES[0])
+    return Response(
+        content=msgspec.msgpack.encode(body), status_code=status_code, media_type=MSGPACK_TYPES[0]
+    )
 
 
 def json_response(body: Any, status_code: int = 200) -> Response:
@@ -50,6 +53,13 @@ def json_response(body: Any, status_code: int = 200) -> Response:
 
 def registry(request: Request) -> ModelRegistry:
     return request.app.state.registry
+
+
+def resolve_model(request: Request, name: str) -> tuple[ServedModel, str | None]:
+    """The served model and adapter a request names; labels the request's metrics with them."""
+    served, adapter = registry(request).resolve(name)
+    set_labels(request.scope, served.name, adapter)
+    return served, adapter
 
 
 def settings(request: Request) -> Settings:
@@ -74,10 +84,14 @@ async def _sse(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async for event in events:
             yield event
     except GatewayError as exc:
-        yield sse_event(ErrorResponse(error=ErrorDetail(message=exc.message, type=exc.error_type, code=exc.code)))
+        yield sse_event(
+            ErrorResponse(error=ErrorDetail(message=exc.message, type=exc.error_type, code=exc.code))
+        )
     except Exception:
         log.exception("stream failed")
-        yield sse_event(ErrorResponse(error=ErrorDetail(message="internal server error", type="internal_error")))
+        yield sse_event(
+            ErrorResponse(error=ErrorDetail(message="internal server error", type="internal_error"))
+        )
     yield b"data: [DONE]\n\n"
 
 

@@ -83,9 +83,23 @@ class RedisServer:
     def start(self) -> None:
         import redis
 
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(self.workdir), "--maxmemory", "512mb",
-                "--maxmemory-policy", "allkeys-lru"]
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--maxmemory",
+            "512mb",
+            "--maxmemory-policy",
+            "allkeys-lru",
+        ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + 20

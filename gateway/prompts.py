@@ -28,7 +28,9 @@ def check_token_ids(served: ServedModel, ids: Sequence[int], param: str) -> list
         raise InvalidRequestError(f"{param} must not contain an empty token list", param=param)
     bad = next((i for i in ids if not 0 <= i < vocab), None)
     if bad is not None:
-        raise InvalidRequestError(f"token id {bad} in {param} is outside the vocabulary [0, {vocab})", param=param)
+        raise InvalidRequestError(
+            f"token id {bad} in {param} is outside the vocabulary [0, {vocab})", param=param
+        )
     return list(ids)
 
 
@@ -54,7 +56,9 @@ def token_inputs(
         if isinstance(item, str):
             if not item:
                 raise InvalidRequestError(f"{param} must not contain an empty string", param=param)
-            inputs.append(TokenInput(tokenize(served, item, add_special_tokens=add_special_tokens, param=param), item))
+            inputs.append(
+                TokenInput(tokenize(served, item, add_special_tokens=add_special_tokens, param=param), item)
+            )
         else:
             inputs.append(TokenInput(check_token_ids(served, item, param), None))
     return inputs

@@ -6,15 +6,16 @@ import asyncio
 import logging
 import tempfile
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from backends.base import AdapterError, Engine, engine_class
 from backends.vocab import token_bytes_table
+from gateway.adapters import adapter_fingerprint, check_adapter_dir, check_adapter_name
 from gateway.batching import RowBatcher
 from gateway.cache import weights_fingerprint
-from gateway.adapters import adapter_fingerprint, check_adapter_dir, check_adapter_name
 from gateway.errors import InvalidRequestError, ModelNotFoundError, ModelNotReadyError
+from gateway.metrics import Metrics
 from gateway.settings import ModelSettings
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class ServedModel:
     tokenizer_files: dict[str, str] = field(default_factory=dict)
     batcher: RowBatcher | None = None
     fingerprint: str = ""  # identity of the weights, for cache keys
+    metrics: Metrics = field(default_factory=Metrics, repr=False)
     adapters: dict[str, AdapterInfo] = field(default_factory=dict)
     loaded: bool = False  # the engine and the configured adapters are all in place
     _adapter_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
@@ -76,7 +78,9 @@ class ServedModel:
         engine = self.require_engine()
         async with self._adapter_lock:
             if name in self.adapters:
-                raise InvalidRequestError(f"adapter {name!r} is already loaded on {self.name!r}", param="lora_name")
+                raise InvalidRequestError(
+                    f"adapter {name!r} is already loaded on {self.name!r}", param="lora_name"
+                )
             await asyncio.to_thread(check_adapter_dir, path, self.settings.max_lora_rank)
             fingerprint = await asyncio.to_thread(adapter_fingerprint, path)
             try:
@@ -103,8 +107,9 @@ class ServedModel:
 
 
 class ModelRegistry:
-    def __init__(self, models: list[ModelSettings]) -> None:
-        self.models = {m.served_name: ServedModel(m) for m in models}
+    def __init__(self, models: list[ModelSettings], metrics: Metrics | None = None) -> None:
+        self.metrics = metrics or Metrics()
+        self.models = {m.served_name: ServedModel(m, metrics=self.metrics) for m in models}
 
     async def load_all(self) -> None:
         """Load every model, one after another (they share the machine); failures are recorded."""
@@ -113,20 +118,30 @@ class ModelRegistry:
 
     async def _load(self, served: ServedModel) -> None:
         started = time.perf_counter()
-        log.info("loading model %r (%s, backend %s)", served.name, served.settings.model, served.settings.backend)
+        log.info(
+            "loading model %r (%s, backend %s)", served.name, served.settings.model, served.settings.backend
+        )
         try:
             cls = engine_class(served.settings.backend)
             engine = await asyncio.to_thread(cls.load, served.settings.engine_config())
-            served.token_bytes = await asyncio.to_thread(token_bytes_table, engine.tokenizer, engine.vocab_size)
+            served.token_bytes = await asyncio.to_thread(
+                token_bytes_table, engine.tokenizer, engine.vocab_size
+            )
             served.special_ids = frozenset(engine.tokenizer.all_special_ids) | engine.eos_token_ids
             served.tokenizer_files = await asyncio.to_thread(_tokenizer_files, engine.tokenizer)
             served.fingerprint = await asyncio.to_thread(
-                weights_fingerprint, engine.model_path, served.settings.backend, engine.dtype, str(engine.vocab_size)
+                weights_fingerprint,
+                engine.model_path,
+                served.settings.backend,
+                engine.dtype,
+                str(engine.vocab_size),
             )
             served.batcher = RowBatcher(
                 engine.next_token_logprobs,
                 max_batch_rows=served.settings.max_batch_rows,
                 window_s=served.settings.batch_window_ms / 1000,
+                on_batch=self.metrics.batch_rows.labels(served.name).observe,
+                on_wait=self.metrics.batch_queue_wait.labels(served.name).observe,
             )
             served.engine = engine
             for name, path in served.settings.adapters.items():
@@ -137,8 +152,15 @@ class ModelRegistry:
             served.error = f"{type(exc).__name__}: {exc}"
             log.error("model %r failed to load: %s", served.name, served.error)
             return
-        log.info("model %r ready in %.1f s (vocab %d, context %d)", served.name,
-                 time.perf_counter() - started, engine.vocab_size, engine.max_model_len)
+        elapsed = time.perf_counter() - started
+        self.metrics.model_load_duration.labels(served.name).set(elapsed)
+        log.info(
+            "model %r ready in %.1f s (vocab %d, context %d)",
+            served.name,
+            elapsed,
+            engine.vocab_size,
+            engine.max_model_len,
+        )
 
     def resolve(self, name: str) -> tuple[ServedModel, str | None]:
         """The served base model and the adapter (None: the base) that a request's `model` names."""

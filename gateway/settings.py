@@ -21,7 +21,8 @@
     ttl_s = 604800
 
 Environment: LOGPROB_GATEWAY_CONFIG, _HOST, _PORT, _MODEL, _BACKEND, _SERVED_MODEL_NAME, _DTYPE,
-_DEVICE, _MAX_MODEL_LEN, _LOG_LEVEL, _REDIS_URL, _CACHE (false: no cache), _ADMIN_KEY. A model given by flag or environment replaces the file's model list.
+_DEVICE, _MAX_MODEL_LEN, _LOG_LEVEL, _REDIS_URL, _CACHE (false: no cache), _ADMIN_KEY.
+A model given by flag or environment replaces the file's model list.
 """
 
 from __future__ import annotations

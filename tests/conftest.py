@@ -53,10 +53,13 @@ class Reference:
             # SmolLM2's pad id is its end-of-turn token, which chat prompts contain.
             tokens = torch.tensor([ids])
             out = self.model.generate(
-                tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=max_new_tokens,
-                do_sample=False, eos_token_id=None,
+                tokens,
+                attention_mask=torch.ones_like(tokens),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
             )
-        return out[0, len(ids):].tolist()
+        return out[0, len(ids) :].tolist()
 
 
 @pytest.fixture(scope="session")

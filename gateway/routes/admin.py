@@ -8,7 +8,7 @@ from litestar import Request, Response, post
 
 from gateway.adapters import confine
 from gateway.errors import AuthenticationError, ForbiddenError, InvalidRequestError
-from gateway.http import decode_json, json_response, registry, settings
+from gateway.http import decode_json, json_response, registry, resolve_model, settings
 from gateway.registry import ServedModel
 from gateway.schemas.models import AdapterStatus, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 
@@ -28,7 +28,7 @@ def _base_model(request: Request, model: str | None) -> ServedModel:
         if len(models) != 1:
             raise InvalidRequestError(f"name the base model: one of {', '.join(models)}", param="model")
         return next(iter(models.values()))
-    served, adapter = registry(request).resolve(model)
+    served, adapter = resolve_model(request, model)
     if adapter is not None:
         raise InvalidRequestError("model must name a base model, not an adapter", param="model")
     return served

@@ -12,8 +12,17 @@ from backends.base import SamplingParams, TokenStep
 from backends.vocab import token_display
 from gateway import generation as gen
 from gateway.errors import InvalidRequestError
+from gateway.http import (
+    decode_json,
+    json_response,
+    new_id,
+    now,
+    resolve_model,
+    settings,
+    sse_event,
+    sse_response,
+)
 from gateway.prompts import tokenize
-from gateway.http import decode_json, json_response, new_id, now, registry, settings, sse_event, sse_response
 from gateway.registry import ServedModel
 from gateway.schemas.chat import (
     AssistantMessage,
@@ -39,12 +48,16 @@ def _content(message: ChatMessage) -> str:
     return "".join(part.text for part in message.content)
 
 
-def chat_prompt_ids(served: ServedModel, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt_ids(
+    served: ServedModel, messages: list[ChatMessage], *, add_generation_prompt: bool = True
+) -> list[int]:
     if not messages:
         raise InvalidRequestError("messages must not be empty", param="messages")
     tokenizer = served.require_engine().tokenizer
     if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError(f"model {served.name!r} has no chat template; use /v1/completions", param="model")
+        raise InvalidRequestError(
+            f"model {served.name!r} has no chat template; use /v1/completions", param="model"
+        )
     conversation = [
         {"role": "system" if m.role == "developer" else m.role, "content": _content(m)} for m in messages
     ]
@@ -53,7 +66,9 @@ def chat_prompt_ids(served: ServedModel, messages: list[ChatMessage], *, add_gen
             conversation, add_generation_prompt=add_generation_prompt, tokenize=False
         )
     except Exception as exc:  # templates raise on conversations they do not support
-        raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}", param="messages") from None
+        raise InvalidRequestError(
+            f"the model's chat template rejected the messages: {exc}", param="messages"
+        ) from None
     # The template already spells the special tokens; adding them again would duplicate BOS.
     return tokenize(served, text, add_special_tokens=False, param="messages")
 
@@ -78,13 +93,15 @@ def _token_logprobs(served: ServedModel, steps: Sequence[TokenStep]) -> list[Tok
 async def create_chat_completion(request: Request) -> Response | Stream:
     body = await decode_json(request, ChatCompletionRequest)
     limits = settings(request).limits
-    served, adapter = registry(request).resolve(body.model)
+    served, adapter = resolve_model(request, body.model)
     served.require_engine()
     n = gen.check_choices(body.n or 1, limits)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     if (body.top_logprobs or 0) > limits.max_top_logprobs:
-        raise InvalidRequestError(f"top_logprobs must be at most {limits.max_top_logprobs}", param="top_logprobs")
+        raise InvalidRequestError(
+            f"top_logprobs must be at most {limits.max_top_logprobs}", param="top_logprobs"
+        )
     stops = gen.check_stop(body.stop, limits)
     prompt_ids = chat_prompt_ids(served, body.messages)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -99,8 +116,10 @@ async def create_chat_completion(request: Request) -> Response | Stream:
         frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias=gen.check_logit_bias(served, body.logit_bias),
     )
-    streams = [gen.run_choice(served, prompt_ids, gen.choice_params(params, j), stops, adapter) for j in range(n)]
-    usage = _UsageCounter(len(prompt_ids))
+    streams = [
+        gen.run_choice(served, prompt_ids, gen.choice_params(params, j), stops, adapter) for j in range(n)
+    ]
+    usage = _UsageCounter(served, adapter, len(prompt_ids))
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return sse_response(_stream(served, body, streams, usage, include_usage))
@@ -109,32 +128,56 @@ async def create_chat_completion(request: Request) -> Response | Stream:
     for index, piece in enumerate(pieces):
         usage.add(piece.steps)
         logprobs = ChoiceLogprobs(content=_token_logprobs(served, piece.steps)) if body.logprobs else None
-        choices.append(ChatChoice(index=index, message=AssistantMessage(content=piece.text), logprobs=logprobs,
-                                  finish_reason=piece.finish_reason))  # type: ignore[arg-type]
-    return json_response(ChatCompletionResponse(id=new_id("chatcmpl"), created=now(), model=body.model,
-                                                choices=choices, usage=usage.usage()))
+        choices.append(
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(content=piece.text),
+                logprobs=logprobs,
+                finish_reason=piece.finish_reason,
+            )
+        )  # type: ignore[arg-type]
+    return json_response(
+        ChatCompletionResponse(
+            id=new_id("chatcmpl"), created=now(), model=body.model, choices=choices, usage=usage.usage()
+        )
+    )
 
 
 class _UsageCounter:
-    def __init__(self, prompt_tokens: int) -> None:
+    def __init__(self, served: ServedModel, adapter: str | None, prompt_tokens: int) -> None:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
+        labels = (served.name, adapter or "", "chat")
+        served.metrics.prompt_tokens.labels(*labels).inc(prompt_tokens)
+        self._generated = served.metrics.generation_tokens.labels(*labels)
 
     def add(self, steps: Sequence[TokenStep]) -> None:
         self.completion_tokens += len(steps)
+        self._generated.inc(len(steps))
 
     def usage(self) -> Usage:
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                     total_tokens=self.prompt_tokens + self.completion_tokens)
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+        )
 
 
-async def _stream(served: ServedModel, body: ChatCompletionRequest, streams: list[AsyncIterator[gen.Piece]],
-                  usage: _UsageCounter, include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(
+    served: ServedModel,
+    body: ChatCompletionRequest,
+    streams: list[AsyncIterator[gen.Piece]],
+    usage: _UsageCounter,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
     chunk_id, created = new_id("chatcmpl"), now()
 
     def chunk(choices: list[ChatChunkChoice], final_usage: Usage | None = None) -> bytes:
-        return sse_event(ChatCompletionChunk(id=chunk_id, created=created, model=body.model, choices=choices,
-                                             usage=final_usage))
+        return sse_event(
+            ChatCompletionChunk(
+                id=chunk_id, created=created, model=body.model, choices=choices, usage=final_usage
+            )
+        )
 
     for index in range(len(streams)):
         yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
@@ -144,7 +187,8 @@ async def _stream(served: ServedModel, body: ChatCompletionRequest, streams: lis
             continue
         logprobs = ChoiceLogprobs(content=_token_logprobs(served, piece.steps)) if body.logprobs else None
         delta = ChatDelta(content=piece.text) if piece.text else ChatDelta()
-        yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
-                                     finish_reason=piece.finish_reason)])  # type: ignore[arg-type]
+        yield chunk(
+            [ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=piece.finish_reason)]
+        )  # type: ignore[arg-type]
     if include_usage:
         yield chunk([], usage.usage())

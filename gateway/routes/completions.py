@@ -13,8 +13,17 @@ from backends.base import PromptLogprobs, SamplingParams, TokenStep
 from backends.vocab import decode_text, token_display
 from gateway import generation as gen
 from gateway.errors import InvalidRequestError
+from gateway.http import (
+    decode_json,
+    json_response,
+    new_id,
+    now,
+    resolve_model,
+    settings,
+    sse_event,
+    sse_response,
+)
 from gateway.prompts import token_inputs
-from gateway.http import decode_json, json_response, new_id, now, registry, settings, sse_event, sse_response
 from gateway.registry import ServedModel
 from gateway.schemas.common import Usage
 from gateway.schemas.completions import (
@@ -33,10 +42,15 @@ class _Prompt:
 
 def _prompts(served: ServedModel, prompt: str | list, max_prompts: int) -> list[_Prompt]:
     inputs = token_inputs(served, prompt, add_special_tokens=True, max_items=max_prompts, param="prompt")
-    return [_Prompt(i.ids, i.text if i.text is not None else decode_text(served.token_bytes, i.ids)) for i in inputs]
+    return [
+        _Prompt(i.ids, i.text if i.text is not None else decode_text(served.token_bytes, i.ids))
+        for i in inputs
+    ]
 
 
-def _top_dict(served: ServedModel, ids: Sequence[int], values: Sequence[float], chosen: int, logprob: float) -> dict:
+def _top_dict(
+    served: ServedModel, ids: Sequence[int], values: Sequence[float], chosen: int, logprob: float
+) -> dict:
     top = {}
     for token_id, value in zip(ids, values, strict=True):
         top.setdefault(token_display(served.token_bytes[int(token_id)]), float(value))
@@ -67,13 +81,23 @@ class _LogprobsBuilder:
         self._add(out, ids[0], None, None)
         for i, token_id in enumerate(ids[1:]):
             value = float(scores.token_logprobs[i])
-            self._add(out, token_id, value, _top_dict(self.served, scores.top_ids[i], scores.top_logprobs[i], token_id, value))
+            self._add(
+                out,
+                token_id,
+                value,
+                _top_dict(self.served, scores.top_ids[i], scores.top_logprobs[i], token_id, value),
+            )
         return out
 
     def steps(self, steps: Sequence[TokenStep]) -> CompletionLogprobs:
         out = self.empty()
         for s in steps:
-            self._add(out, s.token_id, s.logprob, _top_dict(self.served, s.top_ids, s.top_logprobs, s.token_id, s.logprob))
+            self._add(
+                out,
+                s.token_id,
+                s.logprob,
+                _top_dict(self.served, s.top_ids, s.top_logprobs, s.token_id, s.logprob),
+            )
         return out
 
 
@@ -90,7 +114,7 @@ def _join(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
 async def create_completion(request: Request) -> Response | Stream:
     body = await decode_json(request, CompletionRequest)
     limits = settings(request).limits
-    served, adapter = registry(request).resolve(body.model)
+    served, adapter = resolve_model(request, body.model)
     served.require_engine()
     n = gen.check_choices(body.n or 1, limits)
     if body.best_of is not None and body.best_of != n:
@@ -124,8 +148,16 @@ async def create_completion(request: Request) -> Response | Stream:
 class _Run:
     """One validated completion request: its prompts times n choices."""
 
-    def __init__(self, served: ServedModel, adapter: str | None, body: CompletionRequest, prompts: list[_Prompt],
-                 n: int, params: SamplingParams, stops: list[str]) -> None:
+    def __init__(
+        self,
+        served: ServedModel,
+        adapter: str | None,
+        body: CompletionRequest,
+        prompts: list[_Prompt],
+        n: int,
+        params: SamplingParams,
+        stops: list[str],
+    ) -> None:
         self.served, self.adapter, self.body, self.prompts = served, adapter, body, prompts
         self.n, self.params, self.stops = n, params, stops
         self.id, self.created = new_id("cmpl"), now()
@@ -134,7 +166,12 @@ class _Run:
 
     def _choices(self) -> list[tuple[_Prompt, AsyncIterator[gen.Piece]]]:
         return [
-            (p, gen.run_choice(self.served, p.ids, gen.choice_params(self.params, j), self.stops, self.adapter))
+            (
+                p,
+                gen.run_choice(
+                    self.served, p.ids, gen.choice_params(self.params, j), self.stops, self.adapter
+                ),
+            )
             for p in self.prompts
             for j in range(self.n)
         ]
@@ -143,18 +180,28 @@ class _Run:
         """The prompt's text and, with logprobs, its tokens scored (the first one has no score)."""
         if not self.want_logprobs:
             return prompt.text, None
-        scores = await self.served.require_engine().prompt_logprobs(prompt.ids, self.params.top_logprobs, self.adapter)
+        scores = await self.served.require_engine().prompt_logprobs(
+            prompt.ids, self.params.top_logprobs, self.adapter
+        )
         return prompt.text, _LogprobsBuilder(self.served, 0).prompt(prompt.ids, scores)
 
     def _response(self, choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:
-        return CompletionResponse(id=self.id, created=self.created, model=self.body.model, choices=choices, usage=usage)
+        return CompletionResponse(
+            id=self.id, created=self.created, model=self.body.model, choices=choices, usage=usage
+        )
 
     async def complete(self) -> CompletionResponse:
         choices = self._choices()
         pieces = await asyncio.gather(*(gen.collect(stream) for _, stream in choices))
         echoes = {}
         if self.body.echo:
-            echoes = dict(zip(map(id, self.prompts), await asyncio.gather(*(self._echo(p) for p in self.prompts))))
+            echoes = dict(
+                zip(
+                    map(id, self.prompts),
+                    await asyncio.gather(*(self._echo(p) for p in self.prompts)),
+                    strict=True,
+                )
+            )
         out, completion_tokens = [], 0
         for index, ((prompt, _), piece) in enumerate(zip(choices, pieces, strict=True)):
             completion_tokens += len(piece.steps)
@@ -165,11 +212,23 @@ class _Run:
                 logprobs = _LogprobsBuilder(self.served, offset).steps(piece.steps)
                 if echo_logprobs is not None:
                     logprobs = _join(echo_logprobs, logprobs)
-            out.append(CompletionChoice(index=index, text=echo_text + text, logprobs=logprobs,
-                                        finish_reason=piece.finish_reason))  # type: ignore[arg-type]
-        usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
-                      total_tokens=self.prompt_tokens + completion_tokens)
+            out.append(
+                CompletionChoice(
+                    index=index, text=echo_text + text, logprobs=logprobs, finish_reason=piece.finish_reason
+                )
+            )  # type: ignore[arg-type]
+        usage = Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=self.prompt_tokens + completion_tokens,
+        )
+        self._count(completion_tokens)
         return self._response(out, usage)
+
+    def _count(self, completion_tokens: int) -> None:
+        metrics, labels = self.served.metrics, (self.served.name, self.adapter or "", "completions")
+        metrics.prompt_tokens.labels(*labels).inc(self.prompt_tokens)
+        metrics.generation_tokens.labels(*labels).inc(completion_tokens)
 
     async def stream(self) -> AsyncIterator[bytes]:
         choices = self._choices()
@@ -178,19 +237,28 @@ class _Run:
             for index, (prompt, _) in enumerate(choices):
                 text, logprobs = await self._echo(prompt)
                 builders[index].offset = len(text)
-                yield sse_event(self._response([CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                                 finish_reason=None)], None))
+                yield sse_event(
+                    self._response(
+                        [CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=None)],
+                        None,
+                    )
+                )
         completion_tokens = 0
         async for index, piece in gen.merge([stream for _, stream in choices]):
             completion_tokens += len(piece.steps)
             if not (piece.text or piece.finish_reason or (self.want_logprobs and piece.steps)):
                 continue
             logprobs = builders[index].steps(piece.steps) if self.want_logprobs else None
-            choice = CompletionChoice(index=index, text=piece.text, logprobs=logprobs,
-                                      finish_reason=piece.finish_reason)  # type: ignore[arg-type]
+            choice = CompletionChoice(
+                index=index, text=piece.text, logprobs=logprobs, finish_reason=piece.finish_reason
+            )  # type: ignore[arg-type]
             yield sse_event(self._response([choice], None))
+        self._count(completion_tokens)
         options = self.body.stream_options
         if options is not None and options.include_usage:
-            usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=self.prompt_tokens + completion_tokens)
+            usage = Usage(
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=self.prompt_tokens + completion_tokens,
+            )
             yield sse_event(self._response([], usage))

@@ -11,7 +11,7 @@ from litestar import Request, Response, get, post
 from gateway.dense import dense_rows
 from gateway.encoding import row_base64, row_bytes
 from gateway.errors import ContextLengthError, EngineError, GatewayError
-from gateway.http import MSGPACK_TYPES, decode_json, json_response, registry, settings, wants_msgpack
+from gateway.http import MSGPACK_TYPES, decode_json, json_response, resolve_model, settings, wants_msgpack
 from gateway.prompts import token_inputs
 from gateway.schemas.logprobs import (
     BatchingStats,
@@ -30,10 +30,15 @@ def _float_row(values: np.ndarray) -> list[float | None]:
 @post("/v1/next_token_logprobs", status_code=200, summary="Dense next-token log-probabilities")
 async def next_token_logprobs(request: Request) -> Response:
     body = await decode_json(request, NextTokenLogprobsRequest)
-    served, adapter = registry(request).resolve(body.model)
+    served, adapter = resolve_model(request, body.model)
     engine = served.require_engine()
-    inputs = token_inputs(served, body.input, add_special_tokens=body.add_special_tokens,
-                          max_items=settings(request).limits.max_rows, param="input")
+    inputs = token_inputs(
+        served,
+        body.input,
+        add_special_tokens=body.add_special_tokens,
+        max_items=settings(request).limits.max_rows,
+        param="input",
+    )
     longest = max(len(i.ids) for i in inputs)
     if longest > engine.max_model_len:
         raise ContextLengthError(
@@ -51,11 +56,19 @@ async def next_token_logprobs(request: Request) -> Response:
     usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens, cache_hits=hits)
     # Encoding megabytes of floats would stall the event loop: it runs on a worker thread.
     content = await asyncio.to_thread(_encode, rows, body, engine.vocab_size, usage, binary)
+    encoding = "msgpack" if binary else body.encoding_format
+    served.metrics.dense_rows.labels(served.name, adapter or "", encoding).inc(len(inputs))
+    served.metrics.dense_response_bytes.labels(served.name, encoding).inc(len(content))
     return Response(content=content, media_type=MSGPACK_TYPES[0] if binary else "application/json")
 
 
-def _encode(rows: np.ndarray, body: NextTokenLogprobsRequest, vocab_size: int, usage: NextTokenLogprobsUsage,
-            binary: bool) -> bytes:
+def _encode(
+    rows: np.ndarray,
+    body: NextTokenLogprobsRequest,
+    vocab_size: int,
+    usage: NextTokenLogprobsUsage,
+    binary: bool,
+) -> bytes:
     if binary:
         data = [NextTokenLogprobsRow(index=i, logprobs=row_bytes(r, body.dtype)) for i, r in enumerate(rows)]
     elif body.encoding_format == "base64":
@@ -74,9 +87,17 @@ def _encode(rows: np.ndarray, body: NextTokenLogprobsRequest, vocab_size: int, u
 
 @get("/v1/models/{model:str}/stats", summary="Dense-row batching counters of a model")
 async def batching_stats(request: Request, model: str) -> Response:
-    served, _ = registry(request).resolve(model)
+    served, _ = resolve_model(request, model)
     served.require_engine()
     assert served.batcher is not None
     s = served.batcher.stats
-    return json_response(BatchingStats(model=served.name, requests=s.requests, rows=s.rows,
-                                       engine_rows=s.engine_rows, batches=s.batches, largest_batch=s.largest_batch))
+    return json_response(
+        BatchingStats(
+            model=served.name,
+            requests=s.requests,
+            rows=s.rows,
+            engine_rows=s.engine_rows,
+            batches=s.batches,
+            largest_batch=s.largest_batch,
+        )
+    )

@@ -1,10 +1,11 @@
-"""GET /v1/models, GET /v1/models/{model}, GET /health."""
+"""GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics."""
 
 from __future__ import annotations
 
 from litestar import Request, Response, get
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway.http import json_response, registry
+from gateway.http import json_response, registry, resolve_model
 from gateway.registry import AdapterInfo, ServedModel
 from gateway.schemas.models import Health, ModelCard, ModelHealth, ModelList
 
@@ -24,9 +25,16 @@ def _card(served: ServedModel) -> ModelCard:
 
 def _adapter_card(served: ServedModel, adapter: AdapterInfo) -> ModelCard:
     base = _card(served)
-    return ModelCard(id=f"{served.name}:{adapter.name}", created=adapter.created, root=adapter.path, parent=served.name,
-                     max_model_len=base.max_model_len, vocab_size=base.vocab_size, backend=base.backend,
-                     ready=base.ready)
+    return ModelCard(
+        id=f"{served.name}:{adapter.name}",
+        created=adapter.created,
+        root=adapter.path,
+        parent=served.name,
+        max_model_len=base.max_model_len,
+        vocab_size=base.vocab_size,
+        backend=base.backend,
+        ready=base.ready,
+    )
 
 
 @get("/v1/models", summary="List the served models and their adapters")
@@ -40,8 +48,15 @@ async def list_models(request: Request) -> Response:
 
 @get("/v1/models/{model:str}", summary="Describe one served model or adapter")
 async def retrieve_model(request: Request, model: str) -> Response:
-    served, adapter = registry(request).resolve(model)
-    return json_response(_card(served) if adapter is None else _adapter_card(served, served.adapters[adapter]))
+    served, adapter = resolve_model(request, model)
+    return json_response(
+        _card(served) if adapter is None else _adapter_card(served, served.adapters[adapter])
+    )
+
+
+@get("/metrics", summary="Prometheus metrics (text exposition format)")
+async def prometheus_metrics(request: Request) -> Response:
+    return Response(content=request.app.state.metrics.expose(), media_type=CONTENT_TYPE_LATEST)
 
 
 @get("/health", summary="200 when every model is loaded and healthy, else 503")
@@ -50,5 +65,7 @@ async def health(request: Request) -> Response:
     healthy = registry(request).healthy
     failed = any(m.error for m in models)
     status = "ok" if healthy else ("unhealthy" if failed else "loading")
-    body = Health(status=status, models=[ModelHealth(name=m.name, ready=m.ready, error=m.error) for m in models])
+    body = Health(
+        status=status, models=[ModelHealth(name=m.name, ready=m.ready, error=m.error) for m in models]
+    )
     return json_response(body, status_code=200 if healthy else 503)

@@ -9,7 +9,7 @@ from litestar import Request, Response, get, post
 
 from backends.vocab import decode_text, token_display
 from gateway.errors import InvalidRequestError
-from gateway.http import decode_json, json_response, msgpack_response, registry, wants_msgpack
+from gateway.http import decode_json, json_response, msgpack_response, resolve_model, wants_msgpack
 from gateway.prompts import check_token_ids, tokenize
 from gateway.routes.chat import chat_prompt_ids
 from gateway.schemas.logprobs import (
@@ -24,10 +24,12 @@ from gateway.schemas.logprobs import (
 
 @get("/v1/models/{model:str}/vocabulary", summary="Exact bytes of every token id")
 async def vocabulary(request: Request, model: str) -> Response:
-    served, _ = registry(request).resolve(model)
+    served, _ = resolve_model(request, model)
     engine = served.require_engine()
     binary = wants_msgpack(request)
-    tokens = served.token_bytes if binary else [base64.b64encode(t).decode("ascii") for t in served.token_bytes]
+    tokens = (
+        served.token_bytes if binary else [base64.b64encode(t).decode("ascii") for t in served.token_bytes]
+    )
     body = Vocabulary(
         model=served.name,
         vocab_size=engine.vocab_size,
@@ -42,15 +44,19 @@ async def vocabulary(request: Request, model: str) -> Response:
 
 @get("/v1/models/{model:str}/tokenizer", summary="The tokenizer's files, to rebuild it offline")
 async def tokenizer_files(request: Request, model: str) -> Response:
-    served, _ = registry(request).resolve(model)
+    served, _ = resolve_model(request, model)
     served.require_engine()
     return json_response(TokenizerFiles(model=served.name, files=served.tokenizer_files))
 
 
-@post(["/v1/tokenize", "/tokenize"], status_code=200, summary="Tokenize a prompt or chat messages (vLLM's shape)")
+@post(
+    ["/v1/tokenize", "/tokenize"],
+    status_code=200,
+    summary="Tokenize a prompt or chat messages (vLLM's shape)",
+)
 async def tokenize_route(request: Request) -> Response:
     body = await decode_json(request, TokenizeRequest)
-    served, _ = registry(request).resolve(body.model)
+    served, _ = resolve_model(request, body.model)
     engine = served.require_engine()
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
@@ -61,13 +67,14 @@ async def tokenize_route(request: Request) -> Response:
     else:
         ids = []
     strs = [token_display(served.token_bytes[i]) for i in ids] if body.return_token_strs else None
-    return json_response(TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
-                                          token_strs=strs))
+    return json_response(
+        TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
+    )
 
 
 @post(["/v1/detokenize", "/detokenize"], status_code=200, summary="Token ids back to text (vLLM's shape)")
 async def detokenize_route(request: Request) -> Response:
     body = await decode_json(request, DetokenizeRequest)
-    served, _ = registry(request).resolve(body.model)
+    served, _ = resolve_model(request, body.model)
     ids = check_token_ids(served, body.tokens, "tokens") if body.tokens else []
     return json_response(DetokenizeResponse(prompt=decode_text(served.token_bytes, ids)))

@@ -7,7 +7,14 @@ from transformers import AutoTokenizer
 
 from backends.vocab import IncrementalText, decode_text, token_bytes_table, token_display
 
-TEXTS = ["Hello, world!", "  spaces\tand\nnewlines  ", "héllo wörld", "日本語のテキスト", "emoji 🎉🚀 ok", "naïve café ✓"]
+TEXTS = [
+    "Hello, world!",
+    "  spaces\tand\nnewlines  ",
+    "héllo wörld",
+    "日本語のテキスト",
+    "emoji 🎉🚀 ok",
+    "naïve café ✓",
+]
 
 
 @pytest.fixture(scope="module")

@@ -42,8 +42,12 @@ timeout_s = 0.2
 
 
 def dense(gateway, rows, model=MODEL):
-    response = httpx.post(gateway.base_url + "/v1/next_token_logprobs", headers=MSGPACK, timeout=60,
-                          json={"model": model, "input": rows})
+    response = httpx.post(
+        gateway.base_url + "/v1/next_token_logprobs",
+        headers=MSGPACK,
+        timeout=60,
+        json={"model": model, "input": rows},
+    )
     assert response.status_code == 200, response.text
     doc = msgspec.msgpack.decode(response.content)
     raw = [row["logprobs"] for row in doc["data"]]

@@ -7,7 +7,6 @@ import logging
 import time
 
 import numpy as np
-import pytest
 
 from gateway.cache import CacheStats, DenseRowCache, MemoryStore, RedisStore, weights_fingerprint
 
@@ -113,6 +112,6 @@ async def test_redis_outage_is_a_miss_logged_once_and_recovers(redis_server, cap
         redis_server.start()
     await asyncio.sleep(0.35)
     await cache.store_rows([key], _row(1)[None])
-    assert np.array_equal(( await cache.lookup([key], 1000))[0], _row(1))
+    assert np.array_equal((await cache.lookup([key], 1000))[0], _row(1))
     assert sum("is back" in r.message for r in caplog.records) == 1
     await store.aclose()

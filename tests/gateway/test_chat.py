@@ -18,8 +18,9 @@ def _template_ids(reference, messages):
 
 def test_greedy_chat_matches_direct_generation(client, reference):
     ids = _template_ids(reference, MESSAGES)
-    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
-                                         logprobs=True, top_logprobs=2)
+    out = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2
+    )
     choice = out.choices[0]
     generated = reference.greedy(ids, 12)
     eos = reference.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -35,7 +36,9 @@ def test_greedy_chat_matches_direct_generation(client, reference):
     want = [rows[len(ids) - 1 + i, t] for i, t in enumerate(generated)]
     assert np.max(np.abs(np.array([c.logprob for c in content]) - want)) <= 1e-4
     for i, entry in enumerate(content):
-        assert bytes(entry.bytes) == reference.tokenizer.decode([generated[i]]).encode() or generated[i] == eos
+        assert (
+            bytes(entry.bytes) == reference.tokenizer.decode([generated[i]]).encode() or generated[i] == eos
+        )
         best = int(np.argmax(rows[len(ids) - 1 + i]))
         assert entry.top_logprobs[0].token == reference.tokenizer.decode([best])
         assert abs(entry.top_logprobs[0].logprob - rows[len(ids) - 1 + i, best]) <= 1e-4
@@ -44,7 +47,10 @@ def test_greedy_chat_matches_direct_generation(client, reference):
 def test_system_message_and_content_parts_follow_the_template(client, reference):
     messages = [
         {"role": "system", "content": "You answer in one word."},
-        {"role": "user", "content": [{"type": "text", "text": "Capital of "}, {"type": "text", "text": "Italy?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Capital of "}, {"type": "text", "text": "Italy?"}],
+        },
     ]
     flat = [messages[0], {"role": "user", "content": "Capital of Italy?"}]
     ids = _template_ids(reference, flat)
@@ -57,7 +63,9 @@ def test_system_message_and_content_parts_follow_the_template(client, reference)
 def test_chat_stream_equals_non_stream(client):
     kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
     whole = client.chat.completions.create(**kwargs).choices[0]
-    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == whole.message.content
@@ -69,7 +77,9 @@ def test_chat_stream_equals_non_stream(client):
 def test_chat_stop_and_seeded_sampling(client):
     whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
     text = whole.choices[0].message.content
-    cut = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stop=["Paris"])
+    cut = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stop=["Paris"]
+    )
     assert cut.choices[0].message.content == text[: text.index("Paris")]
     assert cut.choices[0].finish_reason == "stop"
     kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.2, seed=7, n=2)

@@ -33,6 +33,7 @@ def test_vocabulary_and_tokenizer_match_the_model(lm, reference):
 
 def test_concurrent_calls_share_one_request_and_match_forward_pass(lm, reference):
     rows = [reference.tokenizer(p).input_ids for p in PREFIXES]
+
     async def run():
         return await asyncio.gather(*(lm.next_token_logprobs(r) for r in rows))
 
@@ -63,7 +64,9 @@ def test_sample_is_seeded_and_stops_before_eos(lm, reference):
     prompt = reference.tokenizer("The capital of France is").input_ids
 
     async def run(seed):
-        return await lm.sample(prompt, max_tokens=5, eos_token_ids=lm.eos_token_ids, temperature=1.0, seed=seed)
+        return await lm.sample(
+            prompt, max_tokens=5, eos_token_ids=lm.eos_token_ids, temperature=1.0, seed=seed
+        )
 
     first, second = asyncio.run(run(3)), asyncio.run(run(3))
     assert first == second and 0 < len(first) <= 5

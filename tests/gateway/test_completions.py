@@ -59,7 +59,9 @@ def test_echo_max_tokens_zero_scores_the_prompt(client, reference):
 
 def test_echo_with_generation_and_top_alternatives(client, reference):
     ids = reference.tokenizer(PROMPT).input_ids
-    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, echo=True, logprobs=2, temperature=0)
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, echo=True, logprobs=2, temperature=0
+    )
     choice = out.choices[0]
     generated = reference.greedy(ids, 3)
     assert choice.text == PROMPT + reference.tokenizer.decode(generated)
@@ -71,7 +73,10 @@ def test_echo_with_generation_and_top_alternatives(client, reference):
     assert np.max(np.abs(np.array(lp.token_logprobs[1:]) - want)) <= TOL
     for position in range(1, len(all_ids)):
         best = int(np.argmax(rows[position - 1]))
-        assert abs(lp.top_logprobs[position][reference.tokenizer.decode([best])] - rows[position - 1, best]) <= TOL
+        assert (
+            abs(lp.top_logprobs[position][reference.tokenizer.decode([best])] - rows[position - 1, best])
+            <= TOL
+        )
 
 
 def test_token_id_prompts_equal_string_prompts(client, reference):
@@ -118,9 +123,7 @@ def test_stop_string_cuts_text_and_reports_stop(client):
 def test_streaming_equals_non_streaming(client):
     kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=1)
     whole = client.completions.create(**kwargs).choices[0]
-    chunks = list(
-        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
-    )
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     text_chunks = [c for c in chunks if c.choices]
     assert len(text_chunks) > 1
     assert "".join(c.choices[0].text for c in text_chunks) == whole.text
@@ -133,8 +136,11 @@ def test_streaming_equals_non_streaming(client):
 
 
 def test_streaming_echo_sends_the_prompt_first(client):
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
-                                            echo=True, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True, stream=True
+        )
+    )
     assert chunks[0].choices[0].text == PROMPT
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True)
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
@@ -149,7 +155,10 @@ def test_async_client_concurrent_requests_match_sequential(async_client, client)
 
     async def run():
         results = await asyncio.gather(
-            *(async_client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0) for p in prompts)
+            *(
+                async_client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0)
+                for p in prompts
+            )
         )
         stream = await async_client.completions.create(
             model=MODEL, prompt=prompts[0], max_tokens=5, temperature=0, stream=True

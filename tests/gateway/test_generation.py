@@ -60,13 +60,19 @@ async def test_max_tokens_zero_yields_one_empty_piece(served):
 
 
 async def test_merge_keeps_each_choice_in_order(served):
-    streams = [gen.run_choice(served, PROMPT, gen.choice_params(SamplingParams(max_tokens=6, seed=3), j), [])
-               for j in range(3)]
+    streams = [
+        gen.run_choice(served, PROMPT, gen.choice_params(SamplingParams(max_tokens=6, seed=3), j), [])
+        for j in range(3)
+    ]
     texts = ["", "", ""]
     async for index, piece in gen.merge(streams):
         texts[index] += piece.text
-    alone = [await gen.collect(gen.run_choice(served, PROMPT, gen.choice_params(SamplingParams(max_tokens=6, seed=3), j), []))
-             for j in range(3)]
+    alone = [
+        await gen.collect(
+            gen.run_choice(served, PROMPT, gen.choice_params(SamplingParams(max_tokens=6, seed=3), j), [])
+        )
+        for j in range(3)
+    ]
     assert texts == [p.text for p in alone]
     assert len(set(texts)) == 3
 

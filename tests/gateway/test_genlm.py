@@ -25,8 +25,13 @@ async def test_prompted_llm_matches_local_genlm_backend(gateway, reference):
     for llm in (remote, local):
         potential = genlm_control.PromptedLLM(llm, prompt_ids=prompt)
         paris = [llm.byte_vocab[i] for i in reference.tokenizer.encode(" Paris", add_special_tokens=False)]
-        weights.append((_weights(await potential.logw_next([])), _weights(await potential.logw_next(paris)),
-                        await potential.prefix(paris)))
+        weights.append(
+            (
+                _weights(await potential.logw_next([])),
+                _weights(await potential.logw_next(paris)),
+                await potential.prefix(paris),
+            )
+        )
     await remote.aclose()
     (remote_first, remote_next, remote_prefix), (local_first, local_next, local_prefix) = weights
     assert remote_first.shape == local_first.shape

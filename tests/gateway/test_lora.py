@@ -26,7 +26,9 @@ def make_adapter(model_dir, path, seed, rank=4, **save):
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
     get_peft_model(base, config).save_pretrained(path, **save)
     return path
 
@@ -59,7 +61,7 @@ name = "{MODEL}"
 model = "{model_dir}"
 dtype = "float32"
 adapters_root = "{root}"
-adapters = {{a = "{paths['a']}"}}
+adapters = {{a = "{paths["a"]}"}}
 """)
     gateway = start_gateway(["--config", str(config)], config.parent / "gateway.log")
     yield gateway
@@ -88,20 +90,32 @@ def ref_last_row(model, ids):
 def ref_greedy(model, ids, n):
     tokens = torch.tensor([ids])
     with torch.inference_mode():
-        out = model.generate(input_ids=tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=n,
-                             do_sample=False, eos_token_id=None)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            input_ids=tokens,
+            attention_mask=torch.ones_like(tokens),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def dense(gateway, model, rows):
-    r = httpx.post(gateway.base_url + "/v1/next_token_logprobs", json={"model": model, "input": rows}, timeout=60)
+    r = httpx.post(
+        gateway.base_url + "/v1/next_token_logprobs", json={"model": model, "input": rows}, timeout=60
+    )
     assert r.status_code == 200, r.text
-    return np.array([d["logprobs"] for d in r.json()["data"]], dtype=np.float32), r.json()["usage"]["cache_hits"]
+    return np.array([d["logprobs"] for d in r.json()["data"]], dtype=np.float32), r.json()["usage"][
+        "cache_hits"
+    ]
 
 
 def complete(gateway, model, prompt, n=6):
-    r = httpx.post(gateway.base_url + "/v1/completions", timeout=60,
-                   json={"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0})
+    r = httpx.post(
+        gateway.base_url + "/v1/completions",
+        timeout=60,
+        json={"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -127,7 +141,8 @@ def test_dense_rows_and_greedy_text_equal_peft_forward(lora_gateway, peft_refere
     assert np.max(np.abs(with_a - base)) > 0.5  # the adapter really changes the model
     ids = rows[0]
     assert complete(lora_gateway, f"{MODEL}:a", PROMPTS[0]) == reference.tokenizer.decode(
-        ref_greedy(peft_reference["a"], ids, 6))
+        ref_greedy(peft_reference["a"], ids, 6)
+    )
     assert complete(lora_gateway, MODEL, PROMPTS[0]) == reference.tokenizer.decode(reference.greedy(ids, 6))
 
 
@@ -143,14 +158,17 @@ def test_runtime_load_mixed_concurrent_traffic_and_unload(lora_gateway, peft_ref
 
     async def mixed():
         async with httpx.AsyncClient(base_url=lora_gateway.base_url, timeout=120) as client:
+
             async def one(name, k):
                 prefix = rows[k % len(rows)] + [k]  # fresh rows, so the engine computes them together
                 r = await client.post("/v1/next_token_logprobs", json={"model": name, "input": [prefix]})
                 return name, prefix, np.array(r.json()["data"][0]["logprobs"], dtype=np.float32)
 
             async def text(name):
-                r = await client.post("/v1/completions", json={"model": name, "prompt": PROMPTS[1],
-                                                               "max_tokens": 4, "temperature": 0})
+                r = await client.post(
+                    "/v1/completions",
+                    json={"model": name, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0},
+                )
                 return name, r.json()["choices"][0]["text"]
 
             dense_results = asyncio.gather(*(one(names[k % 3], k) for k in range(24)))
@@ -165,7 +183,9 @@ def test_runtime_load_mixed_concurrent_traffic_and_unload(lora_gateway, peft_ref
 
     r = admin(lora_gateway, "/v1/unload_lora_adapter", {"lora_name": "b"})
     assert r.status_code == 200 and r.json()["status"] == "unloaded"
-    gone = httpx.post(lora_gateway.base_url + "/v1/next_token_logprobs", json={"model": f"{MODEL}:b", "input": [[1]]})
+    gone = httpx.post(
+        lora_gateway.base_url + "/v1/next_token_logprobs", json={"model": f"{MODEL}:b", "input": [[1]]}
+    )
     assert gone.status_code == 404
     assert f"{MODEL}:a" in gone.json()["error"]["message"]  # lists what is available
     again, _ = dense(lora_gateway, MODEL, rows)
@@ -181,19 +201,22 @@ def test_adapters_never_share_cache_entries(lora_gateway, reference):
     assert hits == 1
 
 
-@pytest.mark.parametrize(("body", "headers", "status", "needle"), [
-    ({"lora_name": "c", "lora_path": "a"}, {}, 401, "admin key"),
-    ({"lora_name": "c", "lora_path": "a"}, {"Authorization": "Bearer wrong"}, 401, "admin key"),
-    ({"lora_name": "c", "lora_path": "../outside"}, ADMIN, 403, "adapters root"),
-    ({"lora_name": "c", "lora_path": "/etc"}, ADMIN, 403, "adapters root"),
-    ({"lora_name": "c", "lora_path": "link"}, ADMIN, 403, "adapters root"),
-    ({"lora_name": "c", "lora_path": "too_big"}, ADMIN, 400, "rank"),
-    ({"lora_name": "c", "lora_path": "pickled"}, ADMIN, 400, "safetensors"),
-    ({"lora_name": "c", "lora_path": "mismatched"}, ADMIN, 400, "does not fit"),
-    ({"lora_name": "c", "lora_path": "missing"}, ADMIN, 400, "adapter_config.json"),
-    ({"lora_name": "a", "lora_path": "b"}, ADMIN, 400, "already loaded"),
-    ({"lora_name": "bad name!", "lora_path": "b"}, ADMIN, 400, "adapter name"),
-])
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "needle"),
+    [
+        ({"lora_name": "c", "lora_path": "a"}, {}, 401, "admin key"),
+        ({"lora_name": "c", "lora_path": "a"}, {"Authorization": "Bearer wrong"}, 401, "admin key"),
+        ({"lora_name": "c", "lora_path": "../outside"}, ADMIN, 403, "adapters root"),
+        ({"lora_name": "c", "lora_path": "/etc"}, ADMIN, 403, "adapters root"),
+        ({"lora_name": "c", "lora_path": "link"}, ADMIN, 403, "adapters root"),
+        ({"lora_name": "c", "lora_path": "too_big"}, ADMIN, 400, "rank"),
+        ({"lora_name": "c", "lora_path": "pickled"}, ADMIN, 400, "safetensors"),
+        ({"lora_name": "c", "lora_path": "mismatched"}, ADMIN, 400, "does not fit"),
+        ({"lora_name": "c", "lora_path": "missing"}, ADMIN, 400, "adapter_config.json"),
+        ({"lora_name": "a", "lora_path": "b"}, ADMIN, 400, "already loaded"),
+        ({"lora_name": "bad name!", "lora_path": "b"}, ADMIN, 400, "adapter name"),
+    ],
+)
 def test_bad_admin_requests_leave_the_service_unchanged(lora_gateway, body, headers, status, needle):
     before = httpx.get(lora_gateway.base_url + "/v1/models").json()["data"]
     r = admin(lora_gateway, "/v1/load_lora_adapter", body, headers)

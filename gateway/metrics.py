@@ -1,0 +1,175 @@
+"""Prometheus instruments, and the ASGI middleware that counts and times every request.
+
+All names start with `logprob_gateway_` and use base units. Label values are bounded: `model` is
+a configured model name (empty when the request named none that exists), `adapter` a loaded
+adapter's name, `route` the route's path template ("unmatched" for unknown paths). Raw user input
+never becomes a label value. One registry per app; the gateway runs one worker process.
+
+Where a concept matches one of vLLM's metrics the name says so in its help text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "logprob_gateway"
+LABELS_KEY = "logprob_gateway.labels"  # where routes leave (model, adapter) in the ASGI scope
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "HTTP requests served.",
+            ["route", "method", "model", "adapter", "status"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            f"{PREFIX}_request_duration_seconds",
+            "Time from request to the last response byte (vLLM: e2e request latency).",
+            ["route", "model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(f"{PREFIX}_requests_in_flight", "Requests being served.", registry=r)
+        self.time_to_first_token = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Time to the first generated token (vLLM: time_to_first_token).",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Time between generated tokens (vLLM: inter_token_latency).",
+            ["model"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens",
+            "Prompt tokens processed (vLLM: prompt_tokens).",
+            ["model", "adapter", "endpoint"],
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            f"{PREFIX}_generation_tokens",
+            "Tokens generated (vLLM: generation_tokens).",
+            ["model", "adapter", "endpoint"],
+            registry=r,
+        )
+        self.dense_rows = Counter(
+            f"{PREFIX}_dense_rows",
+            "Dense next-token rows served.",
+            ["model", "adapter", "encoding"],
+            registry=r,
+        )
+        self.dense_response_bytes = Counter(
+            f"{PREFIX}_dense_response_bytes",
+            "Bytes of dense next-token responses.",
+            ["model", "encoding"],
+            registry=r,
+        )
+        self.batch_rows = Histogram(
+            f"{PREFIX}_batch_rows",
+            "Distinct rows per engine call of the dense batcher.",
+            ["model"],
+            buckets=ROW_BUCKETS,
+            registry=r,
+        )
+        self.batch_queue_wait = Histogram(
+            f"{PREFIX}_batch_queue_wait_seconds",
+            "Time a dense request waits before its engine call starts.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.cache_lookups = Counter(
+            f"{PREFIX}_cache_lookups", "Dense rows looked up in the output cache.", ["result"], registry=r
+        )
+        self.cache_errors = Counter(
+            f"{PREFIX}_cache_errors", "Failed calls to the cache store (timeouts, outages).", registry=r
+        )
+        self.cache_duration = Histogram(
+            f"{PREFIX}_cache_operation_duration_seconds",
+            "Latency of cache store calls.",
+            ["operation"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.model_load_duration = Gauge(
+            f"{PREFIX}_model_load_duration_seconds", "Time the model took to load.", ["model"], registry=r
+        )
+
+    def expose(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class StateCollector(Collector):
+    """Gauges read at scrape time: model readiness and the batchers' queues."""
+
+    def __init__(self, models: Any) -> None:
+        self.models = models  # the ModelRegistry
+
+    def collect(self) -> Iterable[Any]:
+        ready = GaugeMetricFamily(
+            f"{PREFIX}_model_ready", "1 when the model is loaded and healthy.", labels=["model"]
+        )
+        queued = GaugeMetricFamily(
+            f"{PREFIX}_batch_queue_requests", "Dense requests waiting for the engine.", labels=["model"]
+        )
+        engine_rows = CounterMetricFamily(
+            f"{PREFIX}_engine_rows", "Dense rows computed by the engine.", labels=["model"]
+        )
+        for served in self.models.models.values():
+            healthy = served.ready and served.engine is not None and served.engine.is_healthy()
+            ready.add_metric([served.name], 1.0 if healthy else 0.0)
+            if served.batcher is not None:
+                queued.add_metric([served.name], served.batcher.queued)
+                engine_rows.add_metric([served.name], served.batcher.stats.engine_rows)
+        yield from (ready, queued, engine_rows)
+
+
+def set_labels(scope: Scope, model: str, adapter: str | None) -> None:
+    """Called once the request's model is known to exist."""
+    scope[LABELS_KEY] = (model, adapter or "")  # type: ignore[literal-required]
+
+
+def instrument(app: ASGIApp, metrics: Metrics) -> ASGIApp:
+    """Wrap the whole app (not Litestar's per-route middleware), so unknown paths count too."""
+
+    async def instrumented(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def observe(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        metrics.in_flight.inc()
+        try:
+            await app(scope, receive, observe)
+        finally:
+            metrics.in_flight.dec()
+            route = scope.get("path_template") or "unmatched"
+            model, adapter = scope.get(LABELS_KEY, ("", ""))  # type: ignore[misc]
+            metrics.requests.labels(route, scope["method"], model, adapter, str(status)).inc()
+            metrics.request_duration.labels(route, model).observe(time.perf_counter() - started)
+
+    return instrumented
