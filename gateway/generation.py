@@ -41,7 +41,8 @@ def check_logit_bias(served: ServedModel, bias: dict[str, float] | None) -> dict
     parsed: dict[int, float] = {}
     vocab = served.require_engine().vocab_size
     for key, value in (bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab:
+        # ASCII digits only: str.isdigit() also accepts "²" and "١", and int() rejects very long keys
+        if not (key.isascii() and key.isdigit()) or len(key) > 20 or int(key) >= vocab:
             raise InvalidRequestError(
                 f"logit_bias key {key!r} is not a token id in [0, {vocab})", param="logit_bias"
             )

@@ -160,12 +160,15 @@ def load_settings(
     layered = {**env_overrides(environ), **{k: v for k, v in (overrides or {}).items() if v is not None}}
     model_fields = {k: layered.pop(k) for k in _MODEL_KEYS if k in layered}
     cache_fields = {_CACHE_KEYS[k]: layered.pop(k) for k in list(_CACHE_KEYS) if k in layered}
-    if cache_fields:
+    # A malformed table in the file is left as it is, for the validation below to report.
+    if cache_fields and isinstance(raw.get("cache", {}), dict):
         raw["cache"] = {**raw.get("cache", {}), **cache_fields}
+    models = raw.get("models", [{}])
     if "model" in model_fields:
         raw["models"] = [model_fields]
-    elif model_fields:  # backend/dtype/... without a model: apply to every configured model
-        raw["models"] = [{**m, **model_fields} for m in raw.get("models", [{}])]
+    elif model_fields and isinstance(models, list) and all(isinstance(m, dict) for m in models):
+        # backend/dtype/... without a model: apply to every configured model
+        raw["models"] = [{**m, **model_fields} for m in models]
     raw.update(layered)
     try:
         # strict=False: environment values arrive as strings ("8000")

@@ -15,6 +15,8 @@ from gateway.http import MSGPACK_TYPES, decode_json, json_response, resolve_mode
 from gateway.prompts import token_inputs
 from gateway.schemas.logprobs import (
     BatchingStats,
+    NextTokenLogprobsBinaryResponse,
+    NextTokenLogprobsBinaryRow,
     NextTokenLogprobsRequest,
     NextTokenLogprobsResponse,
     NextTokenLogprobsRow,
@@ -70,19 +72,30 @@ def _encode(
     binary: bool,
 ) -> bytes:
     if binary:
-        data = [NextTokenLogprobsRow(index=i, logprobs=row_bytes(r, body.dtype)) for i, r in enumerate(rows)]
-    elif body.encoding_format == "base64":
+        return msgspec.msgpack.encode(
+            NextTokenLogprobsBinaryResponse(
+                model=body.model,
+                vocab_size=vocab_size,
+                dtype=body.dtype,
+                data=[
+                    NextTokenLogprobsBinaryRow(index=i, logprobs=row_bytes(r, body.dtype))
+                    for i, r in enumerate(rows)
+                ],
+                usage=usage,
+            )
+        )
+    if body.encoding_format == "base64":
         data = [NextTokenLogprobsRow(index=i, logprobs=row_base64(r, body.dtype)) for i, r in enumerate(rows)]
     else:
         data = [NextTokenLogprobsRow(index=i, logprobs=_float_row(r)) for i, r in enumerate(rows)]
     response = NextTokenLogprobsResponse(
         model=body.model,
         vocab_size=vocab_size,
-        dtype=body.dtype if binary or body.encoding_format == "base64" else "float32",
+        dtype=body.dtype if body.encoding_format == "base64" else "float32",
         data=data,
         usage=usage,
     )
-    return msgspec.msgpack.encode(response) if binary else msgspec.json.encode(response)
+    return msgspec.json.encode(response)
 
 
 @get("/v1/models/{model:str}/stats", summary="Dense-row batching counters of a model")

@@ -19,6 +19,7 @@ from gateway.schemas.logprobs import (
     TokenizeResponse,
     TokenizerFiles,
     Vocabulary,
+    VocabularyBinary,
 )
 
 
@@ -26,20 +27,18 @@ from gateway.schemas.logprobs import (
 async def vocabulary(request: Request, model: str) -> Response:
     served, _ = resolve_model(request, model)
     engine = served.require_engine()
-    binary = wants_msgpack(request)
-    tokens = (
-        served.token_bytes if binary else [base64.b64encode(t).decode("ascii") for t in served.token_bytes]
-    )
-    body = Vocabulary(
-        model=served.name,
-        vocab_size=engine.vocab_size,
-        tokenizer_size=len(engine.tokenizer),
-        eos_token_ids=sorted(engine.eos_token_ids),
-        bos_token_id=engine.tokenizer.bos_token_id,
-        special_token_ids=sorted(served.special_ids),
-        tokens=tokens,
-    )
-    return msgpack_response(body) if binary else json_response(body)
+    fields = {
+        "model": served.name,
+        "vocab_size": engine.vocab_size,
+        "tokenizer_size": len(engine.tokenizer),
+        "eos_token_ids": sorted(engine.eos_token_ids),
+        "bos_token_id": engine.tokenizer.bos_token_id,
+        "special_token_ids": sorted(served.special_ids),
+    }
+    if wants_msgpack(request):
+        return msgpack_response(VocabularyBinary(**fields, tokens=served.token_bytes))
+    tokens = [base64.b64encode(t).decode("ascii") for t in served.token_bytes]
+    return json_response(Vocabulary(**fields, tokens=tokens))
 
 
 @get("/v1/models/{model:str}/tokenizer", summary="The tokenizer's files, to rebuild it offline")

@@ -25,8 +25,14 @@ class NextTokenLogprobsRequest(msgspec.Struct, kw_only=True):
 class NextTokenLogprobsRow(msgspec.Struct, kw_only=True):
     object: Literal["next_token_logprobs"] = "next_token_logprobs"
     index: int
-    # float: JSON numbers (-inf as null); base64: little-endian `dtype` bytes; MessagePack: raw bytes
-    logprobs: list[float | None] | str | bytes
+    # "float": JSON numbers (-inf as null); "base64": little-endian `dtype` bytes, base64-encoded
+    logprobs: list[float | None] | str
+
+
+class NextTokenLogprobsBinaryRow(msgspec.Struct, kw_only=True):
+    object: Literal["next_token_logprobs"] = "next_token_logprobs"
+    index: int
+    logprobs: bytes  # MessagePack: raw little-endian `dtype` bytes
 
 
 class NextTokenLogprobsUsage(msgspec.Struct, kw_only=True):
@@ -44,6 +50,17 @@ class NextTokenLogprobsResponse(msgspec.Struct, kw_only=True):
     usage: NextTokenLogprobsUsage
 
 
+class NextTokenLogprobsBinaryResponse(msgspec.Struct, kw_only=True):
+    """The MessagePack form (`Accept: application/msgpack`): rows as raw bytes."""
+
+    object: Literal["list"] = "list"
+    model: str
+    vocab_size: int
+    dtype: Dtype
+    data: list[NextTokenLogprobsBinaryRow]
+    usage: NextTokenLogprobsUsage
+
+
 class Vocabulary(msgspec.Struct, kw_only=True):
     object: Literal["vocabulary"] = "vocabulary"
     model: str
@@ -52,8 +69,20 @@ class Vocabulary(msgspec.Struct, kw_only=True):
     eos_token_ids: list[int]
     bos_token_id: int | None
     special_token_ids: list[int]
-    # every token id's exact bytes: base64 strings in JSON, raw bytes in MessagePack
-    tokens: list[str] | list[bytes]
+    tokens: list[str]  # every token id's exact bytes, base64-encoded
+
+
+class VocabularyBinary(msgspec.Struct, kw_only=True):
+    """The MessagePack form (`Accept: application/msgpack`): tokens as raw bytes."""
+
+    object: Literal["vocabulary"] = "vocabulary"
+    model: str
+    vocab_size: int
+    tokenizer_size: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    special_token_ids: list[int]
+    tokens: list[bytes]
 
 
 class TokenizerFiles(msgspec.Struct, kw_only=True):
