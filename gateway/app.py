@@ -18,7 +18,7 @@ from gateway.routes.admin import load_lora_adapter, unload_lora_adapter
 from gateway.routes.chat import create_chat_completion
 from gateway.routes.completions import create_completion
 from gateway.routes.logprobs import batching_stats, next_token_logprobs
-from gateway.routes.models import health, list_models, prometheus_metrics, retrieve_model
+from gateway.routes.models import health, list_models, openapi_document, prometheus_metrics, retrieve_model
 from gateway.routes.vocabulary import detokenize_route, tokenize_route, tokenizer_files, vocabulary
 from gateway.settings import Settings
 
@@ -39,6 +39,7 @@ ROUTES = [
     unload_lora_adapter,
     health,
     prometheus_metrics,
+    openapi_document,
 ]
 
 

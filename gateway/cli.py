@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         const=False,
         help="turn the output cache off",
     )
+    spec = commands.add_parser("openapi", help="write the OpenAPI document (default settings) as JSON")
+    spec.add_argument("--output", "-o", default="-", help="file to write (default: standard output)")
     return parser
 
 
@@ -63,8 +65,24 @@ def serve(settings: Settings) -> None:
     )
 
 
+def write_openapi(output: str) -> None:
+    import json
+
+    from gateway.openapi import build_openapi
+
+    text = json.dumps(build_openapi(), indent=2, sort_keys=True) + "\n"
+    if output == "-":
+        sys.stdout.write(text)
+    else:
+        with open(output, "w") as f:
+            f.write(text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "openapi":
+        write_openapi(args.output)
+        return 0
     try:
         settings = settings_from_args(args)
     except ConfigError as exc:

@@ -110,7 +110,8 @@ def decode_error(exc: msgspec.DecodeError) -> InvalidRequestError:
     """A request body that is not valid JSON or does not match the schema."""
     message = str(exc)
     match = _PATH.search(message)
-    param = match.group(1) if match and match.group(1) else None
+    # msgspec spells a dict value's key as "[...]" (`logit_bias[...]`): name the field itself instead
+    param = match.group(1).split("[...]")[0] if match and match.group(1) else None
     if isinstance(exc, msgspec.ValidationError):
         return InvalidRequestError(f"invalid request: {message}", param=param)
     return InvalidRequestError(f"request body is not valid JSON: {message}", param=param)

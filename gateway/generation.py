@@ -52,8 +52,11 @@ def check_logit_bias(served: ServedModel, bias: dict[str, float] | None) -> dict
     return parsed
 
 
-def check_context(served: ServedModel, prompt_len: int, max_tokens: int | None) -> int:
-    """The number of tokens to generate; raises when prompt + completion exceed the context."""
+def check_context(served: ServedModel, prompt_len: int, max_tokens: int | None, limits: Limits) -> int:
+    """The number of tokens to generate (default: what the context and the limit allow); raises when
+    prompt + completion exceed the context or max_tokens exceeds the configured limit."""
+    if max_tokens is not None and max_tokens > limits.max_tokens:
+        raise InvalidRequestError(f"max_tokens must be at most {limits.max_tokens}", param="max_tokens")
     context = served.require_engine().max_model_len
     too_long = prompt_len > context if max_tokens is not None else prompt_len >= context
     if too_long or (max_tokens is not None and prompt_len + max_tokens > context):
@@ -64,7 +67,7 @@ def check_context(served: ServedModel, prompt_len: int, max_tokens: int | None) 
             param="prompt" if too_long else "max_tokens",
         )
     if max_tokens is None:
-        max_tokens = context - prompt_len
+        max_tokens = min(context - prompt_len, limits.max_tokens)
     return max_tokens
 
 

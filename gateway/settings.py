@@ -78,6 +78,7 @@ class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_prompts: Annotated[int, msgspec.Meta(gt=0)] = 64  # prompts in one completion request
     max_top_logprobs: Annotated[int, msgspec.Meta(ge=0)] = 20
     max_stop: Annotated[int, msgspec.Meta(ge=0)] = 4
+    max_tokens: Annotated[int, msgspec.Meta(gt=0)] = 4096  # tokens generated per choice
     max_rows: Annotated[int, msgspec.Meta(gt=0)] = 1024  # rows in one next_token_logprobs request
 
 

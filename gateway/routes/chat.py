@@ -105,7 +105,7 @@ async def create_chat_completion(request: Request) -> Response | Stream:
     stops = gen.check_stop(body.stop, limits)
     prompt_ids = chat_prompt_ids(served, body.messages)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = gen.check_context(served, len(prompt_ids), requested)
+    max_tokens = gen.check_context(served, len(prompt_ids), requested, limits)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,

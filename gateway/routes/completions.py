@@ -128,7 +128,7 @@ async def create_completion(request: Request) -> Response | Stream:
     prompts = _prompts(served, body.prompt, limits.max_prompts)
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     for p in prompts:
-        gen.check_context(served, len(p.ids), max_tokens)
+        gen.check_context(served, len(p.ids), max_tokens, limits)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,

@@ -6,6 +6,7 @@ from litestar import Request, Response, get
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.http import json_response, registry, resolve_model
+from gateway.openapi import build_openapi
 from gateway.registry import AdapterInfo, ServedModel
 from gateway.schemas.models import Health, ModelCard, ModelHealth, ModelList
 
@@ -57,6 +58,11 @@ async def retrieve_model(request: Request, model: str) -> Response:
 @get("/metrics", summary="Prometheus metrics (text exposition format)")
 async def prometheus_metrics(request: Request) -> Response:
     return Response(content=request.app.state.metrics.expose(), media_type=CONTENT_TYPE_LATEST)
+
+
+@get("/openapi.json", summary="The OpenAPI document of this server")
+async def openapi_document(request: Request) -> Response:
+    return json_response(build_openapi(request.app.state.settings))
 
 
 @get("/health", summary="200 when every model is loaded and healthy, else 503")

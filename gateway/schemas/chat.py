@@ -18,7 +18,8 @@ from gateway.schemas.common import (
 )
 
 
-class TextPart(msgspec.Struct, kw_only=True, tag_field="type", tag="text"):
+class TextPart(msgspec.Struct, kw_only=True):
+    type: Literal["text"]
     text: str
 
 

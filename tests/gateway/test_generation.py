@@ -9,7 +9,7 @@ from backends.mock import MockEngine
 from backends.vocab import decode_text, token_bytes_table
 from gateway import generation as gen
 from gateway.registry import ServedModel
-from gateway.settings import ModelSettings
+from gateway.settings import Limits, ModelSettings
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +79,13 @@ async def test_merge_keeps_each_choice_in_order(served):
 
 def test_context_check(served):
     context = served.engine.max_model_len
-    assert gen.check_context(served, 10, None) == context - 10
-    assert gen.check_context(served, context, 0) == 0
+    limits = Limits(max_tokens=context)
+    assert gen.check_context(served, 10, None, limits) == context - 10
+    assert gen.check_context(served, 10, None, Limits(max_tokens=100)) == 100
+    assert gen.check_context(served, context, 0, limits) == 0
     with pytest.raises(gen.ContextLengthError):
-        gen.check_context(served, context - 1, 2)
+        gen.check_context(served, context - 1, 2, limits)
     with pytest.raises(gen.ContextLengthError):
-        gen.check_context(served, context, None)
+        gen.check_context(served, context, None, limits)
+    with pytest.raises(gen.InvalidRequestError, match="at most 100"):
+        gen.check_context(served, 10, 101, Limits(max_tokens=100))

@@ -1,0 +1,369 @@
+"""The OpenAPI 3.1 document, built from the same msgspec types that decode requests.
+
+Routes decode their bodies themselves (JSON or MessagePack), so the document is assembled here
+from one table of operations rather than inferred from handler signatures. Limits from the
+settings (n, logprobs, max_tokens, rows, ...) appear as schema maxima, so the document describes
+exactly what the running server accepts.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from gateway.errors import ErrorResponse
+from gateway.schemas.chat import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse
+from gateway.schemas.completions import CompletionRequest, CompletionResponse
+from gateway.schemas.logprobs import (
+    BatchingStats,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    NextTokenLogprobsBinaryResponse,
+    NextTokenLogprobsRequest,
+    NextTokenLogprobsResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerFiles,
+    Vocabulary,
+    VocabularyBinary,
+)
+from gateway.schemas.models import (
+    AdapterStatus,
+    Health,
+    LoadLoraAdapterRequest,
+    ModelCard,
+    ModelList,
+    UnloadLoraAdapterRequest,
+)
+from gateway.settings import Settings
+
+REF = "#/components/schemas/{name}"
+MSGPACK = "application/msgpack"
+ERRORS = {
+    "400": "Invalid request: a field is missing, of the wrong type or out of range, or the prompt is too long.",
+    "401": "Missing or wrong admin key.",
+    "403": "Admin endpoints disabled, or a path outside the adapters root.",
+    "404": "Unknown model or adapter, or unknown path.",
+    "405": "Method not allowed on this path.",
+    "413": "Request body too large.",
+    "500": "The engine failed; the service keeps serving.",
+    "503": "The model is still loading, or failed to load.",
+}
+
+
+@dataclass
+class Operation:
+    method: str
+    path: str
+    summary: str
+    description: str
+    request: type | None = None
+    responses: dict[str, dict[str, Any]] = field(default_factory=dict)  # media type -> schema, for 200
+    errors: tuple[str, ...] = ("400", "404", "500", "503")
+    example: dict[str, Any] | None = None
+    ok_status: str = "200"
+    tags: tuple[str, ...] = ()
+
+
+def _ref(t: type) -> dict[str, Any]:
+    return {"$ref": REF.format(name=t.__name__)}
+
+
+MODEL_PARAM = {
+    "name": "model",
+    "in": "path",
+    "required": True,
+    "description": "A served model name, or `base:adapter`.",
+    "schema": {"type": "string"},
+}
+
+SSE = {
+    "type": "string",
+    "description": "Server-sent events: `data: <chunk JSON>` lines, then `data: [DONE]`. An error while "
+    'streaming is sent as `data: {"error": {...}}` before `[DONE]`.',
+}
+
+OPERATIONS = [
+    Operation(
+        "post",
+        "/v1/completions",
+        "Create a completion",
+        "OpenAI's (legacy) completions. `prompt` is a string, a list of strings, a list of token ids, or a "
+        "list of token-id lists. `echo` + `logprobs` + `max_tokens: 0` scores the prompt (the first token has "
+        "no score). With `stream: true` the response is server-sent events of `CompletionResponse` chunks.",
+        CompletionRequest,
+        {"application/json": _ref(CompletionResponse), "text/event-stream": SSE},
+        example={
+            "model": "smollm2-135m",
+            "prompt": "The capital of France is",
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": 2,
+        },
+        tags=("OpenAI",),
+    ),
+    Operation(
+        "post",
+        "/v1/chat/completions",
+        "Create a chat completion",
+        "OpenAI's chat completions through the model's chat template; with `stream: true`, server-sent events "
+        "of `ChatCompletionChunk`.",
+        ChatCompletionRequest,
+        {"application/json": _ref(ChatCompletionResponse), "text/event-stream": SSE},
+        example={"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16},
+        tags=("OpenAI",),
+    ),
+    Operation(
+        "post",
+        "/v1/next_token_logprobs",
+        "Dense next-token log-probabilities",
+        "For each input (a token-id list, or a string tokenized without special tokens unless "
+        "`add_special_tokens`), the log_softmax of the model's logits after it, over the whole vocabulary "
+        "(`vocab_size` = width of the logits). `encoding_format: float` gives JSON numbers (-inf as null); "
+        "`base64` gives little-endian `dtype` bytes (bfloat16 = upper half of the float32). With "
+        "`Accept: application/msgpack` the document is MessagePack with rows as raw bytes. Request bodies may "
+        "be MessagePack too (`Content-Type: application/msgpack`). Concurrent requests share engine batches; "
+        "rows may come from the output cache (`usage.cache_hits`), bit-identical to computing them.",
+        NextTokenLogprobsRequest,
+        {"application/json": _ref(NextTokenLogprobsResponse), MSGPACK: _ref(NextTokenLogprobsBinaryResponse)},
+        example={
+            "model": "smollm2-135m",
+            "input": [[504, 3575, 282, 4649, 314]],
+            "encoding_format": "base64",
+        },
+        tags=("Dense logprobs",),
+    ),
+    Operation(
+        "get",
+        "/v1/models",
+        "List models",
+        "Served base models and their adapters (`base:adapter`).",
+        responses={"application/json": _ref(ModelList)},
+        errors=("500",),
+        tags=("OpenAI",),
+    ),
+    Operation(
+        "get",
+        "/v1/models/{model}",
+        "Describe a model",
+        "One served model or adapter.",
+        responses={"application/json": _ref(ModelCard)},
+        errors=("404", "500"),
+        tags=("OpenAI",),
+    ),
+    Operation(
+        "get",
+        "/v1/models/{model}/vocabulary",
+        "Token bytes",
+        "Every token id's exact bytes (base64 in JSON, raw bytes in MessagePack), for byte-level constrained "
+        "decoding. An adapter name resolves to its base.",
+        responses={"application/json": _ref(Vocabulary), MSGPACK: _ref(VocabularyBinary)},
+        tags=("Dense logprobs",),
+    ),
+    Operation(
+        "get",
+        "/v1/models/{model}/tokenizer",
+        "Tokenizer files",
+        "The tokenizer's files (tokenizer.json, config, chat template) to rebuild it offline.",
+        responses={"application/json": _ref(TokenizerFiles)},
+        tags=("Dense logprobs",),
+    ),
+    Operation(
+        "get",
+        "/v1/models/{model}/stats",
+        "Batching counters",
+        "Counters of the dense-row batcher of a model.",
+        responses={"application/json": _ref(BatchingStats)},
+        tags=("Dense logprobs",),
+    ),
+    Operation(
+        "post",
+        "/v1/tokenize",
+        "Tokenize",
+        "vLLM's shape: `prompt` or chat `messages` to token ids.",
+        TokenizeRequest,
+        {"application/json": _ref(TokenizeResponse)},
+        example={"model": "smollm2-135m", "prompt": "Hello world"},
+        tags=("Tokenizer",),
+    ),
+    Operation(
+        "post",
+        "/tokenize",
+        "Tokenize (vLLM path)",
+        "Same as `/v1/tokenize`.",
+        TokenizeRequest,
+        {"application/json": _ref(TokenizeResponse)},
+        tags=("Tokenizer",),
+    ),
+    Operation(
+        "post",
+        "/v1/detokenize",
+        "Detokenize",
+        "vLLM's shape: token ids to text.",
+        DetokenizeRequest,
+        {"application/json": _ref(DetokenizeResponse)},
+        example={"model": "smollm2-135m", "tokens": [504, 3575]},
+        tags=("Tokenizer",),
+    ),
+    Operation(
+        "post",
+        "/detokenize",
+        "Detokenize (vLLM path)",
+        "Same as `/v1/detokenize`.",
+        DetokenizeRequest,
+        {"application/json": _ref(DetokenizeResponse)},
+        tags=("Tokenizer",),
+    ),
+    Operation(
+        "post",
+        "/v1/load_lora_adapter",
+        "Load a LoRA adapter (admin)",
+        "Needs `Authorization: Bearer <admin key>`. `lora_path` must lie inside the model's adapters root; the "
+        "adapter must be a PEFT LoRA adapter with safetensors weights and a rank within the limit.",
+        LoadLoraAdapterRequest,
+        {"application/json": _ref(AdapterStatus)},
+        errors=("400", "401", "403", "404", "500", "503"),
+        tags=("Admin",),
+    ),
+    Operation(
+        "post",
+        "/v1/unload_lora_adapter",
+        "Unload a LoRA adapter (admin)",
+        "Needs `Authorization: Bearer <admin key>`.",
+        UnloadLoraAdapterRequest,
+        {"application/json": _ref(AdapterStatus)},
+        errors=("400", "401", "403", "404", "500", "503"),
+        tags=("Admin",),
+    ),
+    Operation(
+        "get",
+        "/health",
+        "Readiness",
+        "200 when every model (and its configured adapters) is loaded and "
+        "healthy; 503 with the same body otherwise.",
+        responses={"application/json": _ref(Health)},
+        errors=("503",),
+        tags=("Operations",),
+    ),
+    Operation(
+        "get",
+        "/metrics",
+        "Prometheus metrics",
+        "Prometheus text exposition format.",
+        responses={"text/plain": {"type": "string"}},
+        errors=(),
+        tags=("Operations",),
+    ),
+    Operation(
+        "get",
+        "/openapi.json",
+        "This document",
+        "The OpenAPI document of the running server.",
+        responses={"application/json": {"type": "object"}},
+        errors=(),
+        tags=("Operations",),
+    ),
+]
+
+_TYPES = [t for op in OPERATIONS for t in (op.request,) if t is not None] + [
+    ErrorResponse,
+    CompletionResponse,
+    ChatCompletionResponse,
+    ChatCompletionChunk,
+    NextTokenLogprobsResponse,
+    NextTokenLogprobsBinaryResponse,
+    ModelList,
+    ModelCard,
+    Vocabulary,
+    VocabularyBinary,
+    TokenizerFiles,
+    BatchingStats,
+    TokenizeResponse,
+    DetokenizeResponse,
+    AdapterStatus,
+    Health,
+]
+
+
+def _apply_limits(schemas: dict[str, Any], settings: Settings) -> None:
+    """Write the configured limits into the schemas as maxima."""
+    limits = settings.limits
+
+    def cap(schema: str, prop: str, maximum: int) -> None:
+        target = schemas[schema]["properties"][prop]
+        options = target.get("anyOf", [target])
+        for option in options:
+            if option.get("type") == "integer":
+                option["maximum"] = maximum
+            if option.get("type") == "array":
+                option["maxItems"] = maximum
+
+    cap("CompletionRequest", "n", limits.max_n)
+    cap("ChatCompletionRequest", "n", limits.max_n)
+    cap("CompletionRequest", "logprobs", limits.max_top_logprobs)
+    cap("ChatCompletionRequest", "top_logprobs", limits.max_top_logprobs)
+    cap("CompletionRequest", "max_tokens", limits.max_tokens)
+    cap("ChatCompletionRequest", "max_tokens", limits.max_tokens)
+    cap("ChatCompletionRequest", "max_completion_tokens", limits.max_tokens)
+    cap("CompletionRequest", "stop", limits.max_stop)
+    cap("ChatCompletionRequest", "stop", limits.max_stop)
+    cap("CompletionRequest", "prompt", limits.max_prompts)
+    cap("NextTokenLogprobsRequest", "input", limits.max_rows)
+
+
+def build_openapi(settings: Settings | None = None) -> dict[str, Any]:
+    settings = settings or Settings()
+    _, schemas = msgspec.json.schema_components(_TYPES, ref_template=REF)
+    schemas = copy.deepcopy(schemas)
+    _apply_limits(schemas, settings)
+    paths: dict[str, Any] = {}
+    for op in OPERATIONS:
+        responses: dict[str, Any] = {
+            op.ok_status: {
+                "description": "Success.",
+                "content": {m: {"schema": s} for m, s in op.responses.items()},
+            }
+        }
+        for status in op.errors:
+            responses[status] = {
+                "description": ERRORS[status],
+                "content": {"application/json": {"schema": _ref(ErrorResponse)}},
+            }
+        if op.path == "/health":  # 503 carries the health document, not an error object
+            responses["503"] = {
+                "description": "Loading or unhealthy.",
+                "content": {"application/json": {"schema": _ref(Health)}},
+            }
+        spec: dict[str, Any] = {
+            "summary": op.summary,
+            "description": op.description,
+            "operationId": (op.method + op.path)
+            .replace("/", "_")
+            .replace("{", "")
+            .replace("}", "")
+            .strip("_"),
+            "tags": list(op.tags),
+            "responses": responses,
+        }
+        if "{model}" in op.path:
+            spec["parameters"] = [MODEL_PARAM]
+        if op.request is not None:
+            media: dict[str, Any] = {"schema": _ref(op.request)}
+            if op.example is not None:
+                media["example"] = op.example
+            spec["requestBody"] = {"required": True, "content": {"application/json": media}}
+        paths.setdefault(op.path, {})[op.method] = spec
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "logprob-gateway",
+            "version": "0.1.0",
+            "description": "OpenAI-compatible gateway for in-process LLM engines, with dense next-token "
+            "log-probabilities over the whole vocabulary. Errors use OpenAI's error object.",
+        },
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }

@@ -1,0 +1,414 @@
+"""Bad requests against the real gateway: every one gets a 4xx with OpenAI's error object, never a
+500, and the server keeps serving afterwards. Real-model work stays at max_tokens <= 2."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import openai
+import pytest
+
+from tests.conftest import MODEL
+
+pytestmark = pytest.mark.slow
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+VOCAB = 49152  # SmolLM2's vocabulary
+CONTEXT = 8192  # SmolLM2's context length
+
+INVALID = "invalid_request_error"
+NOT_FOUND = "model_not_found"
+TOO_LONG = "context_length_exceeded"
+
+
+def completion(**fields: Any) -> dict:
+    return {"model": MODEL, "prompt": "Hello", "max_tokens": 1, **fields}
+
+
+def chat(**fields: Any) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1, **fields}
+
+
+def raw(text: str) -> bytes:
+    return text.encode()
+
+
+@dataclass(frozen=True)
+class Case:
+    endpoint: str
+    body: dict | bytes  # bytes are sent as they are, with Content-Type application/json
+    status: int
+    param: str | None  # the error's `param`, checked exactly
+    message: str  # a substring of the error's `message`
+    code: str | None = None
+    error_type: str = INVALID
+
+
+CASES = {
+    # unknown models and adapters: 404 model_not_found on both endpoints
+    "completions-unknown-model": Case(
+        COMPLETIONS,
+        completion(model="no-such-model"),
+        404,
+        "model",
+        "'no-such-model' does not exist",
+        NOT_FOUND,
+    ),
+    "chat-unknown-model": Case(
+        CHAT, chat(model="no-such-model"), 404, "model", "'no-such-model' does not exist", NOT_FOUND
+    ),
+    "completions-unknown-base-with-adapter": Case(
+        COMPLETIONS,
+        completion(model="no-such-model:lora"),
+        404,
+        "model",
+        "'no-such-model:lora' does not exist",
+        NOT_FOUND,
+    ),
+    "chat-unknown-base-with-adapter": Case(
+        CHAT, chat(model="no-such-model:lora"), 404, "model", "'no-such-model:lora' does not exist", NOT_FOUND
+    ),
+    "completions-unknown-adapter": Case(
+        COMPLETIONS,
+        completion(model=f"{MODEL}:no-such-lora"),
+        404,
+        "model",
+        "has no adapter 'no-such-lora'",
+        NOT_FOUND,
+    ),
+    "chat-unknown-adapter": Case(
+        CHAT, chat(model=f"{MODEL}:no-such-lora"), 404, "model", "has no adapter 'no-such-lora'", NOT_FOUND
+    ),
+    # bodies that are not a JSON object of the right shape
+    "completions-not-json": Case(COMPLETIONS, raw("this is not json"), 400, None, "not valid JSON"),
+    "chat-not-json": Case(CHAT, raw('{"model": "x",'), 400, None, "not valid JSON"),
+    "completions-empty-body": Case(COMPLETIONS, b"", 400, None, "not valid JSON"),
+    "chat-empty-body": Case(CHAT, b"", 400, None, "not valid JSON"),
+    "completions-body-is-array": Case(
+        COMPLETIONS, raw("[1, 2]"), 400, None, "Expected `object`, got `array`"
+    ),
+    "completions-body-is-null": Case(COMPLETIONS, raw("null"), 400, None, "Expected `object`, got `null`"),
+    "completions-missing-model": Case(
+        COMPLETIONS, {"prompt": "Hello"}, 400, None, "missing required field `model`"
+    ),
+    "chat-missing-model": Case(
+        CHAT, {"messages": [{"role": "user", "content": "x"}]}, 400, None, "missing required field `model`"
+    ),
+    "completions-missing-prompt": Case(
+        COMPLETIONS, {"model": MODEL}, 400, None, "missing required field `prompt`"
+    ),
+    "chat-missing-messages": Case(CHAT, {"model": MODEL}, 400, None, "missing required field `messages`"),
+    # wrong types
+    "prompt-number": Case(COMPLETIONS, completion(prompt=42), 400, "prompt", "got `int`"),
+    "max_tokens-string": Case(COMPLETIONS, completion(max_tokens="5"), 400, "max_tokens", "got `str`"),
+    "temperature-string": Case(COMPLETIONS, completion(temperature="hot"), 400, "temperature", "got `str`"),
+    "chat-temperature-string": Case(CHAT, chat(temperature="0.5"), 400, "temperature", "got `str`"),
+    "stop-number": Case(COMPLETIONS, completion(stop=7), 400, "stop", "got `int`"),
+    # out-of-range values
+    "temperature-3": Case(COMPLETIONS, completion(temperature=3), 400, "temperature", "<= 2.0"),
+    "chat-temperature-3": Case(CHAT, chat(temperature=3), 400, "temperature", "<= 2.0"),
+    "temperature-negative": Case(COMPLETIONS, completion(temperature=-0.5), 400, "temperature", ">= 0.0"),
+    "top_p-0": Case(COMPLETIONS, completion(top_p=0), 400, "top_p", "> 0.0"),
+    "top_p-above-1": Case(CHAT, chat(top_p=1.5), 400, "top_p", "<= 1.0"),
+    "n-0": Case(COMPLETIONS, completion(n=0), 400, "n", ">= 1"),
+    "chat-n-0": Case(CHAT, chat(n=0), 400, "n", ">= 1"),
+    "n-1000": Case(COMPLETIONS, completion(n=1000), 400, "n", "n must be at most 16"),
+    "chat-n-1000": Case(CHAT, chat(n=1000), 400, "n", "n must be at most 16"),
+    "logprobs-21": Case(COMPLETIONS, completion(logprobs=21), 400, "logprobs", "logprobs must be at most 20"),
+    "top_logprobs-21": Case(
+        CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", "top_logprobs must be at most 20"
+    ),
+    "top_logprobs-without-logprobs": Case(
+        CHAT, chat(top_logprobs=2), 400, "top_logprobs", "requires logprobs to be true"
+    ),
+    "top_logprobs-with-logprobs-false": Case(
+        CHAT, chat(logprobs=False, top_logprobs=2), 400, "top_logprobs", "requires logprobs to be true"
+    ),
+    "presence_penalty-5": Case(
+        COMPLETIONS, completion(presence_penalty=5), 400, "presence_penalty", "<= 2.0"
+    ),
+    "frequency_penalty--5": Case(CHAT, chat(frequency_penalty=-5), 400, "frequency_penalty", ">= -2.0"),
+    "max_tokens-negative": Case(COMPLETIONS, completion(max_tokens=-1), 400, "max_tokens", ">= 0"),
+    "chat-max_tokens-negative": Case(CHAT, chat(max_tokens=-1), 400, "max_tokens", ">= 0"),
+    "seed-above-int64": Case(COMPLETIONS, completion(seed=2**64), 400, "seed", "<= 9223372036854775807"),
+    # prompt forms
+    "prompt-empty-string": Case(
+        COMPLETIONS, completion(prompt=""), 400, "prompt", "must not contain an empty string"
+    ),
+    "prompt-empty-list": Case(
+        COMPLETIONS, completion(prompt=[]), 400, "prompt", "must be a non-empty string"
+    ),
+    "prompt-empty-token-list": Case(
+        COMPLETIONS, completion(prompt=[[]]), 400, "prompt", "must not contain an empty token list"
+    ),
+    "prompt-second-token-list-empty": Case(
+        COMPLETIONS, completion(prompt=[[1, 2], []]), 400, "prompt", "must not contain an empty token list"
+    ),
+    "prompt-strings-and-ids": Case(
+        COMPLETIONS, completion(prompt=["Hello", 5]), 400, "prompt", "must be a non-empty string"
+    ),
+    "prompt-ids-and-lists": Case(
+        COMPLETIONS, completion(prompt=[5, [6]]), 400, "prompt", "must be a non-empty string"
+    ),
+    "prompt-id-equal-to-vocab": Case(
+        COMPLETIONS, completion(prompt=[1, VOCAB]), 400, "prompt", f"token id {VOCAB} in prompt is outside"
+    ),
+    "prompt-id-huge": Case(
+        COMPLETIONS, completion(prompt=[[2**64]]), 400, "prompt", f"token id {2**64} in prompt is outside"
+    ),
+    "prompt-id-negative": Case(COMPLETIONS, completion(prompt=[-1]), 400, "prompt[0]", ">= 0"),
+    "prompt-too-many": Case(
+        COMPLETIONS, completion(prompt=["Hello"] * 65), 400, "prompt", "at most 64 inputs per request"
+    ),
+    # the context: 8192 tokens
+    "prompt-longer-than-context": Case(
+        COMPLETIONS,
+        completion(prompt=[1] * 9000),
+        400,
+        "prompt",
+        "maximum context length is 8192 tokens",
+        TOO_LONG,
+    ),
+    "stream-prompt-longer-than-context": Case(
+        COMPLETIONS,
+        completion(prompt=[1] * 9000, stream=True),
+        400,
+        "prompt",
+        "has 9000 prompt tokens",
+        TOO_LONG,
+    ),
+    "prompt-plus-max_tokens-over-context": Case(
+        COMPLETIONS,
+        completion(prompt=[1] * 5000, max_tokens=4000),
+        400,
+        "max_tokens",
+        "has 5000 prompt tokens and asks for 4000 completion tokens",
+        TOO_LONG,
+    ),
+    "chat-prompt-plus-max_tokens-over-context": Case(
+        CHAT,
+        chat(messages=[{"role": "user", "content": "hello " * 6000}], max_tokens=3000),
+        400,
+        "max_tokens",
+        "prompt tokens and asks for 3000 completion tokens",
+        TOO_LONG,
+    ),
+    # stop strings
+    "stop-five": Case(
+        COMPLETIONS, completion(stop=["a", "b", "c", "d", "e"]), 400, "stop", "at most 4 stop sequences"
+    ),
+    "chat-stop-five": Case(
+        CHAT, chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", "at most 4 stop sequences"
+    ),
+    "stop-empty-string": Case(COMPLETIONS, completion(stop=""), 400, "stop", "must not be empty strings"),
+    "stop-list-with-empty": Case(
+        COMPLETIONS, completion(stop=["\n", ""]), 400, "stop", "must not be empty strings"
+    ),
+    "chat-stop-empty-string": Case(CHAT, chat(stop=[""]), 400, "stop", "must not be empty strings"),
+    # logit_bias
+    "logit_bias-word-key": Case(
+        COMPLETIONS, completion(logit_bias={"hello": 1}), 400, "logit_bias", "key 'hello' is not a token id"
+    ),
+    "logit_bias-float-key": Case(
+        COMPLETIONS, completion(logit_bias={"1.5": 1}), 400, "logit_bias", "key '1.5' is not a token id"
+    ),
+    "logit_bias-negative-key": Case(
+        COMPLETIONS, completion(logit_bias={"-1": 1}), 400, "logit_bias", "key '-1' is not a token id"
+    ),
+    "logit_bias-superscript-digit-key": Case(
+        COMPLETIONS, completion(logit_bias={"\u00b2": 1}), 400, "logit_bias", "is not a token id"
+    ),
+    "logit_bias-arabic-digit-key": Case(
+        COMPLETIONS, completion(logit_bias={"\u0661": 1}), 400, "logit_bias", "is not a token id"
+    ),
+    "logit_bias-5000-digit-key": Case(
+        COMPLETIONS, completion(logit_bias={"9" * 5000: 1}), 400, "logit_bias", "is not a token id"
+    ),
+    "logit_bias-key-equal-to-vocab": Case(
+        COMPLETIONS,
+        completion(logit_bias={str(VOCAB): 1}),
+        400,
+        "logit_bias",
+        f"key '{VOCAB}' is not a token id in [0, {VOCAB})",
+    ),
+    "logit_bias-value-500": Case(
+        COMPLETIONS, completion(logit_bias={"5": 500}), 400, "logit_bias", "between -100 and 100"
+    ),
+    "chat-logit_bias-value--500": Case(
+        CHAT, chat(logit_bias={"5": -500}), 400, "logit_bias", "between -100 and 100"
+    ),
+    "logit_bias-value-string": Case(
+        COMPLETIONS, completion(logit_bias={"5": "up"}), 400, "logit_bias", "got `str`"
+    ),
+    # unsupported completion fields
+    "best_of-not-n": Case(COMPLETIONS, completion(best_of=2), 400, "best_of", "best_of is not supported"),
+    "best_of-not-n-with-n": Case(
+        COMPLETIONS, completion(n=2, best_of=3), 400, "best_of", "best_of is not supported"
+    ),
+    "suffix": Case(COMPLETIONS, completion(suffix=" world"), 400, "suffix", "suffix is not supported"),
+    # chat messages
+    "chat-empty-messages": Case(CHAT, chat(messages=[]), 400, "messages", "messages must not be empty"),
+    "chat-unknown-role": Case(
+        CHAT,
+        chat(messages=[{"role": "wizard", "content": "x"}]),
+        400,
+        "messages[0].role",
+        "Invalid enum value 'wizard'",
+    ),
+    "chat-missing-role": Case(
+        CHAT, chat(messages=[{"content": "x"}]), 400, "messages[0]", "missing required field `role`"
+    ),
+    "chat-content-number": Case(
+        CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content", "got `int`"
+    ),
+    "chat-content-part-not-text": Case(
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]),
+        400,
+        "messages[0].content[0].type",
+        "'image_url'",
+    ),
+    "chat-messages-not-list": Case(CHAT, chat(messages="Hello"), 400, "messages", "got `str`"),
+    # JSON's non-numbers and overflowing numbers
+    "temperature-NaN": Case(
+        COMPLETIONS,
+        raw(f'{{"model": "{MODEL}", "prompt": "Hi", "max_tokens": 1, "temperature": NaN}}'),
+        400,
+        None,
+        "not valid JSON",
+    ),
+    "temperature-Infinity": Case(
+        COMPLETIONS,
+        raw(f'{{"model": "{MODEL}", "prompt": "Hi", "max_tokens": 1, "temperature": Infinity}}'),
+        400,
+        None,
+        "not valid JSON",
+    ),
+    "chat-top_p--Infinity": Case(
+        CHAT, raw(f'{{"model": "{MODEL}", "messages": [], "top_p": -Infinity}}'), 400, None, "not valid JSON"
+    ),
+    "logit_bias-NaN": Case(
+        COMPLETIONS,
+        raw(f'{{"model": "{MODEL}", "prompt": "Hi", "logit_bias": {{"5": NaN}}}}'),
+        400,
+        None,
+        "not valid JSON",
+    ),
+    "temperature-1e400": Case(
+        COMPLETIONS,
+        raw(f'{{"model": "{MODEL}", "prompt": "Hi", "temperature": 1e400}}'),
+        400,
+        "temperature",
+        "Number out of range",
+    ),
+}
+
+
+def post(http, case: Case):
+    if isinstance(case.body, bytes):
+        return http.post(case.endpoint, content=case.body, headers={"Content-Type": "application/json"})
+    return http.post(case.endpoint, json=case.body)
+
+
+def assert_error(response, status: int, error_type: str, param: str | None, code: str | None) -> dict:
+    """The response is `status` with exactly OpenAI's error object; returns its `error`."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == error_type
+    assert error["param"] == param
+    assert error["code"] == code
+    return error
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_bad_request_gets_openai_error(http, case: Case):
+    error = assert_error(post(http, case), case.status, case.error_type, case.param, case.code)
+    assert case.message in error["message"]
+    assert "\n" not in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "error_type", "message"),
+    [
+        ("GET", "/no/such/route", 404, "not_found_error", "Not Found"),
+        ("POST", "/v1/no_such_endpoint", 404, "not_found_error", "Not Found"),
+        ("GET", COMPLETIONS, 405, INVALID, "Method Not Allowed"),
+        ("GET", CHAT, 405, INVALID, "Method Not Allowed"),
+        ("DELETE", COMPLETIONS, 405, INVALID, "Method Not Allowed"),
+    ],
+)
+def test_unknown_route_and_wrong_method_use_the_error_format(http, method, path, status, error_type, message):
+    error = assert_error(http.request(method, path), status, error_type, None, None)
+    assert error["message"] == message
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("no-such-model", "model 'no-such-model' does not exist; available: smollm2-135m"),
+        (f"{MODEL}:no-such-lora", f"model '{MODEL}' has no adapter 'no-such-lora'; available adapters: none"),
+    ],
+)
+def test_retrieve_unknown_model_is_404(http, name, message):
+    error = assert_error(http.get(f"/v1/models/{name}"), 404, INVALID, "model", NOT_FOUND)
+    assert error["message"] == message
+
+
+def test_sdk_raises_bad_request_with_server_message(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=[1] * 9000, max_tokens=1)
+    err = caught.value
+    assert err.status_code == 400
+    assert err.code == TOO_LONG and err.param == "prompt" and err.type == INVALID
+    expected = "this model's maximum context length is 8192 tokens; the request has 9000 prompt tokens"
+    assert err.body["message"].startswith(expected)
+    assert expected in str(err)
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, top_logprobs=3
+        )
+    assert caught.value.param == "top_logprobs"
+    assert caught.value.body["message"] == "top_logprobs requires logprobs to be true"
+
+
+def test_sdk_raises_not_found_with_server_message(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=1
+        )
+    err = caught.value
+    assert err.status_code == 404
+    assert err.code == NOT_FOUND and err.param == "model"
+    assert err.body["message"] == "model 'no-such-model' does not exist; available: smollm2-135m"
+    assert "model 'no-such-model' does not exist" in str(err)
+
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model=f"{MODEL}:no-such-lora", prompt="Hi", max_tokens=1)
+    assert caught.value.code == NOT_FOUND
+    assert "has no adapter 'no-such-lora'" in caught.value.body["message"]
+
+
+def test_server_still_serves_after_bad_requests(http):
+    """Runs after the cases above (file order): nothing they sent broke the server."""
+    health = http.get("/health")
+    assert health.status_code == 200
+    assert health.json()["status"] == "ok"
+    response = http.post(
+        COMPLETIONS, json=completion(prompt="The capital of France is", max_tokens=2, temperature=0)
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"][0]["text"].strip()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 2
+    reply = http.post(CHAT, json=chat(max_tokens=2, temperature=0))
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["role"] == "assistant"
