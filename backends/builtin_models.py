@@ -24,7 +24,7 @@ from backends.base import EngineUnavailableError
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1  # bump when the converted layout changes, so stale conversions are redone
+FORMAT_VERSION = 2  # bump when the converted layout changes, so stale conversions are redone
 
 
 @dataclass(frozen=True)
@@ -116,4 +116,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     config_json = json.loads((out / "config.json").read_text())
     config_json.pop("quantization_config", None)
+    # transformers 5 nests rope_theta in rope_parameters; mlx-lm and vLLM read the top-level key
+    # (without it mlx-lm silently uses 10000 instead of 100000 and its logits drift by ~1 nat).
+    rope = config_json.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        config_json.setdefault("rope_theta", rope["rope_theta"])
     (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
