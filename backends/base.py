@@ -130,6 +130,7 @@ class Engine(ABC):
 _BACKENDS: dict[str, tuple[str, str, str]] = {
     "transformers": ("backends.transformers", "TransformersEngine", "logprob-gateway"),
     "mock": ("backends.mock", "MockEngine", "logprob-gateway"),
+    "mlx": ("backends.mlx", "MlxEngine", "logprob-gateway[mlx]"),
 }
 
 BACKEND_NAMES = tuple(_BACKENDS)

@@ -1,0 +1,166 @@
+"""MLX engine (mlx-lm): Apple silicon, and the CPU build of MLX on Linux.
+
+MLX arrays and streams belong to the thread that made them, so everything MLX does, loading
+included, runs on this engine's one worker thread. Dense rows of different lengths run in one
+forward pass: left padding with mlx-lm's BatchKVCache, which gives each row its own rotary
+positions and masks the padding. When the model runs in bfloat16/float16, the final projection
+of dense rows runs in float32 (a float32 copy of the output head is kept), so rows are not
+quantised to bfloat16's 8-bit mantissa.
+
+LoRA adapters are not supported by this backend yet (mlx-lm applies adapters to the whole model,
+not per request); requests naming one get a clear error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm import load as mlx_load
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from transformers import AutoTokenizer
+
+from backends.base import AdapterError, Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
+from backends.builtin_models import resolve_model_dir
+from backends.sampling import Sampler, log_softmax, top_k
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def _log_softmax(logits: mx.array) -> np.ndarray:
+    # normalised in float64 on the host: MLX's float32 logsumexp over 49k entries is off by ~1e-4
+    return log_softmax(np.array(logits.astype(mx.float32)))
+
+
+def _no_adapter(adapters: Sequence[str | None]) -> None:
+    if any(adapters):
+        raise AdapterError("the mlx backend does not support LoRA adapters yet")
+
+
+class MlxEngine(Engine):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        executor: ThreadPoolExecutor,
+        *,
+        max_model_len: int,
+        model_path: str,
+        dtype: str,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vocab_size = int(model.args.vocab_size)
+        eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        self.eos_token_ids = frozenset(eos)
+        self.max_model_len = max_model_len
+        self.model_path = model_path
+        self.dtype = dtype
+        self._executor = executor
+        self._head = executor.submit(self._float32_head).result()
+
+    def _float32_head(self) -> mx.array | None:
+        """The output projection in float32, for llama-family models run in a 16-bit dtype."""
+        inner = getattr(self.model, "model", None)
+        if self.dtype == "float32" or inner is None:
+            return None
+        if getattr(self.model.args, "tie_word_embeddings", False):
+            weight = inner.embed_tokens.weight
+        else:
+            weight = self.model.lm_head.weight
+        head = weight.astype(mx.float32)
+        mx.eval(head)
+        return head
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> MlxEngine:
+        path = resolve_model_dir(config.model)
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-engine")
+        model, dtype = executor.submit(cls._load_model, str(path), config.dtype).result()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        context = int(getattr(model.args, "max_position_embeddings", None) or 2048)
+        return cls(
+            model,
+            tokenizer,
+            executor,
+            max_model_len=config.max_model_len or context,
+            model_path=str(path),
+            dtype=dtype,
+        )
+
+    @staticmethod
+    def _load_model(path: str, dtype: str) -> tuple[Any, str]:
+        log.info("loading %s with mlx-lm on %s", path, mx.default_device())
+        model, _ = mlx_load(path)
+        if dtype != "auto":
+            model.set_dtype(_DTYPES[dtype])
+        weights_dtype = str(next(iter(model.parameters()["model"]["embed_tokens"].values())).dtype)
+        return model, weights_dtype.removeprefix("mlx.core.")
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # -- dense rows -----------------------------------------------------------------------------
+
+    async def next_token_logprobs(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None
+    ) -> np.ndarray:
+        _no_adapter(adapters or [])
+        return await self._run(self._next_token_logprobs, rows)
+
+    def _next_token_logprobs(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
+        width = max(len(r) for r in rows)
+        padding = [width - len(r) for r in rows]
+        tokens = mx.array([[0] * pad + list(r) for pad, r in zip(padding, rows, strict=True)])
+        cache = [BatchKVCache(padding) for _ in self.model.layers]
+        if self._head is None:
+            return _log_softmax(self.model(tokens, cache=cache)[:, -1, :])
+        hidden = self.model.model(tokens, cache=cache)[:, -1, :]
+        return _log_softmax(hidden.astype(mx.float32) @ self._head.T)
+
+    # -- prompt scoring -------------------------------------------------------------------------
+
+    async def prompt_logprobs(
+        self, ids: Sequence[int], top_k: int, adapter: str | None = None
+    ) -> PromptLogprobs:
+        _no_adapter([adapter])
+        return await self._run(self._prompt_logprobs, ids, top_k)
+
+    def _prompt_logprobs(self, ids: Sequence[int], k: int) -> PromptLogprobs:
+        rows = _log_softmax(self.model(mx.array([list(ids)]))[0, :-1])
+        targets = np.asarray(ids[1:], dtype=np.int64)
+        chosen = rows[np.arange(len(targets)), targets]
+        top_ids, top_vals = top_k(rows, k)
+        return PromptLogprobs(chosen.astype(np.float32), top_ids, top_vals)
+
+    # -- generation -----------------------------------------------------------------------------
+
+    async def generate(
+        self, ids: Sequence[int], params: SamplingParams, adapter: str | None = None
+    ) -> AsyncIterator[TokenStep]:
+        _no_adapter([adapter])
+        if params.max_tokens <= 0:
+            return
+        sampler = Sampler(params, self.eos_token_ids)
+        cache = await self._run(make_prompt_cache, self.model)
+        logits = await self._run(self._forward, cache, list(ids))
+        while True:
+            step = sampler.step(logits)
+            yield step
+            if step.finish_reason is not None:
+                return
+            logits = await self._run(self._forward, cache, [step.token_id])
+
+    def _forward(self, cache: list[Any], new_ids: list[int]) -> np.ndarray:
+        logits = self.model(mx.array([new_ids]), cache=cache)[0, -1]
+        return np.array(logits.astype(mx.float32))
+
+    async def aclose(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
