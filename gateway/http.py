@@ -38,7 +38,25 @@ async def decode_json(request: Request, body_type: type[T]) -> T:
 
 
 def wants_msgpack(request: Request) -> bool:
-    return is_msgpack(request.headers.get("accept"))
+    """MessagePack when the Accept header prefers it to JSON (q-values honoured; ties go to JSON)."""
+    best = {"msgpack": -1.0, "json": -1.0}
+    for part in request.headers.get("accept", "").split(","):
+        media, *params = (p.strip() for p in part.split(";"))
+        q = next((p[2:] for p in params if p.startswith("q=")), "1")
+        try:
+            weight = float(q)
+        except ValueError:
+            continue
+        kind = (
+            "msgpack"
+            if is_msgpack(media)
+            else "json"
+            if media in ("application/json", "*/*", "application/*")
+            else ""
+        )
+        if kind:
+            best[kind] = max(best[kind], weight)
+    return best["msgpack"] > 0 and best["msgpack"] > best["json"]
 
 
 def msgpack_response(body: Any, status_code: int = 200) -> Response:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from backends.base import BACKEND_NAMES
 from gateway import cli
 from gateway.settings import ENV_PREFIX, ConfigError, load_settings
 
@@ -199,7 +200,7 @@ BAD_FILES = {
     ),
     "unknown-backend": (
         '[[models]]\nname = "a"\nbackend = "vllm"\n',
-        "model 'a': unknown backend 'vllm'; choose one of: transformers, mock",
+        "model 'a': unknown backend 'vllm'; choose one of: " + ", ".join(BACKEND_NAMES),
     ),
     "colon-in-name": (
         '[[models]]\nname = "base:lora"\n',
@@ -357,7 +358,7 @@ def test_main_with_bad_config_returns_2_without_serving(tmp_path, capsys, no_ser
     assert captured.out == ""
     assert captured.err == (
         f"logprob-gateway: invalid configuration in {bad}: "
-        "model 'a': unknown backend 'vllm'; choose one of: transformers, mock\n"
+        "model 'a': unknown backend 'vllm'; choose one of: " + ", ".join(BACKEND_NAMES) + "\n"
     )
     assert no_serve == []
 
