@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from litestar import Request, Response, get
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -25,16 +26,12 @@ def _card(served: ServedModel) -> ModelCard:
 
 
 def _adapter_card(served: ServedModel, adapter: AdapterInfo) -> ModelCard:
-    base = _card(served)
-    return ModelCard(
+    return msgspec.structs.replace(
+        _card(served),
         id=f"{served.name}:{adapter.name}",
         created=adapter.created,
         root=adapter.path,
         parent=served.name,
-        max_model_len=base.max_model_len,
-        vocab_size=base.vocab_size,
-        backend=base.backend,
-        ready=base.ready,
     )
 
 

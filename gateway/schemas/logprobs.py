@@ -41,27 +41,25 @@ class NextTokenLogprobsUsage(msgspec.Struct, kw_only=True):
     cache_hits: int = 0
 
 
-class NextTokenLogprobsResponse(msgspec.Struct, kw_only=True):
+class _NextTokenLogprobsDocument(msgspec.Struct, kw_only=True):
     object: Literal["list"] = "list"
     model: str
     vocab_size: int
     dtype: Dtype
-    data: list[NextTokenLogprobsRow]
     usage: NextTokenLogprobsUsage
 
 
-class NextTokenLogprobsBinaryResponse(msgspec.Struct, kw_only=True):
+class NextTokenLogprobsResponse(_NextTokenLogprobsDocument, kw_only=True):
+    data: list[NextTokenLogprobsRow]
+
+
+class NextTokenLogprobsBinaryResponse(_NextTokenLogprobsDocument, kw_only=True):
     """The MessagePack form (`Accept: application/msgpack`): rows as raw bytes."""
 
-    object: Literal["list"] = "list"
-    model: str
-    vocab_size: int
-    dtype: Dtype
     data: list[NextTokenLogprobsBinaryRow]
-    usage: NextTokenLogprobsUsage
 
 
-class Vocabulary(msgspec.Struct, kw_only=True):
+class _VocabularyDocument(msgspec.Struct, kw_only=True):
     object: Literal["vocabulary"] = "vocabulary"
     model: str
     vocab_size: int  # logits width: entries past the tokenizer's own size are b""
@@ -69,19 +67,15 @@ class Vocabulary(msgspec.Struct, kw_only=True):
     eos_token_ids: list[int]
     bos_token_id: int | None
     special_token_ids: list[int]
+
+
+class Vocabulary(_VocabularyDocument, kw_only=True):
     tokens: list[str]  # every token id's exact bytes, base64-encoded
 
 
-class VocabularyBinary(msgspec.Struct, kw_only=True):
+class VocabularyBinary(_VocabularyDocument, kw_only=True):
     """The MessagePack form (`Accept: application/msgpack`): tokens as raw bytes."""
 
-    object: Literal["vocabulary"] = "vocabulary"
-    model: str
-    vocab_size: int
-    tokenizer_size: int
-    eos_token_ids: list[int]
-    bos_token_id: int | None
-    special_token_ids: list[int]
     tokens: list[bytes]
 
 

@@ -67,28 +67,25 @@ def run_schemathesis(base_url: str, max_examples: int, workdir: Path) -> None:
     assert result.returncode == 0, result.stdout[-12000:] + result.stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def mock_gateway(model_dir, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("contract-mock")
+def contract_gateway(model_dir, tmp_path_factory, name: str, engine_lines: str):
+    workdir = tmp_path_factory.mktemp(f"contract-{name}")
     config = workdir / "gateway.toml"
     config.write_text(
-        f'[[models]]\nname = "{MODEL}"\nmodel = "{model_dir}"\nbackend = "mock"\n'
-        f"max_model_len = 256\n\n{LIMITS}"
+        f'[[models]]\nname = "{MODEL}"\nmodel = "{model_dir}"\n{engine_lines}\nmax_model_len = 256\n\n{LIMITS}'
     )
-    gateway = start_gateway(["--config", str(config)], workdir / "gateway.log")
+    return start_gateway(["--config", str(config)], workdir / "gateway.log")
+
+
+@pytest.fixture(scope="module")
+def mock_gateway(model_dir, tmp_path_factory):
+    gateway = contract_gateway(model_dir, tmp_path_factory, "mock", 'backend = "mock"')
     yield gateway
     gateway.stop()
 
 
 @pytest.fixture(scope="module")
 def real_gateway(model_dir, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("contract-real")
-    config = workdir / "gateway.toml"
-    config.write_text(
-        f'[[models]]\nname = "{MODEL}"\nmodel = "{model_dir}"\ndtype = "float32"\n'
-        f"max_model_len = 256\n\n{LIMITS}"
-    )
-    gateway = start_gateway(["--config", str(config)], workdir / "gateway.log")
+    gateway = contract_gateway(model_dir, tmp_path_factory, "real", 'dtype = "float32"')
     yield gateway
     gateway.stop()
 
