@@ -7,8 +7,8 @@ positions and masks the padding. When the model runs in bfloat16/float16, the fi
 of dense rows runs in float32 (a float32 copy of the output head is kept), so rows are not
 quantised to bfloat16's 8-bit mantissa.
 
-LoRA adapters are not supported by this backend yet (mlx-lm applies adapters to the whole model,
-not per request); requests naming one get a clear error.
+LoRA adapters (PEFT format) apply per row, so one forward pass serves several adapters and the
+base (see mlx_lora.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from mlx_lm import load as mlx_load
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from transformers import AutoTokenizer
 
-from backends.base import AdapterError, Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
+from backends.base import Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
 from backends.builtin_models import resolve_model_dir
+from backends.mlx_lora import AdapterSet
 from backends.sampling import Sampler, log_softmax, top_k
 
 log = logging.getLogger(__name__)
@@ -37,11 +38,6 @@ _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16
 def _log_softmax(logits: mx.array) -> np.ndarray:
     # normalised in float64 on the host: MLX's float32 logsumexp over 49k entries is off by ~1e-4
     return log_softmax(np.array(logits.astype(mx.float32)))
-
-
-def _no_adapter(adapters: Sequence[str | None]) -> None:
-    if any(adapters):
-        raise AdapterError("the mlx backend does not support LoRA adapters yet")
 
 
 class MlxEngine(Engine):
@@ -65,6 +61,7 @@ class MlxEngine(Engine):
         self.dtype = dtype
         self._executor = executor
         self._head = executor.submit(self._float32_head).result()
+        self._adapters = AdapterSet(model)
 
     def _float32_head(self) -> mx.array | None:
         """The output projection in float32, for llama-family models run in a 16-bit dtype."""
@@ -109,13 +106,21 @@ class MlxEngine(Engine):
 
     # -- dense rows -----------------------------------------------------------------------------
 
+    async def load_adapter(self, name: str, path: str) -> None:
+        await self._run(self._adapters.load, name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._run(self._adapters.unload, name)
+
     async def next_token_logprobs(
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None
     ) -> np.ndarray:
-        _no_adapter(adapters or [])
-        return await self._run(self._next_token_logprobs, rows)
+        return await self._run(self._next_token_logprobs, rows, adapters or [None] * len(rows))
 
-    def _next_token_logprobs(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
+    def _next_token_logprobs(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]
+    ) -> np.ndarray:
+        self._adapters.set_rows(adapters)
         width = max(len(r) for r in rows)
         padding = [width - len(r) for r in rows]
         tokens = mx.array([[0] * pad + list(r) for pad, r in zip(padding, rows, strict=True)])
@@ -130,10 +135,10 @@ class MlxEngine(Engine):
     async def prompt_logprobs(
         self, ids: Sequence[int], top_k: int, adapter: str | None = None
     ) -> PromptLogprobs:
-        _no_adapter([adapter])
-        return await self._run(self._prompt_logprobs, ids, top_k)
+        return await self._run(self._prompt_logprobs, ids, top_k, adapter)
 
-    def _prompt_logprobs(self, ids: Sequence[int], k: int) -> PromptLogprobs:
+    def _prompt_logprobs(self, ids: Sequence[int], k: int, adapter: str | None) -> PromptLogprobs:
+        self._adapters.set_rows([adapter])
         rows = _log_softmax(self.model(mx.array([list(ids)]))[0, :-1])
         targets = np.asarray(ids[1:], dtype=np.int64)
         chosen = rows[np.arange(len(targets)), targets]
@@ -145,20 +150,20 @@ class MlxEngine(Engine):
     async def generate(
         self, ids: Sequence[int], params: SamplingParams, adapter: str | None = None
     ) -> AsyncIterator[TokenStep]:
-        _no_adapter([adapter])
         if params.max_tokens <= 0:
             return
         sampler = Sampler(params, self.eos_token_ids)
         cache = await self._run(make_prompt_cache, self.model)
-        logits = await self._run(self._forward, cache, list(ids))
+        logits = await self._run(self._forward, cache, list(ids), adapter)
         while True:
             step = sampler.step(logits)
             yield step
             if step.finish_reason is not None:
                 return
-            logits = await self._run(self._forward, cache, [step.token_id])
+            logits = await self._run(self._forward, cache, [step.token_id], adapter)
 
-    def _forward(self, cache: list[Any], new_ids: list[int]) -> np.ndarray:
+    def _forward(self, cache: list[Any], new_ids: list[int], adapter: str | None) -> np.ndarray:
+        self._adapters.set_rows([adapter])
         logits = self.model(mx.array([new_ids]), cache=cache)[0, -1]
         return np.array(logits.astype(mx.float32))
 

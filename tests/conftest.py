@@ -93,3 +93,18 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server.start()
     yield server
     server.stop()
+
+
+def make_lora_adapter(model_dir, path, seed, rank=4, **save):
+    """A LoRA adapter with random (non-zero) B matrices, so it changes the model's outputs."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    get_peft_model(base, config).save_pretrained(path, **save)
+    return path

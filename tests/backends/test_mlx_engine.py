@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -11,7 +12,7 @@ pytest.importorskip("mlx_lm")
 from backends.base import AdapterError, EngineConfig, SamplingParams  # noqa: E402
 from backends.mlx import MlxEngine  # noqa: E402
 from gateway.launcher import start_gateway  # noqa: E402
-from tests.conftest import MODEL  # noqa: E402
+from tests.conftest import MODEL, make_lora_adapter  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.mlx]
 TEXTS = ["The capital of France is", "Hi", "A longer sentence about the weather in Paris today"]
@@ -74,15 +75,90 @@ async def test_prompt_logprobs_and_greedy_generation(engine, reference):
     assert [s.token_id for s in steps] == reference.greedy(prompt, 8)
 
 
-async def test_adapters_are_refused_clearly(engine):
-    with pytest.raises(AdapterError, match="does not support LoRA"):
-        await engine.next_token_logprobs([[1, 2]], ["some_adapter"])
+@pytest.fixture(scope="module")
+def lora(model_dir, tmp_path_factory):
+    """Two PEFT adapters, and transformers+PEFT references for each."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("mlx-adapters")
+    paths = {name: make_lora_adapter(model_dir, root / name, seed) for name, seed in (("a", 11), ("b", 12))}
+    references = {}
+    for name, path in paths.items():
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        references[name] = PeftModel.from_pretrained(base, path).eval()
+    return paths, references
 
 
-def test_openai_sdk_through_the_mlx_backend(model_dir, reference, tmp_path):
-    gateway = start_gateway(
-        ["--model", str(model_dir), "--served-model-name", MODEL, "--backend", "mlx"], tmp_path / "mlx.log"
+def peft_row(model, ids):
+    import torch
+
+    with torch.inference_mode():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1).numpy()
+
+
+async def test_lora_rows_match_peft_in_mixed_batches(model_dir, lora, reference):
+    paths, references = lora
+    engine = MlxEngine.load(EngineConfig(model=str(model_dir)))
+    for name, path in paths.items():
+        await engine.load_adapter(name, str(path))
+    rows = [reference.tokenizer(t).input_ids for t in TEXTS]
+    adapters = ["a", None, "b"]
+    mixed = await engine.next_token_logprobs(rows, adapters)  # one forward pass, three "models"
+    for row, ids, adapter in zip(mixed, rows, adapters, strict=True):
+        want = reference.logprobs(ids)[-1] if adapter is None else peft_row(references[adapter], ids)
+        assert np.max(np.abs(row - want)) <= 1e-3
+    base = (await engine.next_token_logprobs([rows[0]]))[0]
+    assert np.max(np.abs(mixed[0] - base)) > 0.5  # the adapter changes the model
+    prompt = rows[0]
+    steps = [s async for s in engine.generate(prompt, SamplingParams(max_tokens=5, temperature=0), "a")]
+    import torch
+
+    tokens = torch.tensor([prompt])
+    expected = (
+        references["a"]
+        .generate(
+            input_ids=tokens,
+            attention_mask=torch.ones_like(tokens),
+            max_new_tokens=5,
+            do_sample=False,
+            eos_token_id=None,
+        )[0, len(prompt) :]
+        .tolist()
     )
+    assert [s.token_id for s in steps] == expected
+    await engine.unload_adapter("b")
+    with pytest.raises(AdapterError, match="not loaded"):
+        await engine.next_token_logprobs([rows[0]], ["b"])
+    after = await engine.next_token_logprobs([rows[0]], ["a"])
+    assert np.max(np.abs(after[0] - mixed[0])) <= 1e-4
+
+
+async def test_bad_adapters_leave_the_engine_unchanged(model_dir, lora, reference, tmp_path):
+    import json
+
+    paths, _ = lora
+    engine = MlxEngine.load(EngineConfig(model=str(model_dir)))
+    bad = make_lora_adapter(model_dir, tmp_path / "bad", 13)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_model.safetensors").write_bytes(
+        (paths["a"] / "adapter_model.safetensors").read_bytes()[:100]
+    )
+    with pytest.raises(AdapterError, match="cannot be read"):
+        await engine.load_adapter("bad", str(bad))
+    assert config["r"] == 4
+    ids = reference.tokenizer(TEXTS[0]).input_ids
+    assert np.max(np.abs((await engine.next_token_logprobs([ids]))[0] - reference.logprobs(ids)[-1])) <= 1e-3
+
+
+def test_openai_sdk_through_the_mlx_backend(model_dir, reference, lora, tmp_path):
+    paths, references = lora
+    config = tmp_path / "mlx.toml"
+    config.write_text(
+        f'[[models]]\nname = "{MODEL}"\nmodel = "{model_dir}"\nbackend = "mlx"\nadapters = {{a = "{paths["a"]}"}}\n'
+    )
+    gateway = start_gateway(["--config", str(config)], tmp_path / "mlx.log")
     try:
         client = openai.OpenAI(base_url=gateway.base_url + "/v1", api_key="unused", max_retries=0)
         ids = reference.tokenizer(TEXTS[0]).input_ids
@@ -101,5 +177,10 @@ def test_openai_sdk_through_the_mlx_backend(model_dir, reference, tmp_path):
             stream=True,
         )
         assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+        dense = httpx.post(
+            gateway.base_url + "/v1/next_token_logprobs", json={"model": f"{MODEL}:a", "input": [ids]}
+        )
+        row = np.array(dense.json()["data"][0]["logprobs"], dtype=np.float32)
+        assert np.max(np.abs(row - peft_row(references["a"], ids))) <= 1e-3
     finally:
         gateway.stop()

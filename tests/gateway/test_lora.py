@@ -12,39 +12,28 @@ import pytest
 import torch
 
 from gateway.launcher import start_gateway
-from tests.conftest import MODEL
+from tests.conftest import MODEL, make_lora_adapter
 
 pytestmark = pytest.mark.slow
 ADMIN = {"Authorization": "Bearer admin-secret"}
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 
 
-def make_adapter(model_dir, path, seed, rank=4, **save):
-    """A LoRA adapter with random (non-zero) B matrices, so it changes the model's outputs."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False
-    )
-    get_peft_model(base, config).save_pretrained(path, **save)
-    return path
-
-
 @pytest.fixture(scope="module")
 def adapters(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
-    paths = {"a": make_adapter(model_dir, root / "a", 1), "b": make_adapter(model_dir, root / "b", 2)}
-    make_adapter(model_dir, root / "too_big", 3, rank=80)
-    make_adapter(model_dir, root / "pickled", 4, safe_serialization=False)
-    mismatched = make_adapter(model_dir, root / "mismatched", 5)
+    paths = {
+        "a": make_lora_adapter(model_dir, root / "a", 1),
+        "b": make_lora_adapter(model_dir, root / "b", 2),
+    }
+    make_lora_adapter(model_dir, root / "too_big", 3, rank=80)
+    make_lora_adapter(model_dir, root / "pickled", 4, safe_serialization=False)
+    mismatched = make_lora_adapter(model_dir, root / "mismatched", 5)
     config = json.loads((mismatched / "adapter_config.json").read_text())
     config["target_modules"] = ["no_such_module"]
     (mismatched / "adapter_config.json").write_text(json.dumps(config))
     outside = tmp_path_factory.mktemp("outside")
-    make_adapter(model_dir, outside / "evil", 6)
+    make_lora_adapter(model_dir, outside / "evil", 6)
     (root / "link").symlink_to(outside / "evil")
     return root, paths, outside
 
