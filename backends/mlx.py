@@ -7,6 +7,10 @@ positions and masks the padding. When the model runs in bfloat16/float16, the fi
 of dense rows runs in float32 (a float32 copy of the output head is kept), so rows are not
 quantised to bfloat16's 8-bit mantissa.
 
+Generation reuses KV state across requests: prompts are prefilled from the longest cached prefix
+of the same adapter (mlx-lm's LRUPromptCache, bounded by the `prompt_cache_bytes` option,
+256 MiB by default), so chat turns and shared system prompts cost only their new tokens.
+
 LoRA adapters (PEFT format) apply per row, so one forward pass serves several adapters and the
 base (see mlx_lora.py).
 """
@@ -14,6 +18,7 @@ base (see mlx_lora.py).
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +27,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import numpy as np
 from mlx_lm import load as mlx_load
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, LRUPromptCache, make_prompt_cache, trim_prompt_cache
 from transformers import AutoTokenizer
 
 from backends.base import Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
@@ -50,6 +55,7 @@ class MlxEngine(Engine):
         max_model_len: int,
         model_path: str,
         dtype: str,
+        prompt_cache_bytes: int = 256 * 2**20,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -62,6 +68,8 @@ class MlxEngine(Engine):
         self._executor = executor
         self._head = executor.submit(self._float32_head).result()
         self._adapters = AdapterSet(model)
+        self._prompt_cache = LRUPromptCache(max_size=64, max_bytes=prompt_cache_bytes)
+        self.prompt_tokens_computed = 0  # prompt tokens prefilled (not served from the prompt cache)
 
     def _float32_head(self) -> mx.array | None:
         """The output projection in float32, for llama-family models run in a 16-bit dtype."""
@@ -90,6 +98,7 @@ class MlxEngine(Engine):
             max_model_len=config.max_model_len or context,
             model_path=str(path),
             dtype=dtype,
+            prompt_cache_bytes=int(config.options.get("prompt_cache_bytes", 256 * 2**20)),
         )
 
     @staticmethod
@@ -153,14 +162,28 @@ class MlxEngine(Engine):
         if params.max_tokens <= 0:
             return
         sampler = Sampler(params, self.eos_token_ids)
-        cache = await self._run(make_prompt_cache, self.model)
-        logits = await self._run(self._forward, cache, list(ids), adapter)
+        cache, logits = await self._run(self._prefill, list(ids), adapter)
         while True:
             step = sampler.step(logits)
             yield step
             if step.finish_reason is not None:
                 return
             logits = await self._run(self._forward, cache, [step.token_id], adapter)
+
+    def _prefill(self, ids: list[int], adapter: str | None) -> tuple[list[Any], np.ndarray]:
+        """Start from the cached KV state of the longest known prefix (of the same adapter), run
+        only the rest, and remember this prompt's state for the requests that share it."""
+        key = adapter or ""
+        cache, rest = self._prompt_cache.fetch_nearest_cache(key, ids)
+        if cache is None:
+            cache, rest = make_prompt_cache(self.model), ids
+        elif not rest:  # the whole prompt is cached, but its last logits are not: redo one token
+            trim_prompt_cache(cache, 1)
+            rest = ids[-1:]
+        self.prompt_tokens_computed += len(rest)
+        logits = self._forward(cache, list(rest), adapter)
+        self._prompt_cache.insert_cache(key, ids, copy.deepcopy(cache))
+        return cache, logits
 
     def _forward(self, cache: list[Any], new_ids: list[int], adapter: str | None) -> np.ndarray:
         self._adapters.set_rows([adapter])

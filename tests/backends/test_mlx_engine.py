@@ -49,6 +49,31 @@ async def test_batched_rows_match_transformers(engine, reference):
         assert np.max(np.abs(alone - row)) <= 1e-4  # padding and positions are right
 
 
+async def test_generation_reuses_cached_prompt_prefixes(model_dir, reference, lora):
+    paths, _ = lora
+    engine = MlxEngine.load(EngineConfig(model=str(model_dir)))
+    await engine.load_adapter("a", str(paths["a"]))
+    prompt = reference.tokenizer(
+        "A shared system prompt that many requests start with, then a question:"
+    ).input_ids
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+
+    async def run(ids, adapter=None):
+        before = engine.prompt_tokens_computed
+        tokens = [s.token_id async for s in engine.generate(ids, greedy, adapter)]
+        return tokens, engine.prompt_tokens_computed - before
+
+    first, computed = await run(prompt)
+    assert computed == len(prompt) and first == reference.greedy(prompt, 4)
+    again, computed = await run(prompt)  # exact hit: only the last token is recomputed
+    assert computed == 1 and again == first
+    longer = prompt + reference.tokenizer(" Why?", add_special_tokens=False).input_ids
+    extended, computed = await run(longer)  # prefix hit: only the new tokens
+    assert computed == len(longer) - len(prompt) and extended == reference.greedy(longer, 4)
+    _, computed = await run(prompt, "a")  # another adapter never reuses the base's state
+    assert computed == len(prompt)
+
+
 async def test_bfloat16_engine_keeps_rows_unquantised(bf16_engine, reference):
     """The whole network in bfloat16 moves top-100 logprobs by 0.2-0.5 nats on these prompts
     (measured), so bfloat16 is for speed, float32 for exact numbers. The output head stays in
