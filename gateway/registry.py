@@ -8,6 +8,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from backends.base import AdapterError, Engine, engine_class
 from backends.vocab import token_bytes_table
@@ -26,6 +27,12 @@ def _tokenizer_files(tokenizer: object) -> dict[str, str]:
     with tempfile.TemporaryDirectory() as directory:
         tokenizer.save_pretrained(directory)  # type: ignore[attr-defined]
         return {p.name: p.read_text() for p in sorted(Path(directory).iterdir()) if p.is_file()}
+
+
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Named special tokens and every added token marked special (SmolLM2 has 17, only 3 named)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return frozenset(tokenizer.all_special_ids) | {int(i) for i, t in added.items() if getattr(t, "special", False)}
 
 
 def parse_model_name(name: str) -> tuple[str, str | None]:
@@ -127,7 +134,7 @@ class ModelRegistry:
             served.token_bytes = await asyncio.to_thread(
                 token_bytes_table, engine.tokenizer, engine.vocab_size
             )
-            served.special_ids = frozenset(engine.tokenizer.all_special_ids) | engine.eos_token_ids
+            served.special_ids = special_token_ids(engine.tokenizer) | engine.eos_token_ids
             served.tokenizer_files = await asyncio.to_thread(_tokenizer_files, engine.tokenizer)
             served.fingerprint = await asyncio.to_thread(
                 weights_fingerprint,

@@ -84,6 +84,9 @@ def test_vocabulary_json_and_msgpack_agree(http, vocabulary, table, reference):
     assert vocabulary["bos_token_id"] == reference.tokenizer.bos_token_id
     assert set(reference.tokenizer.all_special_ids) <= set(vocabulary["special_token_ids"])
     assert 2 in vocabulary["special_token_ids"]
+    marked = {i for i, t in reference.tokenizer.added_tokens_decoder.items() if t.special}
+    assert set(vocabulary["special_token_ids"]) == marked | set(reference.tokenizer.all_special_ids)
+    assert len(marked) == 17
 
     response = http.get(f"/v1/models/{MODEL}/vocabulary", headers={"Accept": MSGPACK})
     assert response.status_code == 200, response.text
