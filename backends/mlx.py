@@ -33,7 +33,7 @@ from transformers import AutoTokenizer
 from backends.base import Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
 from backends.builtin_models import resolve_model_dir
 from backends.mlx_lora import AdapterSet
-from backends.sampling import Sampler, log_softmax, top_k
+from backends.sampling import log_softmax, prompt_scores, sample_tokens
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -148,27 +148,24 @@ class MlxEngine(Engine):
 
     def _prompt_logprobs(self, ids: Sequence[int], k: int, adapter: str | None) -> PromptLogprobs:
         self._adapters.set_rows([adapter])
-        rows = _log_softmax(self.model(mx.array([list(ids)]))[0, :-1])
-        targets = np.asarray(ids[1:], dtype=np.int64)
-        chosen = rows[np.arange(len(targets)), targets]
-        top_ids, top_vals = top_k(rows, k)
-        return PromptLogprobs(chosen.astype(np.float32), top_ids, top_vals)
+        return prompt_scores(_log_softmax(self.model(mx.array([list(ids)]))[0, :-1]), ids, k)
 
     # -- generation -----------------------------------------------------------------------------
 
     async def generate(
         self, ids: Sequence[int], params: SamplingParams, adapter: str | None = None
     ) -> AsyncIterator[TokenStep]:
-        if params.max_tokens <= 0:
-            return
-        sampler = Sampler(params, self.eos_token_ids)
-        cache, logits = await self._run(self._prefill, list(ids), adapter)
-        while True:
-            step = sampler.step(logits)
+        cache: list[Any] = []
+
+        async def next_logits(token: int | None) -> np.ndarray:
+            if token is None:
+                prompt_cache, logits = await self._run(self._prefill, list(ids), adapter)
+                cache.extend(prompt_cache)
+                return logits
+            return await self._run(self._forward, cache, [token], adapter)
+
+        async for step in sample_tokens(params, self.eos_token_ids, next_logits):
             yield step
-            if step.finish_reason is not None:
-                return
-            logits = await self._run(self._forward, cache, [step.token_id], adapter)
 
     def _prefill(self, ids: list[int], adapter: str | None) -> tuple[list[Any], np.ndarray]:
         """Start from the cached KV state of the longest known prefix (of the same adapter), run

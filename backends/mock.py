@@ -17,10 +17,9 @@ from collections.abc import AsyncIterator, Sequence
 import numpy as np
 from transformers import AutoTokenizer
 
-from backends import sampling
 from backends.base import AdapterError, Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
 from backends.builtin_models import resolve_model_dir
-from backends.sampling import Sampler, log_softmax
+from backends.sampling import log_softmax, prompt_scores, sample_tokens
 
 
 class MockEngine(Engine):
@@ -77,22 +76,20 @@ class MockEngine(Engine):
         rows = np.zeros((0, self.vocab_size), np.float32)
         if len(ids) > 1:
             rows = np.stack([self.logits(ids[:i], adapter) for i in range(1, len(ids))])
-        chosen = rows[np.arange(len(ids) - 1), np.asarray(ids[1:], dtype=np.int64)]
-        top_ids, top_vals = sampling.top_k(rows, top_k)
-        return PromptLogprobs(chosen.astype(np.float32), top_ids, top_vals)
+        return prompt_scores(rows, ids, top_k)
 
     async def generate(
         self, ids: Sequence[int], params: SamplingParams, adapter: str | None = None
     ) -> AsyncIterator[TokenStep]:
-        if params.max_tokens <= 0:
-            return
-        self.calls += 1
-        sampler = Sampler(params, self.eos_token_ids)
         prefix = list(ids)
-        while True:
+
+        async def next_logits(token: int | None) -> np.ndarray:
+            if token is None:
+                self.calls += 1
+            else:
+                prefix.append(token)
             await asyncio.sleep(0)
-            step = sampler.step(self.logits(prefix, adapter))
+            return self.logits(prefix, adapter)
+
+        async for step in sample_tokens(params, self.eos_token_ids, next_logits):
             yield step
-            if step.finish_reason is not None:
-                return
-            prefix.append(step.token_id)

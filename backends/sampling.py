@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import numpy as np
 
-from backends.base import SamplingParams, TokenStep
+from backends.base import PromptLogprobs, SamplingParams, TokenStep
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -75,3 +76,34 @@ class Sampler:
             probs = kept
         probs /= probs.sum()
         return int(self.rng.choice(probs.shape[0], p=probs))
+
+
+async def sample_tokens(
+    params: SamplingParams,
+    eos_token_ids: frozenset[int],
+    next_logits: Callable[[int | None], Awaitable[np.ndarray]],
+) -> AsyncIterator[TokenStep]:
+    """The generation loop of the engines that sample themselves.
+
+    `next_logits(None)` runs the prompt and returns its last logits row; `next_logits(token)`
+    appends the sampled token and returns the next row. Nothing runs ahead of the consumer, so a
+    caller that stops iterating (stop string, disconnect) wastes no forward pass.
+    """
+    if params.max_tokens <= 0:
+        return
+    sampler = Sampler(params, eos_token_ids)
+    logits = await next_logits(None)
+    while True:
+        step = sampler.step(logits)
+        yield step
+        if step.finish_reason is not None:
+            return
+        logits = await next_logits(step.token_id)
+
+
+def prompt_scores(rows: np.ndarray, ids: Sequence[int], k: int) -> PromptLogprobs:
+    """PromptLogprobs from the log-probability rows after each prompt token but the last."""
+    targets = np.asarray(ids[1:], dtype=np.int64)
+    chosen = rows[np.arange(len(targets)), targets]
+    top_ids, top_vals = top_k(rows, k)
+    return PromptLogprobs(chosen.astype(np.float32), top_ids, top_vals)

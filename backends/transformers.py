@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from backends.base import AdapterError, Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
 from backends.builtin_models import resolve_model_dir
-from backends.sampling import Sampler
+from backends.sampling import sample_tokens
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -195,17 +195,13 @@ class TransformersEngine(Engine):
     async def generate(
         self, ids: Sequence[int], params: SamplingParams, adapter: str | None = None
     ) -> AsyncIterator[TokenStep]:
-        if params.max_tokens <= 0:
-            return
-        sampler = Sampler(params, self.eos_token_ids)
         state = _DecodeState()
-        logits = await self._run(self._forward, state, list(ids), adapter)
-        while True:
-            step = sampler.step(logits)
+
+        async def next_logits(token: int | None) -> np.ndarray:
+            return await self._run(self._forward, state, list(ids) if token is None else [token], adapter)
+
+        async for step in sample_tokens(params, self.eos_token_ids, next_logits):
             yield step
-            if step.finish_reason is not None:
-                return
-            logits = await self._run(self._forward, state, [step.token_id], adapter)
 
     @torch.inference_mode()
     def _forward(self, state: _DecodeState, new_ids: list[int], adapter: str | None) -> np.ndarray:
