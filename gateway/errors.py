@@ -24,7 +24,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from backends.base import AdapterError
+from backends.base import AdapterError, RequestRejectedError
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,10 @@ def _handle_adapter_error(request: Request, exc: AdapterError) -> Response:
     return _handle_gateway_error(request, InvalidRequestError(str(exc), param="model"))
 
 
+def _handle_rejected(request: Request, exc: RequestRejectedError) -> Response:
+    return _handle_gateway_error(request, InvalidRequestError(str(exc), param=exc.param))
+
+
 def _handle_unexpected(_: Request, exc: Exception) -> Response:
     log.exception("unexpected error", exc_info=exc)
     return error_response(500, "internal server error", "internal_error", None, None)
@@ -147,6 +151,7 @@ EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
     GatewayError: _handle_gateway_error,
     msgspec.DecodeError: _handle_decode_error,
     AdapterError: _handle_adapter_error,
+    RequestRejectedError: _handle_rejected,
     HTTPException: _handle_http_exception,
     Exception: _handle_unexpected,
 }

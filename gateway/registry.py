@@ -32,7 +32,9 @@ def _tokenizer_files(tokenizer: object) -> dict[str, str]:
 def special_token_ids(tokenizer: Any) -> frozenset[int]:
     """Named special tokens and every added token marked special (SmolLM2 has 17, only 3 named)."""
     added = getattr(tokenizer, "added_tokens_decoder", {})
-    return frozenset(tokenizer.all_special_ids) | {int(i) for i, t in added.items() if getattr(t, "special", False)}
+    return frozenset(tokenizer.all_special_ids) | {
+        int(i) for i, t in added.items() if getattr(t, "special", False)
+    }
 
 
 def parse_model_name(name: str) -> tuple[str, str | None]:

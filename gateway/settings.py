@@ -69,6 +69,7 @@ class ModelSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             dtype=self.dtype,
             device=self.device,
             max_model_len=self.max_model_len,
+            max_lora_rank=self.max_lora_rank if self.adapters or self.adapters_root else 0,
             options=self.options,
         )
 

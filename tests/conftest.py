@@ -3,6 +3,8 @@ and one real gateway server process per test session."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +16,15 @@ from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir
 from gateway.launcher import GatewayProcess, RedisServer, start_gateway
 
 MODEL = DEFAULT_MODEL
+
+
+def require_engine_library(name: str) -> None:
+    """Skip a module whose engine library is not installed, except in CI, which installs them all:
+    there a missing library fails the run instead of silently skipping the engine's tests."""
+    if importlib.util.find_spec(name) is None:
+        if os.environ.get("CI"):
+            raise RuntimeError(f"CI must install {name!r} (see .ci/run)")
+        pytest.skip(f"{name} is not installed", allow_module_level=True)
 
 
 @pytest.fixture(scope="session")

