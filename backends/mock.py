@@ -5,7 +5,9 @@ prefix: reproducible, consistent across endpoints, different for every prefix, a
 that benchmarks on it measure the gateway rather than the mock. It proves nothing about a model:
 features are proven on real engines.
 
-Options: `vocab_size` (default: the tokenizer's size), `max_model_len` via the config.
+Options: `vocab_size` (default: the tokenizer's size), `max_model_len` via the config; for fault
+tests: `delay_s` (time each engine step takes), `fail_token` (a request containing this token id
+fails with an engine error) and `fatal_token` (the same, and the engine is dead from then on).
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ from backends.sampling import log_softmax, prompt_scores, sample_tokens
 
 
 class MockEngine(Engine):
-    def __init__(self, tokenizer: object, *, vocab_size: int, max_model_len: int, model_path: str) -> None:
+    def __init__(
+        self,
+        tokenizer: object,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        model_path: str,
+        options: dict | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -33,6 +43,11 @@ class MockEngine(Engine):
         self.dtype = "float32"
         self.adapters: dict[str, str] = {}
         self.calls = 0  # engine invocations, for tests of batching
+        options = options or {}
+        self.delay_s = float(options.get("delay_s", 0.0))
+        self.fail_token = options.get("fail_token")
+        self.fatal_token = options.get("fatal_token")
+        self.dead = False
         base = np.random.default_rng(0).standard_normal(vocab_size, dtype=np.float32) * 3.0
         self._base = log_softmax(base)
 
@@ -42,13 +57,24 @@ class MockEngine(Engine):
         tokenizer = AutoTokenizer.from_pretrained(path)
         vocab_size = int(config.options.get("vocab_size", len(tokenizer)))
         return cls(
-            tokenizer, vocab_size=vocab_size, max_model_len=config.max_model_len or 2048, model_path=str(path)
+            tokenizer,
+            vocab_size=vocab_size,
+            max_model_len=config.max_model_len or 2048,
+            model_path=str(path),
+            options=dict(config.options),
         )
 
     def logits(self, prefix: Sequence[int], adapter: str | None = None) -> np.ndarray:
         """Already normalised: these logits are also the log-probabilities."""
         if adapter is not None and adapter not in self.adapters:
             raise AdapterError(f"adapter {adapter!r} is not loaded")
+        if self.dead:
+            raise RuntimeError("the engine is dead")
+        if self.fatal_token is not None and self.fatal_token in prefix:
+            self.dead = True
+            raise RuntimeError("injected fatal engine failure")
+        if self.fail_token is not None and self.fail_token in prefix:
+            raise RuntimeError("injected engine failure")
         digest = hashlib.blake2b(
             np.asarray(prefix, dtype=np.int64).tobytes(), digest_size=8, person=(adapter or "").encode()[:16]
         ).digest()
@@ -58,9 +84,12 @@ class MockEngine(Engine):
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None
     ) -> np.ndarray:
         self.calls += 1
-        await asyncio.sleep(0)
+        await asyncio.sleep(self.delay_s)
         adapters = adapters or [None] * len(rows)
         return np.stack([self.logits(row, a) for row, a in zip(rows, adapters, strict=True)])
+
+    def is_healthy(self) -> bool:
+        return not self.dead
 
     async def load_adapter(self, name: str, path: str) -> None:
         self.adapters[name] = path  # the mock's "adapter" only changes the hash of its rows
@@ -88,7 +117,7 @@ class MockEngine(Engine):
                 self.calls += 1
             else:
                 prefix.append(token)
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.delay_s)
             return self.logits(prefix, adapter)
 
         async for step in sample_tokens(params, self.eos_token_ids, next_logits):

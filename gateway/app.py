@@ -9,10 +9,13 @@ from collections.abc import AsyncIterator
 
 from litestar import Litestar
 from litestar.datastructures import State
+from litestar.types import ASGIApp
 
+from gateway.access import Access, KeyRing
 from gateway.cache import build_cache
 from gateway.errors import EXCEPTION_HANDLERS
-from gateway.metrics import Metrics, StateCollector
+from gateway.guard import guard
+from gateway.metrics import Metrics, StateCollector, instrument
 from gateway.registry import ModelRegistry
 from gateway.routes.admin import load_lora_adapter, unload_lora_adapter
 from gateway.routes.chat import create_chat_completion
@@ -49,7 +52,10 @@ def create_app(settings: Settings, registry: ModelRegistry | None = None) -> Lit
     metrics = Metrics()
     registry = registry or ModelRegistry(settings.models, metrics)
     metrics.registry.register(StateCollector(registry))
-    state = State({"settings": settings, "registry": registry, "cache": None, "metrics": metrics})
+    access = Access(KeyRing.from_settings(settings), settings.limits)
+    state = State(
+        {"settings": settings, "registry": registry, "cache": None, "metrics": metrics, "access": access}
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -72,4 +78,13 @@ def create_app(settings: Settings, registry: ModelRegistry | None = None) -> Lit
         state=state,
         openapi_config=None,
         logging_config=None,
+        request_max_body_size=settings.limits.max_body_bytes,
     )
+
+
+def serving_app(settings: Settings) -> tuple[Litestar, ASGIApp]:
+    """The app, and what the server runs: the app inside the key/limit/disconnect guard, inside
+    the metrics wrapper (so refused and unknown requests are counted too)."""
+    app = create_app(settings)
+    guarded = guard(app, app.state.access, metrics_public=settings.metrics_public)
+    return app, instrument(guarded, app.state.metrics)

@@ -4,6 +4,10 @@ Requests queue up while the engine is busy; each engine call takes everything qu
 `max_batch_rows` distinct rows), optionally waiting `window_s` for more when the engine was idle,
 runs identical (adapter, prefix) rows once, and hands every request its own rows back. Rows of
 different adapters share an engine call: the engine applies each row's adapter.
+
+Requests whose clients have gone (their futures cancelled) are dropped before each engine call.
+When an engine call fails, its requests are retried one by one, so only the request that causes
+the failure gets the error.
 """
 
 from __future__ import annotations
@@ -105,28 +109,38 @@ class RowBatcher:
             now = asyncio.get_running_loop().time()
             for request in batch:
                 self._on_wait(now - request.enqueued)
-            index: dict[Row, int] = {}
-            for request in batch:
-                for row in request.rows:
-                    index.setdefault(row, len(index))
-            unique = list(index)
-            try:
-                # A request larger than max_batch_rows is split over several engine calls.
-                parts = []
-                for start in range(0, len(unique), self.max_batch_rows):
-                    chunk = unique[start : start + self.max_batch_rows]
-                    self.stats.batches += 1
-                    self.stats.largest_batch = max(self.stats.largest_batch, len(chunk))
-                    self._on_batch(len(chunk))
-                    parts.append(await self._engine_call([ids for _, ids in chunk], [a for a, _ in chunk]))
-                self.stats.engine_rows += len(unique)
-                results = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            except Exception as exc:  # fail only the requests of this batch
-                log.exception("engine call failed for %d rows", len(unique))
+            await self._serve(batch)
+
+    async def _serve(self, batch: list[_Request]) -> None:
+        index: dict[Row, int] = {}
+        for request in batch:
+            for row in request.rows:
+                index.setdefault(row, len(index))
+        unique = list(index)
+        try:
+            # A request larger than max_batch_rows is split over several engine calls.
+            parts = []
+            for start in range(0, len(unique), self.max_batch_rows):
+                if all(request.future.done() for request in batch):
+                    return  # every client waiting for these rows has gone
+                chunk = unique[start : start + self.max_batch_rows]
+                self.stats.batches += 1
+                self.stats.largest_batch = max(self.stats.largest_batch, len(chunk))
+                self._on_batch(len(chunk))
+                parts.append(await self._engine_call([ids for _, ids in chunk], [a for a, _ in chunk]))
+            self.stats.engine_rows += len(unique)
+            results = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        except Exception as exc:
+            if len(batch) > 1:  # find the request that fails: the others must not fail with it
+                log.warning("engine call failed for %d requests; retrying them one by one", len(batch))
                 for request in batch:
                     if not request.future.done():
-                        request.future.set_exception(exc)
-                continue
-            for request in batch:
-                if not request.future.done():
-                    request.future.set_result(results[[index[row] for row in request.rows]])
+                        await self._serve([request])
+                return
+            log.exception("engine call failed for %d rows", len(unique))
+            if not batch[0].future.done():
+                batch[0].future.set_exception(exc)
+            return
+        for request in batch:
+            if not request.future.done():
+                request.future.set_result(results[[index[row] for row in request.rows]])

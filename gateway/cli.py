@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
         const=False,
         help="turn the output cache off",
     )
+    hashed = commands.add_parser(
+        "hash-key", help="print the api_keys entry for a key read from standard input (never from argv)"
+    )
+    hashed.add_argument("--name", help="a name for the key, used by per-key limits")
     spec = commands.add_parser("openapi", help="write the OpenAPI document (default settings) as JSON")
     spec.add_argument("--output", "-o", default="-", help="file to write (default: standard output)")
     return parser
@@ -50,18 +54,20 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def serve(settings: Settings) -> None:
     import uvicorn
 
-    from gateway.app import create_app
-    from gateway.metrics import instrument
+    from gateway.app import serving_app
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(settings)
+    _, app = serving_app(settings)
+    # SIGTERM: uvicorn stops accepting connections, lets in-flight requests finish for up to the
+    # grace period, then cancels what is left and runs the app's shutdown (engines, cache).
     uvicorn.run(
-        instrument(app, app.state.metrics),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
 
 
@@ -82,6 +88,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "openapi":
         write_openapi(args.output)
+        return 0
+    if args.command == "hash-key":
+        from gateway.access import hash_key
+
+        key = sys.stdin.readline().strip()
+        if not key:
+            print("logprob-gateway: give the key on standard input", file=sys.stderr)
+            return 2
+        print(hash_key(key, args.name))
         return 0
     try:
         settings = settings_from_args(args)

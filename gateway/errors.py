@@ -6,6 +6,7 @@
      ├── AuthenticationError           401 authentication_error    (missing or wrong key)
      ├── ForbiddenError                403 permission_error        (disabled, or outside allowed paths)
      ├── ModelNotFoundError            404 invalid_request_error   code=model_not_found
+     ├── RateLimitError                429 rate_limit_error        (a per-key or server limit; Retry-After)
      ├── ModelNotReadyError            503 service_unavailable     (still loading, or failed)
      └── EngineError                   500 internal_error          (the engine failed a request)
 
@@ -17,6 +18,7 @@ method, body too large) are mapped here too, so no route formats an error by han
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any
 
@@ -78,6 +80,16 @@ class ModelNotFoundError(GatewayError):
     code = "model_not_found"
 
 
+class RateLimitError(GatewayError):
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class ModelNotReadyError(GatewayError):
     status_code = 503
     error_type = "service_unavailable"
@@ -99,11 +111,31 @@ _HTTP_TYPES = {
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 
 
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> bytes:
+    return msgspec.json.encode(
+        ErrorResponse(error=ErrorDetail(message=message, type=error_type, param=param, code=code))
+    )
+
+
+def retry_after_headers(exc: GatewayError) -> dict[str, str]:
+    seconds = getattr(exc, "retry_after", None)
+    return {} if seconds is None else {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
 def error_response(
-    status: int, message: str, error_type: str, param: str | None, code: str | None
+    status: int,
+    message: str,
+    error_type: str,
+    param: str | None,
+    code: str | None,
+    headers: dict[str, str] | None = None,
 ) -> Response:
-    body = ErrorResponse(error=ErrorDetail(message=message, type=error_type, param=param, code=code))
-    return Response(content=msgspec.json.encode(body), status_code=status, media_type="application/json")
+    return Response(
+        content=error_body(message, error_type, param, code),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
 
 
 def decode_error(exc: msgspec.DecodeError) -> InvalidRequestError:
@@ -120,7 +152,9 @@ def decode_error(exc: msgspec.DecodeError) -> InvalidRequestError:
 def _handle_gateway_error(_: Request, exc: GatewayError) -> Response:
     if exc.status_code >= 500:
         log.error("%s: %s", type(exc).__name__, exc.message)
-    return error_response(exc.status_code, exc.message, exc.error_type, exc.param, exc.code)
+    return error_response(
+        exc.status_code, exc.message, exc.error_type, exc.param, exc.code, retry_after_headers(exc)
+    )
 
 
 def _handle_decode_error(request: Request, exc: msgspec.DecodeError) -> Response:

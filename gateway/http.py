@@ -12,7 +12,9 @@ import msgspec
 from litestar import Request, Response
 from litestar.response import Stream
 
+from gateway.access import Access
 from gateway.errors import ErrorDetail, ErrorResponse, GatewayError
+from gateway.guard import KEY_NAME, STREAM_KEY
 from gateway.metrics import set_labels
 from gateway.registry import ModelRegistry, ServedModel
 from gateway.settings import Settings
@@ -82,6 +84,23 @@ def resolve_model(request: Request, name: str) -> tuple[ServedModel, str | None]
 
 def settings(request: Request) -> Settings:
     return request.app.state.settings
+
+
+def access(request: Request) -> Access:
+    return request.app.state.access
+
+
+def reserve_stream(request: Request) -> None:
+    """Take one of the server's stream slots (429 when none is free); gateway.guard gives it back
+    when the response ends, however it ends. Without the guard (an app used bare) there is no limit."""
+    if KEY_NAME in request.scope:
+        access(request).reserve_stream()
+        request.scope[STREAM_KEY] = True  # type: ignore[literal-required]
+
+
+def charge_rows(request: Request, rows: int) -> None:
+    """Count dense rows against the API key's per-minute budget (429 when spent)."""
+    access(request).take_rows(request.scope.get(KEY_NAME), rows)  # type: ignore[arg-type]
 
 
 def new_id(prefix: str) -> str:

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 
 PREFIX = "logprob_gateway"
 LABELS_KEY = "logprob_gateway.labels"  # where routes leave (model, adapter) in the ASGI scope
+DISCONNECTED_KEY = "logprob_gateway.disconnected"  # set by gateway.guard when the client went away
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -167,6 +168,8 @@ def instrument(app: ASGIApp, metrics: Metrics) -> ASGIApp:
             await app(scope, receive, observe)
         finally:
             metrics.in_flight.dec()
+            if scope.get(DISCONNECTED_KEY):
+                status = 499  # client closed the request before its response (nginx's code)
             route = scope.get("path_template") or "unmatched"
             model, adapter = scope.get(LABELS_KEY, ("", ""))  # type: ignore[misc]
             metrics.requests.labels(route, scope["method"], model, adapter, str(status)).inc()

@@ -2,6 +2,10 @@
 
     host = "0.0.0.0"
     port = 8000
+    api_keys_file = "/secrets/api-keys"   # `[name:]sha256:<hex>` per line; unset: no auth
+    admin_key = "..."              # the adapter endpoints' key (plain, or a sha256: entry)
+    metrics_public = true          # /metrics without a key
+    shutdown_grace_s = 30          # after SIGTERM: finish in-flight requests this long
 
     [[models]]
     name = "smollm2-135m"          # the name clients put in `model`
@@ -20,8 +24,15 @@
     redis_url = "redis://localhost:6379/0"   # unset: in-process LRU of memory_bytes
     ttl_s = 604800
 
+    [limits]                       # all enforced with a 4xx in OpenAI's error format
+    max_body_bytes = 67108864      # 413 beyond
+    max_streams = 256              # open streamed responses; 429 beyond
+    max_in_flight_per_key = 0      # 0: unlimited; 429 + Retry-After beyond
+    rows_per_minute_per_key = 0    # dense rows; 0: unlimited; 429 + Retry-After beyond
+
 Environment: LOGPROB_GATEWAY_CONFIG, _HOST, _PORT, _MODEL, _BACKEND, _SERVED_MODEL_NAME, _DTYPE,
-_DEVICE, _MAX_MODEL_LEN, _LOG_LEVEL, _REDIS_URL, _CACHE (false: no cache), _ADMIN_KEY.
+_DEVICE, _MAX_MODEL_LEN, _LOG_LEVEL, _REDIS_URL, _CACHE (false: no cache), _ADMIN_KEY,
+_API_KEYS (comma-separated entries), _API_KEYS_FILE, _METRICS_PUBLIC, _SHUTDOWN_GRACE_S.
 A model given by flag or environment replaces the file's model list.
 """
 
@@ -81,6 +92,10 @@ class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_stop: Annotated[int, msgspec.Meta(ge=0)] = 4
     max_tokens: Annotated[int, msgspec.Meta(gt=0)] = 4096  # tokens generated per choice
     max_rows: Annotated[int, msgspec.Meta(gt=0)] = 1024  # rows in one next_token_logprobs request
+    max_body_bytes: Annotated[int, msgspec.Meta(gt=0)] = 64 * 2**20  # request bodies (413 beyond)
+    max_streams: Annotated[int, msgspec.Meta(gt=0)] = 256  # open streamed responses, server-wide
+    max_in_flight_per_key: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: unlimited
+    rows_per_minute_per_key: Annotated[int, msgspec.Meta(ge=0)] = 0  # dense rows; 0: unlimited
 
 
 class CacheSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -100,6 +115,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     admin_key: str | None = None  # enables /v1/load_lora_adapter and /v1/unload_lora_adapter
+    # API keys as `[name:]sha256:<hex>` entries (gateway/access.py); none configured: no auth
+    api_keys: list[str] = []
+    api_keys_file: str | None = None  # one entry per line (a mounted secret)
+    metrics_public: bool = True  # /metrics without a key (for scrapers); /health never needs one
+    shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0  # drain time after SIGTERM
     models: list[ModelSettings] = msgspec.field(default_factory=lambda: [ModelSettings()])
     limits: Limits = msgspec.field(default_factory=Limits)
     cache: CacheSettings = msgspec.field(default_factory=CacheSettings)
@@ -135,12 +155,19 @@ _ENV_KEYS = {
     "REDIS_URL": "redis_url",
     "CACHE": "cache_enabled",
     "ADMIN_KEY": "admin_key",
+    "API_KEYS": "api_keys",  # comma-separated entries
+    "API_KEYS_FILE": "api_keys_file",
+    "METRICS_PUBLIC": "metrics_public",
+    "SHUTDOWN_GRACE_S": "shutdown_grace_s",
 }
 _CACHE_KEYS = {"redis_url": "redis_url", "cache_enabled": "enabled"}
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    return {key: environ[ENV_PREFIX + var] for var, key in _ENV_KEYS.items() if ENV_PREFIX + var in environ}
+    found = {key: environ[ENV_PREFIX + var] for var, key in _ENV_KEYS.items() if ENV_PREFIX + var in environ}
+    if "api_keys" in found:
+        found["api_keys"] = [entry for entry in found["api_keys"].split(",") if entry.strip()]
+    return found
 
 
 def load_settings(

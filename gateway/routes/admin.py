@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import hmac
-
 from litestar import Request, Response, post
 
 from gateway.adapters import confine
 from gateway.errors import AuthenticationError, ForbiddenError, InvalidRequestError
-from gateway.http import decode_json, json_response, registry, resolve_model, settings
+from gateway.http import access, decode_json, json_response, registry, resolve_model, settings
 from gateway.registry import ServedModel
 from gateway.schemas.models import AdapterStatus, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 
 
 def require_admin(request: Request) -> None:
-    key = settings(request).admin_key
-    if not key:
+    if not settings(request).admin_key:
         raise ForbiddenError("admin endpoints are disabled: no admin key is configured")
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), key.encode()):
+    if scheme.lower() != "bearer" or not access(request).keyring.is_admin(given.strip()):
         raise AuthenticationError("this endpoint needs the admin key as 'Authorization: Bearer <key>'")
 
 

@@ -17,6 +17,7 @@ from gateway.http import (
     json_response,
     new_id,
     now,
+    reserve_stream,
     resolve_model,
     settings,
     sse_event,
@@ -122,6 +123,7 @@ async def create_chat_completion(request: Request) -> Response | Stream:
     usage = _UsageCounter(served, adapter, len(prompt_ids))
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        reserve_stream(request)
         return sse_response(_stream(served, body, streams, usage, include_usage))
     pieces = await asyncio.gather(*(gen.collect(s) for s in streams))
     choices = []

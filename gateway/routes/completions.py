@@ -18,6 +18,7 @@ from gateway.http import (
     json_response,
     new_id,
     now,
+    reserve_stream,
     resolve_model,
     settings,
     sse_event,
@@ -141,6 +142,7 @@ async def create_completion(request: Request) -> Response | Stream:
     )
     run = _Run(served, adapter, body, prompts, n, params, stops)
     if body.stream:
+        reserve_stream(request)
         return sse_response(run.stream())
     return json_response(await run.complete())
 

@@ -11,7 +11,15 @@ from litestar import Request, Response, get, post
 from gateway.dense import dense_rows
 from gateway.encoding import row_base64, row_bytes
 from gateway.errors import ContextLengthError, EngineError, GatewayError
-from gateway.http import MSGPACK_TYPES, decode_json, json_response, resolve_model, settings, wants_msgpack
+from gateway.http import (
+    MSGPACK_TYPES,
+    charge_rows,
+    decode_json,
+    json_response,
+    resolve_model,
+    settings,
+    wants_msgpack,
+)
 from gateway.prompts import token_inputs
 from gateway.schemas.logprobs import (
     BatchingStats,
@@ -41,6 +49,7 @@ async def next_token_logprobs(request: Request) -> Response:
         max_items=settings(request).limits.max_rows,
         param="input",
     )
+    charge_rows(request, len(inputs))
     longest = max(len(i.ids) for i in inputs)
     if longest > engine.max_model_len:
         raise ContextLengthError(

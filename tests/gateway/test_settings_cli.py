@@ -199,8 +199,8 @@ BAD_FILES = {
         "model names must be unique; repeated: m",
     ),
     "unknown-backend": (
-        '[[models]]\nname = "a"\nbackend = "vllm"\n',
-        "model 'a': unknown backend 'vllm'; choose one of: " + ", ".join(BACKEND_NAMES),
+        '[[models]]\nname = "a"\nbackend = "tensorrt"\n',
+        "model 'a': unknown backend 'tensorrt'; choose one of: " + ", ".join(BACKEND_NAMES),
     ),
     "colon-in-name": (
         '[[models]]\nname = "base:lora"\n',
@@ -336,7 +336,7 @@ def test_flags_beat_environment_and_file(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["serve", "--backend", "vllm"],
+        ["serve", "--backend", "tensorrt"],
         ["serve", "--dtype", "float64"],
         ["serve", "--port", "http"],
         ["serve", "--log-level", "loud"],
@@ -352,13 +352,13 @@ def test_parser_rejects_bad_flags(argv, capsys):
 
 
 def test_main_with_bad_config_returns_2_without_serving(tmp_path, capsys, no_serve):
-    bad = write(tmp_path, '[[models]]\nname = "a"\nbackend = "vllm"\n')
+    bad = write(tmp_path, '[[models]]\nname = "a"\nbackend = "tensorrt"\n')
     assert cli.main(["serve", "--config", str(bad)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == (
         f"logprob-gateway: invalid configuration in {bad}: "
-        "model 'a': unknown backend 'vllm'; choose one of: " + ", ".join(BACKEND_NAMES) + "\n"
+        "model 'a': unknown backend 'tensorrt'; choose one of: " + ", ".join(BACKEND_NAMES) + "\n"
     )
     assert no_serve == []
 

@@ -1,0 +1,127 @@
+"""The ASGI layer around the whole app: API keys, per-key request limits, and cancellation of a
+request's work when its client goes away.
+
+It wraps the app (not Litestar's per-route middleware) so that unknown paths need a key too, and
+so that it sees the whole life of a streamed response. Errors it raises itself are written here in
+OpenAI's error format, like every other error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.access import Access
+from gateway.errors import AuthenticationError, GatewayError, error_body, retry_after_headers
+from gateway.metrics import DISCONNECTED_KEY
+
+STREAM_KEY = "logprob_gateway.stream"  # set by a route that reserved a stream slot
+KEY_NAME = "logprob_gateway.key"  # the API key's name, for per-key limits in routes
+
+
+def _bearer(scope: Scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+async def _send_error(send: Send, exc: GatewayError) -> None:
+    body = error_body(exc.message, exc.error_type, exc.param, exc.code)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in retry_after_headers(exc).items()]
+    if isinstance(exc, AuthenticationError):
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def guard(app: ASGIApp, access: Access, *, metrics_public: bool) -> ASGIApp:
+    open_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
+
+    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        key = None
+        if access.keyring.enabled and scope["path"] not in open_paths:
+            presented = _bearer(scope)
+            key = access.keyring.identify(presented) if presented else None
+            if key is None:
+                reason = "a wrong API key" if presented else "no API key"
+                message = f"this request has {reason}; send 'Authorization: Bearer <key>'"
+                await _send_error(send, AuthenticationError(message))
+                return
+        scope[KEY_NAME] = key  # type: ignore[literal-required]
+        try:
+            if key is not None:
+                access.enter(key)
+        except GatewayError as exc:
+            await _send_error(send, exc)
+            return
+        try:
+            await _cancel_on_disconnect(app, scope, receive, send)
+        finally:
+            if key is not None:
+                access.leave(key)
+            if scope.get(STREAM_KEY):
+                access.release_stream()
+
+    return guarded
+
+
+async def _cancel_on_disconnect(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    """Run the app, and cancel it if the client disconnects before the response is complete.
+
+    uvicorn keeps running a handler whose client has gone until it writes; cancelling it stops
+    the engine work behind it (vLLM requests are aborted, queued dense rows are dropped, and
+    generation stops at the next token). The body is read only as fast as the app asks for it;
+    once it is in, one watcher reads `receive` for the disconnect and answers the app's own reads.
+    """
+    disconnected = asyncio.Event()
+    done = False  # the response's last byte was handed to the server
+    task: asyncio.Task[None] | None = None
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        disconnected.set()
+        if not done and task is not None:
+            scope[DISCONNECTED_KEY] = True  # type: ignore[literal-required]
+            task.cancel()
+
+    watcher: asyncio.Task[None] | None = None
+
+    async def app_receive() -> Message:
+        nonlocal watcher
+        if watcher is not None:
+            await disconnected.wait()
+            return {"type": "http.disconnect"}
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            disconnected.set()
+        elif not message.get("more_body", False):
+            watcher = asyncio.create_task(watch())
+        return message
+
+    async def app_send(message: Message) -> None:
+        nonlocal done
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            done = True
+        await send(message)
+
+    task = asyncio.create_task(app(scope, app_receive, app_send))
+    try:
+        await task
+    except asyncio.CancelledError:
+        if not scope.get(DISCONNECTED_KEY):
+            raise  # the server itself is cancelling us
+    finally:
+        task.cancel()
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
