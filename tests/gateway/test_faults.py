@@ -1,0 +1,207 @@
+"""Faults and departures: an engine failure fails only its own requests, a dead engine fails
+/health, a client that disconnects stops the engine work it asked for (measured on the real
+model), and SIGTERM drains in-flight requests within the grace period."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.launcher import start_gateway
+from tests.conftest import MODEL
+
+FAIL, FATAL = 777, 778  # token ids the mock engine is told to fail on
+
+
+def mock_gateway(tmp_path, options, extra=""):
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'{extra}\n[[models]]\nname = "mock"\nmodel = "smollm2-135m"\nbackend = "mock"\noptions = {options}\n'
+    )
+    return start_gateway(["--config", str(config)], tmp_path / "gateway.log")
+
+
+def metric(base_url, name, **labels) -> float:
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def dense(client, rows):
+    return client.post("/v1/next_token_logprobs", json={"model": "mock", "input": rows})
+
+
+def test_an_engine_failure_fails_only_its_own_request(tmp_path):
+    gateway = mock_gateway(tmp_path, f"{{fail_token = {FAIL}, delay_s = 0.05}}")
+    try:
+        good_rows = [[[1, 2, k]] for k in range(6)]
+
+        async def together():
+            async with httpx.AsyncClient(base_url=gateway.base_url, timeout=30) as client:
+                # Sent at once, so the poisoned request lands in the same engine batch as others.
+                return await asyncio.gather(
+                    *(dense(client, r) for r in [*good_rows[:3], [[1, FAIL]], *good_rows[3:]])
+                )
+
+        responses = asyncio.run(together())
+        failed = responses.pop(3)
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
+        assert "injected engine failure" in failed.json()["error"]["message"]
+        with httpx.Client(base_url=gateway.base_url, timeout=30) as client:
+            for rows, response in zip(good_rows, responses, strict=True):
+                assert response.status_code == 200
+                alone = dense(client, rows).json()["data"][0]["logprobs"]
+                assert np.array_equal(response.json()["data"][0]["logprobs"], alone)
+            completion = client.post(
+                "/v1/completions", json={"model": "mock", "prompt": [1, FAIL], "max_tokens": 2}
+            )
+            assert completion.status_code == 500 and completion.json()["error"]["type"] == "internal_error"
+            stream = client.post(
+                "/v1/completions",
+                json={"model": "mock", "prompt": [1, FAIL], "max_tokens": 2, "stream": True},
+            )
+            assert '"error"' in stream.text and stream.text.rstrip().endswith("data: [DONE]")
+            assert client.get("/health").status_code == 200  # the service keeps serving
+            assert dense(client, [[5, 6]]).status_code == 200
+    finally:
+        gateway.stop()
+
+
+def test_a_dead_engine_fails_health(tmp_path):
+    gateway = mock_gateway(tmp_path, f"{{fatal_token = {FATAL}}}")
+    try:
+        with httpx.Client(base_url=gateway.base_url, timeout=30) as client:
+            assert dense(client, [[1, FATAL]]).status_code == 500
+            health = client.get("/health")
+            assert health.status_code == 503
+            assert metric(gateway.base_url, "logprob_gateway_model_ready", model="mock") == 0
+            assert dense(client, [[1, 2]]).status_code == 500  # nothing pretends to work
+    finally:
+        gateway.stop()
+
+
+def generated_tokens(base_url) -> float:
+    # one observation per generated token after the first, recorded as the token is produced
+    return metric(base_url, "logprob_gateway_inter_token_latency_seconds_count", model=MODEL)
+
+
+def wait_until_idle(base_url, quiet_s=1.5, timeout_s=30.0) -> float:
+    """Seconds until the token count stops moving for `quiet_s`."""
+    started = time.monotonic()
+    last, since = generated_tokens(base_url), time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        time.sleep(0.25)
+        now = generated_tokens(base_url)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return since - started
+    raise AssertionError("generation did not stop after the client went away")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+def test_a_departed_client_stops_generation_on_the_real_model(gateway, stream):
+    before = generated_tokens(gateway.base_url)
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 1500,
+        "temperature": 0,
+        "stream": stream,
+    }
+    with httpx.Client(base_url=gateway.base_url, timeout=2.0) as client:
+        if stream:
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                chunks = response.iter_lines()
+                for _ in range(6):
+                    next(chunks)
+        else:
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up after 2 s and hangs up
+                client.post("/v1/completions", json=body)
+    stopped_after = wait_until_idle(gateway.base_url)
+    produced = generated_tokens(gateway.base_url) - before
+    # ~58 ms a token here: 1500 tokens would take over a minute; the work stops within a second.
+    assert produced < 100 and stopped_after < 2.0, (produced, stopped_after)
+    assert metric(gateway.base_url, "logprob_gateway_requests_total", status="499") >= 1
+
+
+@pytest.mark.slow
+def test_queued_dense_rows_of_a_departed_client_are_never_computed(gateway, reference):
+    rng = np.random.default_rng(3)
+    busy = [[1, *map(int, rng.integers(100, 40000, 600))] for _ in range(24)]  # a few seconds of work
+    dropped = [[1, *map(int, rng.integers(100, 40000, 8))] for _ in range(5)]
+    before = metric(gateway.base_url, "logprob_gateway_engine_rows_total", model=MODEL)
+    first = threading.Thread(
+        target=httpx.post,
+        args=(gateway.base_url + "/v1/next_token_logprobs",),
+        kwargs={"json": {"model": MODEL, "input": busy}, "timeout": 300},
+    )
+    first.start()
+    time.sleep(0.5)  # the busy rows are in the engine; the next request waits in the queue
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            gateway.base_url + "/v1/next_token_logprobs", json={"model": MODEL, "input": dropped}, timeout=1.0
+        )
+    first.join()
+    time.sleep(0.5)
+    assert metric(gateway.base_url, "logprob_gateway_engine_rows_total", model=MODEL) - before == len(busy)
+    assert metric(gateway.base_url, "logprob_gateway_batch_queue_requests", model=MODEL) == 0
+
+
+def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path):
+    gateway = mock_gateway(tmp_path, "{delay_s = 0.2}", extra="shutdown_grace_s = 20")
+    result = {}
+
+    def long_request():
+        body = {"model": "mock", "prompt": "Hi", "max_tokens": 12, "temperature": 0}
+        result["response"] = httpx.post(gateway.base_url + "/v1/completions", json=body, timeout=60)
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    time.sleep(0.8)  # well inside its ~2.6 s
+    started = time.monotonic()
+    gateway.process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with pytest.raises(httpx.ConnectError):  # the listener is closed: new requests are refused
+        httpx.get(gateway.base_url + "/health", timeout=5)
+    worker.join()
+    assert result["response"].status_code == 200
+    assert result["response"].json()["usage"]["completion_tokens"] == 12  # finished, not cut
+    # uvicorn re-raises SIGTERM once it has shut down cleanly, so the exit is "killed by SIGTERM"
+    assert gateway.process.wait(timeout=30) in (0, -signal.SIGTERM)
+    assert "Finished server process" in gateway.log_path.read_text()
+    assert time.monotonic() - started < 15
+
+
+def test_sigterm_cuts_what_outlasts_the_grace_period(tmp_path):
+    gateway = mock_gateway(tmp_path, "{delay_s = 0.2}", extra="shutdown_grace_s = 1")
+    errors = []
+
+    def too_long():
+        body = {"model": "mock", "prompt": "Hi", "max_tokens": 200}
+        try:
+            errors.append(httpx.post(gateway.base_url + "/v1/completions", json=body, timeout=60).status_code)
+        except httpx.HTTPError as exc:
+            errors.append(type(exc).__name__)
+
+    worker = threading.Thread(target=too_long)
+    worker.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    gateway.process.send_signal(signal.SIGTERM)
+    gateway.process.wait(timeout=30)
+    worker.join()
+    assert time.monotonic() - started < 10  # 200 tokens would take 40 s
+    assert errors and errors[0] != 200
