@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
+import signal
+import time
+from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.launcher import start_gateway
 from tests.conftest import MODEL, make_lora_adapter, require_engine_library
@@ -170,3 +175,62 @@ def test_prompt_scoring_equals_a_direct_forward_pass(vllm_gateway, reference):
     got = out.choices[0].logprobs.token_logprobs
     assert got[0] is None and np.allclose(got[1:], want, atol=TOLERANCE)
     assert all(len(t) >= 2 for t in out.choices[0].logprobs.top_logprobs[1:])
+
+
+def test_a_departed_stream_is_aborted_in_vllm(vllm_gateway):
+    def generated():
+        text = httpx.get(vllm_gateway.base_url + "/metrics", timeout=30).text
+        return sum(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "logprob_gateway_inter_token_latency_seconds_count"
+        )
+
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 1500,
+        "temperature": 0,
+        "stream": True,
+    }
+    before = generated()
+    with httpx.stream("POST", vllm_gateway.base_url + "/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+    time.sleep(1.0)
+    stopped = generated()
+    time.sleep(1.5)
+    assert generated() == stopped and stopped - before < 100  # 1500 tokens would take over a minute
+
+
+def test_a_dead_engine_core_fails_health(vllm_gateway):
+    """Last in this module: kills the engine-core process vLLM started for the gateway."""
+    assert httpx.get(vllm_gateway.base_url + "/health").status_code == 200
+    cores = [
+        int(entry.name)
+        for entry in Path("/proc").iterdir()
+        if entry.name.isdigit()
+        and _parent(entry) == vllm_gateway.process.pid
+        and "EngineCore" in (entry / "cmdline").read_bytes().decode(errors="replace")
+    ]
+    assert cores, "no engine-core child process found"
+    for pid in cores:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while httpx.get(vllm_gateway.base_url + "/health").status_code == 200:
+        assert time.monotonic() < deadline, "/health still passes with the engine dead"
+        time.sleep(0.5)
+    assert httpx.get(vllm_gateway.base_url + "/health").status_code == 503
+    r = httpx.post(
+        vllm_gateway.base_url + "/v1/next_token_logprobs", json={"model": MODEL, "input": [[1, 2]]}
+    )
+    assert r.status_code >= 500 and r.json()["error"]["message"]
+
+
+def _parent(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
