@@ -44,11 +44,12 @@ REF = "#/components/schemas/{name}"
 MSGPACK = "application/msgpack"
 ERRORS = {
     "400": "Invalid request: a field is missing, of the wrong type or out of range, or the prompt is too long.",
-    "401": "Missing or wrong admin key.",
+    "401": "Missing or wrong API key (when keys are configured), or admin key on admin endpoints.",
     "403": "Admin endpoints disabled, or a path outside the adapters root.",
     "404": "Unknown model or adapter, or unknown path.",
     "405": "Method not allowed on this path.",
     "413": "Request body too large.",
+    "429": "A per-key limit (requests in flight, rows per minute) or the server's stream limit; see Retry-After.",
     "500": "The engine failed; the service keeps serving.",
     "503": "The model is still loading, or failed to load.",
 }
@@ -80,10 +81,12 @@ MODEL_PARAM = {
     "schema": {"type": "string"},
 }
 
-SSE = {
-    "type": "string",
+SSE = {  # OpenAPI 3.1: the schema of one event
+    "type": "object",
     "description": "Server-sent events: `data: <chunk JSON>` lines, then `data: [DONE]`. An error while "
     'streaming is sent as `data: {"error": {...}}` before `[DONE]`.',
+    "properties": {"data": {"type": "string", "description": "A chunk's JSON, or `[DONE]`."}},
+    "required": ["data"],
 }
 
 OPERATIONS = [
@@ -327,7 +330,12 @@ def build_openapi(settings: Settings | None = None) -> dict[str, Any]:
                 "content": {m: {"schema": s} for m, s in op.responses.items()},
             }
         }
-        for status in op.errors:
+        statuses = set(op.errors)
+        if op.path != "/health":  # the only path that never needs a key
+            statuses |= {"401", "429"}
+        if op.request is not None:
+            statuses.add("413")
+        for status in sorted(statuses):
             responses[status] = {
                 "description": ERRORS[status],
                 "content": {"application/json": {"schema": _ref(ErrorResponse)}},
@@ -348,6 +356,8 @@ def build_openapi(settings: Settings | None = None) -> dict[str, Any]:
             "tags": list(op.tags),
             "responses": responses,
         }
+        if op.path == "/health":
+            spec["security"] = []
         if "{model}" in op.path:
             spec["parameters"] = [MODEL_PARAM]
         if op.request is not None:
@@ -365,5 +375,9 @@ def build_openapi(settings: Settings | None = None) -> dict[str, Any]:
             "log-probabilities over the whole vocabulary. Errors use OpenAI's error object.",
         },
         "paths": paths,
-        "components": {"schemas": schemas},
+        **({"security": [{"apiKey": []}]} if settings.api_keys or settings.api_keys_file else {}),
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer", "description": "An API key."}},
+        },
     }
