@@ -134,6 +134,9 @@ class VllmEngine(Engine):
     def load(cls, config: EngineConfig) -> VllmEngine:
         path = resolve_model_dir(config.model)
         log.info("loading %s with vLLM", path)
+        # AsyncLLM needs its engine core in a separate process; importing genlm-backend's vLLM
+        # module sets this to 0 for the whole process (and the processes it starts).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(AsyncLLM.from_engine_args(_engine_args(config, path)), tokenizer, model_path=path)
 
