@@ -54,10 +54,14 @@ def start_gateway(args: list[str], log_path: Path, timeout: float = 600.0) -> Ga
         if process.poll() is not None:
             raise RuntimeError(f"gateway exited with {process.returncode}:\n{gateway.log_tail()}")
         try:
-            if httpx.get(gateway.base_url + "/health", timeout=2).status_code == 200:
-                return gateway
+            health = httpx.get(gateway.base_url + "/health", timeout=2)
         except httpx.TransportError:
-            pass
+            health = None
+        if health is not None and health.status_code == 200:
+            return gateway
+        if health is not None and health.json().get("status") == "unhealthy":  # a model failed to load
+            gateway.stop()
+            raise RuntimeError(f"gateway failed to load a model:\n{gateway.log_tail()}")
         time.sleep(0.5)
     gateway.stop()
     raise RuntimeError(f"gateway not healthy after {timeout} s:\n{gateway.log_tail()}")
