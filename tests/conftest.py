@@ -16,6 +16,26 @@ from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir
 from gateway.launcher import GatewayProcess, RedisServer, start_gateway
 
 MODEL = DEFAULT_MODEL
+_VLLM_ENV = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+
+
+def _restore_vllm_environment() -> None:
+    for key in [k for k in os.environ if k.startswith("VLLM_")]:
+        if _VLLM_ENV.get(key) != os.environ[key]:
+            if key in _VLLM_ENV:
+                os.environ[key] = _VLLM_ENV[key]
+            else:
+                del os.environ[key]
+
+
+@pytest.fixture(autouse=True)
+def _clean_vllm_environment():
+    """Importing genlm-backend's vLLM module sets VLLM_* variables for the whole process (an
+    in-process engine mode); gateway processes started by tests must not inherit them. Restored
+    before and after every test, so module fixtures that start gateways see a clean environment."""
+    _restore_vllm_environment()
+    yield
+    _restore_vllm_environment()
 
 
 def require_engine_library(name: str) -> None:
