@@ -30,13 +30,19 @@ def top_k(logprobs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, np.take_along_axis(logprobs, ids, axis=-1).astype(np.float32)
 
 
+# Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS): logits divided by a
+# subnormal temperature overflow to infinities, and the sampler's probabilities to NaN.
+GREEDY_BELOW = 1e-5
+
+
 class Sampler:
     """Per-request sampling state: the random generator and the counts for penalties."""
 
     def __init__(self, params: SamplingParams, eos_token_ids: frozenset[int]) -> None:
         self.params = params
         self.eos_token_ids = eos_token_ids
-        self.rng = np.random.default_rng(params.seed)
+        # numpy refuses negative seeds: use the unsigned 64-bit seed they wrap to
+        self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
         self.counts: Counter[int] = Counter()
         self.generated = 0
 
@@ -52,7 +58,7 @@ class Sampler:
             ids = np.fromiter(self.counts.keys(), np.int64)
             counts = np.fromiter(self.counts.values(), np.float64)
             scores[ids] -= p.presence_penalty + p.frequency_penalty * counts
-        token = int(np.argmax(scores)) if p.temperature == 0 else self._sample(scores)
+        token = int(np.argmax(scores)) if p.temperature < GREEDY_BELOW else self._sample(scores)
         self.counts[token] += 1
         self.generated += 1
         top_ids, top_vals = top_k(logprobs, p.top_logprobs)

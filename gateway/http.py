@@ -13,7 +13,7 @@ from litestar import Request, Response
 from litestar.response import Stream
 
 from gateway.access import Access
-from gateway.errors import ErrorDetail, ErrorResponse, GatewayError
+from gateway.errors import ErrorDetail, ErrorResponse, GatewayError, InvalidRequestError
 from gateway.guard import KEY_NAME, STREAM_KEY
 from gateway.metrics import set_labels
 from gateway.registry import ModelRegistry, ServedModel
@@ -34,9 +34,13 @@ def is_msgpack(media_type: str | None) -> bool:
 async def decode_json(request: Request, body_type: type[T]) -> T:
     """Decode and validate a JSON body (or MessagePack, by Content-Type); errors become 400s in errors.py."""
     body = await request.body()
-    if is_msgpack(request.headers.get("content-type")):
-        return msgspec.msgpack.decode(body, type=body_type)
-    return msgspec.json.decode(body, type=body_type)
+    try:
+        if is_msgpack(request.headers.get("content-type")):
+            return msgspec.msgpack.decode(body, type=body_type)
+        return msgspec.json.decode(body, type=body_type)
+    except UnicodeDecodeError as exc:
+        # msgspec raises this (not a DecodeError) for a string that is not UTF-8, in either format
+        raise InvalidRequestError(f"request body has a string that is not valid UTF-8: {exc}") from None
 
 
 def wants_msgpack(request: Request) -> bool:

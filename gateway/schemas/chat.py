@@ -15,6 +15,8 @@ from gateway.schemas.common import (
     Temperature,
     TopP,
     Usage,
+    sampling_seed,
+    sampling_temperature,
 )
 
 
@@ -47,6 +49,10 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     frequency_penalty: Penalty | None = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+    def __post_init__(self) -> None:
+        self.temperature = sampling_temperature(self.temperature)
+        self.seed = sampling_seed(self.seed)
 
 
 class TopLogprob(msgspec.Struct, kw_only=True):

@@ -16,6 +16,8 @@ from gateway.schemas.common import (
     TokenId,
     TopP,
     Usage,
+    sampling_seed,
+    sampling_temperature,
 )
 
 # OpenAI accepts a string, strings, token ids, or lists of token ids; msgspec unions allow one array
@@ -42,6 +44,10 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
     user: str | None = None
+
+    def __post_init__(self) -> None:
+        self.temperature = sampling_temperature(self.temperature)
+        self.seed = sampling_seed(self.seed)
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
