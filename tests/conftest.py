@@ -139,3 +139,24 @@ def make_lora_adapter(model_dir, path, seed, rank=4, **save):
     )
     get_peft_model(base, config).save_pretrained(path, **save)
     return path
+
+
+def load_peft_models(model_dir, paths):
+    """Each adapter applied by PEFT to its own float32 copy of the base model: name -> model."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    models = {}
+    for name, path in paths.items():
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        models[name] = PeftModel.from_pretrained(base, path).eval()
+    return models
+
+
+def last_row(model, ids):
+    """log_softmax after the last token of `ids`, by a direct forward pass of `model`."""
+    import torch
+
+    with torch.inference_mode():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1).numpy()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gateway.launcher import start_gateway
-from tests.conftest import MODEL, make_lora_adapter
+from tests.conftest import MODEL, last_row, load_peft_models, make_lora_adapter
 
 pytestmark = pytest.mark.slow
 ADMIN = {"Authorization": "Bearer admin-secret"}
@@ -59,21 +59,7 @@ adapters = {{a = "{paths["a"]}"}}
 
 @pytest.fixture(scope="module")
 def peft_reference(adapters, model_dir):
-    """Each adapter applied by PEFT to its own copy of the base model."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    _, paths, _ = adapters
-    models = {}
-    for name, path in paths.items():
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        models[name] = PeftModel.from_pretrained(base, path).eval()
-    return models
-
-
-def ref_last_row(model, ids):
-    with torch.inference_mode():
-        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1).numpy()
+    return load_peft_models(model_dir, adapters[1])
 
 
 def ref_greedy(model, ids, n):
@@ -126,7 +112,7 @@ def test_dense_rows_and_greedy_text_equal_peft_forward(lora_gateway, peft_refere
     with_a, _ = dense(lora_gateway, f"{MODEL}:a", rows)
     for i, ids in enumerate(rows):
         assert np.max(np.abs(base[i] - reference.logprobs(ids)[-1])) <= 1e-4
-        assert np.max(np.abs(with_a[i] - ref_last_row(peft_reference["a"], ids))) <= 1e-4
+        assert np.max(np.abs(with_a[i] - last_row(peft_reference["a"], ids))) <= 1e-4
     assert np.max(np.abs(with_a - base)) > 0.5  # the adapter really changes the model
     ids = rows[0]
     assert complete(lora_gateway, f"{MODEL}:a", PROMPTS[0]) == reference.tokenizer.decode(
@@ -143,7 +129,7 @@ def test_runtime_load_mixed_concurrent_traffic_and_unload(lora_gateway, peft_ref
     sequential = {n: dense(lora_gateway, n, rows)[0] for n in names}
     texts = {n: complete(lora_gateway, n, PROMPTS[1], 4) for n in names}
     for i, ids in enumerate(rows):
-        assert np.max(np.abs(sequential[f"{MODEL}:b"][i] - ref_last_row(peft_reference["b"], ids))) <= 1e-4
+        assert np.max(np.abs(sequential[f"{MODEL}:b"][i] - last_row(peft_reference["b"], ids))) <= 1e-4
 
     async def mixed():
         async with httpx.AsyncClient(base_url=lora_gateway.base_url, timeout=120) as client:
@@ -167,7 +153,7 @@ def test_runtime_load_mixed_concurrent_traffic_and_unload(lora_gateway, peft_ref
     dense_results, text_results = asyncio.run(mixed())
     models = {MODEL: reference.model, f"{MODEL}:a": peft_reference["a"], f"{MODEL}:b": peft_reference["b"]}
     for name, prefix, row in dense_results:
-        assert np.max(np.abs(row - ref_last_row(models[name], prefix))) <= 1e-4
+        assert np.max(np.abs(row - last_row(models[name], prefix))) <= 1e-4
     assert dict(text_results) == texts
 
     r = admin(lora_gateway, "/v1/unload_lora_adapter", {"lora_name": "b"})

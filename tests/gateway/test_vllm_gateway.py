@@ -18,7 +18,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.launcher import start_gateway
-from tests.conftest import MODEL, make_lora_adapter, require_engine_library
+from tests.conftest import MODEL, last_row, load_peft_models, make_lora_adapter, require_engine_library
 
 require_engine_library("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -57,19 +57,7 @@ adapters = {{a = "{adapters["a"]}", b = "{adapters["b"]}"}}
 
 @pytest.fixture(scope="module")
 def peft_models(model_dir, adapters):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    models = {}
-    for name, path in adapters.items():
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        models[name] = PeftModel.from_pretrained(base, path).eval()
-    return models
-
-
-def last_row(model, ids):
-    with torch.inference_mode():
-        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1).numpy()
+    return load_peft_models(model_dir, adapters)
 
 
 def dense(base_url, model, rows):
