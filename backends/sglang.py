@@ -1,0 +1,324 @@
+"""SGLang engine: one SGLang request per row or prompt, submitted concurrently so they share
+SGLang's continuous batching and radix (prefix) cache. LoRA adapters travel per request
+(`lora_path` holds the adapter's name), never as a global switch.
+
+Modes (`EngineConfig.options["mode"]`), one request format (GenerateReqInput field names):
+- "engine" (default): `sglang.Engine` in this process; CUDA only.
+- "server": a managed `python -m sglang.launch_server` child on a free port (`launch_args`: extra
+  CLI options; `server_command`: another command taking the same options; `startup_timeout_s`;
+  `log_path`).
+- "url": an external server at `url`; start it with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (see below).
+Other options: `request_timeout_s`, `max_connections`, `vocab_size`, and in "engine" mode any
+`ServerArgs` field (e.g. `mem_fraction_static`).
+
+Dense rows: SGLang has no full-vocabulary option, but `top_logprobs_num = vocab_size` sorts the
+whole distribution, and `return_flat_raw_top_logprobs_b64` ships prompt-side top logprobs as
+float32/int32 base64 arrays instead of nested triples. Those fields exist only for prompt
+positions, so a row is sent with one placeholder token appended and scored from the row's last
+token: the placeholder's prompt position carries the distribution after the row. The engine's
+context length is therefore reported one token shorter than SGLang's.
+
+Sampled-token logprobs: SGLang reports them after temperature unless SGLANG_RETURN_ORIGINAL_LOGPROB
+is set, which the "engine" and "server" modes do. Even then they include penalties and
+logit_bias (SGLang applies those to the logits before its sampler).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from transformers import AutoTokenizer
+
+from backends.base import (
+    AdapterError,
+    Engine,
+    EngineConfig,
+    EngineUnavailableError,
+    PromptLogprobs,
+    RequestRejectedError,
+    SamplingParams,
+    TokenStep,
+)
+from backends.builtin_models import resolve_model_dir
+from backends.sglang_transport import EngineTransport, HttpTransport, ManagedServer, Transport
+
+log = logging.getLogger(__name__)
+
+_PLACEHOLDER = 0  # the token appended to dense rows; its own logprob is never read
+_RAW_LOGPROBS = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+
+
+class ScatterError(RuntimeError):
+    """SGLang's full sorted distribution did not name every token id exactly once."""
+
+
+def _model_facts(path: Path) -> tuple[int, int | None, frozenset[int]]:
+    """(vocab size, context length, eos ids) from the model directory's own config files."""
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    eos: set[int] = set()
+    for source in (path / "generation_config.json", path / "config.json"):
+        value = json.loads(source.read_text()).get("eos_token_id") if source.exists() else None
+        eos.update([value] if isinstance(value, int) else value or [])
+    return int(text["vocab_size"]), text.get("max_position_embeddings"), frozenset(eos)
+
+
+def _top_rows(meta: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt-side top logprobs as float32 values and int64 ids [rows, k], covered rows only.
+
+    Reads the `return_flat_raw_top_logprobs_b64` arrays; a server that ignored those fields (an
+    older SGLang) or fell back from them sends nested [logprob, id, text] triples instead.
+    """
+    if "input_top_logprobs_val_flat_b64" in meta:
+        rows, k = meta["input_top_logprobs_shape"]
+        values = np.frombuffer(base64.b64decode(meta["input_top_logprobs_val_flat_b64"]), dtype="<f4")
+        ids = np.frombuffer(base64.b64decode(meta["input_top_logprobs_idx_flat_b64"]), dtype="<i4")
+        return values.reshape(rows, k), ids.reshape(rows, k).astype(np.int64)
+    nested = [row for row in meta["input_top_logprobs"] if row]
+    k = len(nested[0]) if nested else 0
+    values = np.array([[t[0] for t in row] for row in nested], dtype=np.float32).reshape(-1, k)
+    ids = np.array([[t[1] for t in row] for row in nested], dtype=np.int64).reshape(-1, k)
+    return values, ids
+
+
+def scatter_row(values: np.ndarray, ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """A sorted (value, id) distribution back in token-id order; every id must occur exactly once."""
+    if ids.shape != (vocab_size,) or ids.min() < 0 or ids.max() >= vocab_size:
+        raise ScatterError(f"expected {vocab_size} token ids in [0, {vocab_size}), got {ids.shape[0]}")
+    if np.bincount(ids, minlength=vocab_size).max() != 1:
+        raise ScatterError("SGLang's distribution names some token id more than once")
+    row = np.empty(vocab_size, dtype=np.float32)
+    row[ids] = values
+    return row
+
+
+def _finish(meta: dict[str, Any]) -> str | None:
+    reason = meta.get("finish_reason")
+    if not reason:
+        return None
+    return "length" if reason.get("type") == "length" else "stop"
+
+
+class SglangEngine(Engine):
+    def __init__(
+        self,
+        transport: Transport,
+        tokenizer: Any,
+        *,
+        model_path: Path,
+        dtype: str,
+        max_model_len: int | None,
+        vocab_size: int | None = None,
+    ) -> None:
+        self.transport = transport
+        self.tokenizer = tokenizer
+        own_vocab, context, eos = _model_facts(model_path)
+        self.vocab_size = int(vocab_size or own_vocab)
+        self.max_model_len = int(max_model_len or context or 2048) - 1  # room for the placeholder
+        eos_id = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = eos | ({eos_id} if eos_id is not None else set())
+        self.model_path = str(model_path)
+        self.dtype = dtype
+        self._adapters: set[str] = set()
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> SglangEngine:
+        path = resolve_model_dir(config.model)
+        options = dict(config.options)
+        vocab_size = options.pop("vocab_size", None)
+        mode = options.pop("mode", "url" if "url" in options else "engine")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        http = {
+            "timeout_s": float(options.pop("request_timeout_s", 600.0)),
+            "max_connections": int(options.pop("max_connections", 256)),
+        }
+        if mode == "url":
+            transport: Transport = HttpTransport(options.pop("url"), **http)
+        elif mode == "server":
+            transport = cls._launch(config, path, options, http)
+        elif mode == "engine":
+            transport = cls._in_process(config, path, options)
+        else:
+            raise EngineUnavailableError(f"sglang mode {mode!r}: choose engine, server or url")
+        return cls(
+            transport,
+            tokenizer,
+            model_path=path,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            vocab_size=vocab_size,
+        )
+
+    @staticmethod
+    def _launch(config: EngineConfig, path: Path, options: dict[str, Any], http: dict) -> HttpTransport:
+        from gateway.launcher import free_port
+
+        command = list(options.get("server_command") or [sys.executable, "-m", "sglang.launch_server"])
+        command += ["--model-path", str(path), "--dtype", config.dtype, "--skip-server-warmup"]
+        if config.max_model_len:
+            command += ["--context-length", str(config.max_model_len)]
+        if config.max_lora_rank:
+            command += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank)]
+            command += ["--lora-target-modules", "all"]
+        command += [str(arg) for arg in options.get("launch_args", [])]
+        log_path = Path(options.get("log_path") or tempfile.mkstemp(prefix="sglang-", suffix=".log")[1])
+        log.info("launching %s (log: %s)", " ".join(command), log_path)
+        server = ManagedServer(command, free_port(), log_path, env=_RAW_LOGPROBS)
+        server.wait_healthy(float(options.get("startup_timeout_s", 900.0)))
+        transport = HttpTransport(server.base_url, **http)
+        transport.server = server
+        return transport
+
+    @staticmethod
+    def _in_process(config: EngineConfig, path: Path, options: dict[str, Any]) -> EngineTransport:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise EngineUnavailableError("sglang mode 'engine' needs CUDA; use mode 'server' or 'url'")
+        os.environ.update(_RAW_LOGPROBS)  # read when SGLang's sampler module is imported
+        args: dict[str, Any] = {"model_path": str(path), "dtype": config.dtype}
+        if config.max_model_len:
+            args["context_length"] = config.max_model_len
+        if config.max_lora_rank:
+            args.update(enable_lora=True, max_lora_rank=config.max_lora_rank, lora_target_modules=["all"])
+        for key in ("server_command", "launch_args", "startup_timeout_s", "log_path"):
+            options.pop(key, None)
+        return EngineTransport.start(**args, **options)
+
+    def _lora(self, adapter: str | None) -> str | None:
+        if adapter is not None and adapter not in self._adapters:
+            raise AdapterError(f"adapter {adapter!r} is not loaded")
+        return adapter
+
+    # -- adapters -------------------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        await self.transport.load_lora(name, path)
+        self._adapters.add(name)
+
+    async def unload_adapter(self, name: str) -> None:
+        self._lora(name)
+        await self.transport.unload_lora(name)
+        self._adapters.discard(name)
+
+    # -- dense rows -----------------------------------------------------------------------------
+
+    def dense_request(self, row: Sequence[int], adapter: str | None) -> dict[str, Any]:
+        if not row:
+            raise RequestRejectedError("a dense row needs at least one token")
+        return {
+            "input_ids": [*row, _PLACEHOLDER],
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": len(row) - 1,  # entries: [None for row[-1], dist after row]
+            "top_logprobs_num": self.vocab_size,
+            "return_flat_raw_top_logprobs": True,
+            "return_flat_raw_top_logprobs_b64": True,
+            "lora_path": self._lora(adapter),
+        }
+
+    async def _dense_row(self, row: Sequence[int], adapter: str | None) -> np.ndarray:
+        values, ids = _top_rows(
+            (await self.transport.generate(self.dense_request(row, adapter)))["meta_info"]
+        )
+        return scatter_row(values[-1], ids[-1], self.vocab_size)
+
+    async def next_token_logprobs(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None
+    ) -> np.ndarray:
+        adapters = adapters or [None] * len(rows)
+        if not rows:
+            return np.zeros((0, self.vocab_size), np.float32)
+        done = await asyncio.gather(*(self._dense_row(row, a) for row, a in zip(rows, adapters, strict=True)))
+        return np.stack(done)
+
+    # -- prompt scoring -------------------------------------------------------------------------
+
+    def prompt_request(self, ids: Sequence[int], top_k: int, adapter: str | None) -> dict[str, Any]:
+        return {
+            "input_ids": list(ids),
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": top_k,
+            "return_flat_raw_top_logprobs": top_k > 0,
+            "return_flat_raw_top_logprobs_b64": top_k > 0,
+            "lora_path": self._lora(adapter),
+        }
+
+    async def prompt_logprobs(
+        self, ids: Sequence[int], top_k: int, adapter: str | None = None
+    ) -> PromptLogprobs:
+        meta = (await self.transport.generate(self.prompt_request(ids, top_k, adapter)))["meta_info"]
+        # input_token_logprobs: [logprob, token id, text] per prompt token; the first has no logprob.
+        chosen = np.array([entry[0] for entry in meta["input_token_logprobs"][1:]], dtype=np.float32)
+        n = len(ids) - 1
+        if top_k == 0:
+            return PromptLogprobs(chosen, np.zeros((n, 0), np.int64), np.zeros((n, 0), np.float32))
+        values, top_ids = _top_rows(meta)
+        return PromptLogprobs(chosen, top_ids[len(top_ids) - n :], values[len(values) - n :])
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def generate_request(self, ids: Sequence[int], params: SamplingParams, adapter: str | None) -> dict:
+        sampling = {
+            "max_new_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "presence_penalty": params.presence_penalty,
+            "frequency_penalty": params.frequency_penalty,
+            "logit_bias": {str(t): float(b) for t, b in params.logit_bias.items()} or None,
+            "sampling_seed": params.seed,
+            "stop_token_ids": sorted(self.eos_token_ids),
+        }
+        return {
+            "input_ids": list(ids),
+            "sampling_params": sampling,
+            "return_logprob": True,
+            "top_logprobs_num": params.top_logprobs,
+            "lora_path": self._lora(adapter),
+        }
+
+    async def generate(
+        self, ids: Sequence[int], params: SamplingParams, adapter: str | None = None
+    ) -> AsyncIterator[TokenStep]:
+        if params.max_tokens == 0:
+            return
+        stream = self.transport.stream(self.generate_request(ids, params, adapter))
+        emitted = 0
+        try:
+            async for out in stream:
+                meta = out["meta_info"]
+                # Chunks hold all tokens so far, or only new ones with --incremental-streaming-output;
+                # the cumulative completion_tokens says which of the listed tokens are new either way.
+                new = int(meta["completion_tokens"]) - emitted
+                tokens = meta["output_token_logprobs"][-new:] if new else []
+                tops = (meta.get("output_top_logprobs") or [None] * new)[-new:] if new else []
+                for j, ((logprob, token, _), top) in enumerate(zip(tokens, tops, strict=True)):
+                    top = top or []
+                    yield TokenStep(
+                        token_id=int(token),
+                        logprob=float(logprob),
+                        top_ids=np.array([t[1] for t in top], dtype=np.int64),
+                        top_logprobs=np.array([t[0] for t in top], dtype=np.float32),
+                        finish_reason=_finish(meta) if j == new - 1 else None,
+                    )
+                emitted += new
+        finally:
+            await stream.aclose()
+
+    def is_healthy(self) -> bool:
+        return self.transport.is_healthy()
+
+    async def aclose(self) -> None:
+        await self.transport.aclose()
