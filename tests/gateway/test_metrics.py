@@ -149,7 +149,9 @@ def test_dashboard_queries_only_existing_metrics(http):
     import re
     from pathlib import Path
 
-    dashboard = json.loads((Path(__file__).parents[2] / "helm/dashboards/logprob-gateway.json").read_text())
+    dashboard = json.loads(
+        (Path(__file__).parents[2] / "helm/logprob-gateway/dashboards/logprob-gateway.json").read_text()
+    )
     exposed = set()
     for family in text_string_to_metric_families(http.get("/metrics").text):
         exposed.update(s.name for s in family.samples)
