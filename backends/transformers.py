@@ -2,6 +2,13 @@
 
 All model calls run on one worker thread per engine, so concurrent requests interleave at
 forward-pass granularity without blocking the event loop.
+
+Dense rows reuse the attention keys/values of their longest cached prefix (backends/prefix_cache.py),
+so a row one token longer than an earlier one costs one decode step. Its byte budget is
+`options = {prefix_cache_bytes = N}`: 0 turns it off; by default 1 GiB on CPU and a tenth of the
+GPU's memory on CUDA. Models with attention other than plain full attention (sliding windows,
+linear attention) run without it. Rows are grouped into forward passes by how many tokens each
+must compute, at most `max_batch_tokens` (16384) padded tokens per pass.
 """
 
 from __future__ import annotations
@@ -14,13 +21,16 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, DynamicLayer
 
 from backends.base import AdapterError, Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
 from backends.builtin_models import resolve_model_dir
+from backends.prefix_cache import PrefixCache
 from backends.sampling import sample_tokens
 
 log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_TOKENS = 16384  # bounds a dense forward pass's activations, whatever the row count
 T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,6 +52,27 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {dtype!r}") from None
 
 
+def _positive_int(options: Any, name: str, default: int, minimum: int = 1) -> int:
+    value = options.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"option {name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def prefix_cache_bytes(options: Any, device: torch.device) -> int:
+    if options.get("prefix_cache_bytes") is None:
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory // 10
+        return 1 << 30
+    return _positive_int(options, "prefix_cache_bytes", 0, minimum=0)
+
+
+def supports_prefix_cache(model: Any) -> bool:
+    """Reused K/V must be the whole past of every layer: plain full attention only."""
+    layers = DynamicCache(config=model.config).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     found: set[int] = set()
     for value in (
@@ -56,6 +87,38 @@ def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(found)
 
 
+def plan_groups(todo: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Rows (by index) into forward passes. A pass is as wide as its row with the most tokens to
+    compute, so rows are grouped by that count (sorted; a new group when it would more than double
+    plus 8, which keeps one-token extensions apart from fresh prompts) and each group holds at most
+    `max_tokens` padded tokens (at least one row)."""
+    groups: list[list[int]] = []
+    first = 0
+    for i in sorted(range(len(todo)), key=todo.__getitem__):
+        if groups and todo[i] <= 2 * first + 8 and (len(groups[-1]) + 1) * todo[i] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            first = todo[i]
+    return groups
+
+
+def _left_padded(
+    rows: Sequence[Sequence[int]], skip: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input ids [rows, width] of every row without its first skip[i] tokens, left-padded; the
+    attention mask [rows, max(skip) + width] of the whole rows, right-aligned, and the ids' positions."""
+    width = max(len(r) - s for r, s in zip(rows, skip, strict=True))
+    total = max(skip) + width
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), total), dtype=torch.long)
+    for i, (row, s) in enumerate(zip(rows, skip, strict=True)):
+        ids[i, width - (len(row) - s) :] = torch.as_tensor(row[s:], dtype=torch.long)
+        mask[i, total - len(row) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, total - width :]
+    return ids, mask, positions
+
+
 class _DecodeState:
     """The KV cache of one generation request."""
 
@@ -66,7 +129,16 @@ BASE = "__base__"  # PEFT's name for "no adapter" in mixed-adapter batches
 
 
 class TransformersEngine(Engine):
-    def __init__(self, model: Any, tokenizer: Any, *, max_model_len: int, model_path: str) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_model_len: int,
+        model_path: str,
+        prefix_cache_bytes: int = 0,
+        max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -77,6 +149,12 @@ class TransformersEngine(Engine):
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-engine")
         self._peft: Any = None  # the PeftModel wrapping `model` once an adapter is loaded
+        self.max_batch_tokens = max_batch_tokens  # padded tokens per dense forward pass
+        self.prefix_cache: PrefixCache | None = None
+        if prefix_cache_bytes and supports_prefix_cache(model):
+            self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        elif prefix_cache_bytes:
+            log.info("%s: no prefix K/V reuse for this attention type", model_path)
 
     @classmethod
     def load(cls, config: EngineConfig) -> TransformersEngine:
@@ -87,7 +165,14 @@ class TransformersEngine(Engine):
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         context = getattr(model.config, "max_position_embeddings", None) or 2048
-        return cls(model, tokenizer, max_model_len=config.max_model_len or context, model_path=str(path))
+        return cls(
+            model,
+            tokenizer,
+            max_model_len=config.max_model_len or context,
+            model_path=str(path),
+            prefix_cache_bytes=prefix_cache_bytes(config.options, device),
+            max_batch_tokens=_positive_int(config.options, "max_batch_tokens", DEFAULT_BATCH_TOKENS),
+        )
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -108,6 +193,8 @@ class TransformersEngine(Engine):
     def _load_adapter(self, name: str, path: str) -> None:
         from peft import PeftModel
 
+        if self.prefix_cache is not None:  # K/V computed under an earlier adapter of this name
+            self.prefix_cache.drop_adapter(name)
         try:
             if self._peft is None:
                 self._peft = PeftModel.from_pretrained(
@@ -129,6 +216,8 @@ class TransformersEngine(Engine):
     def _unload_adapter(self, name: str) -> None:
         if self._peft is None or name not in self._peft.peft_config:
             raise AdapterError(f"adapter {name!r} is not loaded")
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop_adapter(name)
         if len(self._peft.peft_config) == 1:  # the last one: back to the plain model
             self.model = self._peft.unload()
             self._peft = None
@@ -146,15 +235,24 @@ class TransformersEngine(Engine):
     def _next_token_logprobs(
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]
     ) -> np.ndarray:
+        cache = self.prefix_cache
+        matches = [cache.match(a, r) if cache else (None, 0) for a, r in zip(adapters, rows, strict=True)]
+        # Tokens each row must run through the model: those after its cached prefix, at least one.
+        todo = [len(r) - min(depth, len(r) - 1) for r, (_, depth) in zip(rows, matches, strict=True)]
+        out = np.empty((len(rows), self.vocab_size), dtype=np.float32)
+        for group in plan_groups(todo, self.max_batch_tokens):
+            part = [rows[i] for i in group]
+            names = [adapters[i] for i in group]
+            if cache is None:
+                out[group] = self._uncached_logprobs(part, names)
+            else:
+                out[group] = self._cached_logprobs(part, names, [matches[i] for i in group], cache)
+        return out
+
+    def _uncached_logprobs(self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]) -> np.ndarray:
         # Left padding keeps every row's last token in the final position; explicit position ids
         # and the attention mask make each row's result equal to its unpadded forward pass.
-        width = max(len(r) for r in rows)
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-            mask[i, width - len(row) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions = _left_padded(rows, [0] * len(rows))
         out = self._call(
             adapters,
             input_ids=ids.to(self.device),
@@ -164,6 +262,42 @@ class TransformersEngine(Engine):
             logits_to_keep=1,
         )
         return torch.log_softmax(out.logits[:, -1, :].float(), dim=-1).cpu().numpy()
+
+    def _cached_logprobs(
+        self,
+        rows: Sequence[Sequence[int]],
+        adapters: Sequence[str | None],
+        matches: Sequence[tuple[Any, int]],
+        prefix_cache: PrefixCache,
+    ) -> np.ndarray:
+        # The batch's layout is the uncached one, [pad][row], with the first `past` columns taken
+        # from the cache: rows whose cached prefix ends earlier than their share of those columns
+        # recompute the rest in the new-token window, where they would otherwise hold padding.
+        # Every row keeps at least its last token to compute (its logits).
+        new = max(len(r) - min(depth, len(r) - 1) for r, (_, depth) in zip(rows, matches, strict=True))
+        reused = [max(len(r) - new, 0) for r in rows]
+        past = max(reused)
+        ids, mask, positions = _left_padded(rows, reused)
+        cache = DynamicCache(config=self.model.config)
+        if past:
+            picks = [(entry, n) for (entry, _), n in zip(matches, reused, strict=True)]
+            for layer, (keys, values) in enumerate(prefix_cache.gather(picks, past)):
+                cache.update(keys, values, layer)
+        out = self._call(
+            adapters,
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logprobs = torch.log_softmax(out.logits[:, -1, :].float(), dim=-1).cpu().numpy()
+        layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        prefix_cache.store(list(zip(adapters, rows, strict=True)), layers)
+        prefix_cache.stats.reused_tokens += sum(reused)
+        prefix_cache.stats.computed_tokens += sum(len(r) for r in rows) - sum(reused)
+        return logprobs
 
     # -- prompt scoring -------------------------------------------------------------------------
 
