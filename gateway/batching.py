@@ -47,7 +47,7 @@ class RowBatcher:
         self,
         engine_call: EngineCall,
         *,
-        max_batch_rows: int = 64,
+        max_batch_rows: int = 256,
         window_s: float = 0.002,
         on_batch: Callable[[int], None] | None = None,
         on_wait: Callable[[float], None] | None = None,

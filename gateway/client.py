@@ -64,6 +64,28 @@ def _raise_for_error(response: httpx.Response) -> None:
     raise GatewayClientError(response.status_code, message)
 
 
+class _BinaryRow(msgspec.Struct):
+    index: int
+    logprobs: memoryview  # a view into the response body: no copy until the rows are assembled
+
+
+class _BinaryResponse(msgspec.Struct):
+    vocab_size: int
+    data: list[_BinaryRow]
+
+
+_BINARY_DECODER = msgspec.msgpack.Decoder(_BinaryResponse)
+
+
+def decode_msgpack_rows(content: bytes, count: int, dtype: Dtype) -> np.ndarray:
+    """A MessagePack next_token_logprobs response as float32 [count, vocab], one copy per row."""
+    document = _BINARY_DECODER.decode(content)
+    out = np.empty((count, document.vocab_size), dtype=np.float32)
+    for row in document.data:
+        out[row.index] = decode_row(row.logprobs, dtype)
+    return out
+
+
 def _as_output(array: np.ndarray) -> Any:
     if _HAS_TORCH:
         import torch
@@ -154,11 +176,7 @@ class AsyncGatewayLM:
         return msgspec.msgpack.encode({"model": model, "input": [list(r) for r in rows], "dtype": self.dtype})
 
     def _decode(self, content: bytes, count: int) -> np.ndarray:
-        document = msgspec.msgpack.decode(content)
-        out = np.empty((count, document["vocab_size"]), dtype=np.float32)
-        for row in document["data"]:
-            out[row["index"]] = decode_row(row["logprobs"], self.dtype)
-        return out
+        return decode_msgpack_rows(content, count, self.dtype)
 
     def _remember(self, keys: Iterable[Key], values: Iterable[np.ndarray]) -> None:
         if self.cache_size <= 0:

@@ -16,7 +16,7 @@
     max_model_len = 2048
     adapters = {lora_1 = "/adapters/lora_1"}   # served as "smollm2-135m:lora_1"
     adapters_root = "/adapters"    # run-time loads (admin endpoints) must lie inside it
-    max_batch_rows = 64            # distinct dense rows per engine call
+    max_batch_rows = 256           # distinct dense rows per engine call
     batch_window_ms = 2.0          # how long an idle engine waits for more rows
     options = {}                   # backend-specific
 
@@ -63,7 +63,7 @@ class ModelSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"
     max_model_len: Annotated[int, msgspec.Meta(gt=0)] | None = None
-    max_batch_rows: Annotated[int, msgspec.Meta(gt=0)] = 64  # distinct rows per engine call
+    max_batch_rows: Annotated[int, msgspec.Meta(gt=0)] = 256  # distinct rows per engine call
     batch_window_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0  # wait for more rows when idle
     adapters: dict[str, str] = {}  # LoRA adapters loaded at start: name -> PEFT directory
     adapters_root: str | None = None  # run-time loads must lie inside it; None: run-time loads off

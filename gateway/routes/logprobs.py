@@ -9,7 +9,7 @@ import numpy as np
 from litestar import Request, Response, get, post
 
 from gateway.dense import dense_rows
-from gateway.encoding import row_base64, row_bytes
+from gateway.encoding import row_base64, row_views
 from gateway.errors import ContextLengthError, EngineError, GatewayError
 from gateway.http import (
     MSGPACK_TYPES,
@@ -87,8 +87,8 @@ def _encode(
                 vocab_size=vocab_size,
                 dtype=body.dtype,
                 data=[
-                    NextTokenLogprobsBinaryRow(index=i, logprobs=row_bytes(r, body.dtype))
-                    for i, r in enumerate(rows)
+                    NextTokenLogprobsBinaryRow(index=i, logprobs=view)  # type: ignore[arg-type]
+                    for i, view in enumerate(row_views(rows, body.dtype))
                 ],
                 usage=usage,
             )

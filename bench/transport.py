@@ -1,12 +1,14 @@
-"""Throughput of POST /v1/next_token_logprobs per encoding: requests/s, rows/s, MB/s, bytes/row.
+"""Dense-row transport per encoding: MB/s of the codecs alone, and of POST /v1/next_token_logprobs.
 
-    python bench/dense.py                       # mock engine (vocab 131072) and SmolLM2-135M
-    python bench/dense.py --engines mock --rows 16 --requests 100 --concurrency 4
+    python bench/transport.py                        # codecs; mock engine (vocab 131072); SmolLM2-135M
+    python bench/transport.py --engines mock --rows 256 --requests 20 --concurrency 1
 
-Starts the gateway as a child process on loopback, warms it up, then sends `--requests` requests of
-`--rows` rows each from `--concurrency` concurrent clients, for each encoding. Prints a Markdown
-table. The mock engine shows what the HTTP layer and the encodings cost; the real model adds the
-forward pass.
+First, in process: the server's encoder (the route's own `_encode`) and the client's decoder
+(`gateway.client.decode_msgpack_rows` for MessagePack; base64/JSON as a client would) on `--rows` rows of a
+49152-token vocabulary, in MB of response per second. Then over loopback HTTP: the gateway as a
+child process (output cache off), `--requests` requests of `--rows` distinct rows each from
+`--concurrency` concurrent clients. The mock engine shows what HTTP and the encodings cost; the
+real model adds the forward pass. Prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gateway.client import decode_msgpack_rows  # noqa: E402
+from gateway.encoding import decode_row  # noqa: E402
 from gateway.launcher import start_gateway  # noqa: E402
+from gateway.routes.logprobs import _encode  # noqa: E402
+from gateway.schemas.logprobs import NextTokenLogprobsRequest, NextTokenLogprobsUsage  # noqa: E402
 
 ENCODINGS = [  # (label, encoding_format, dtype, msgpack)
     ("json float", "float", "float32", False),
@@ -42,8 +48,42 @@ def engine_args(engine: str, workdir: Path) -> tuple[list[str], str]:
         config.write_text(
             '[[models]]\nname = "mock"\nmodel = "smollm2-135m"\nbackend = "mock"\noptions = {vocab_size = 131072}\n'
         )
-        return ["--config", str(config)], "mock"
-    return ["--model", "smollm2-135m", "--dtype", "float32"], "smollm2-135m"
+        return ["--config", str(config), "--no-cache"], "mock"
+    return ["--model", "smollm2-135m", "--dtype", "float32", "--no-cache"], "smollm2-135m"
+
+
+def decode(content: bytes, rows: int, encoding_format: str, dtype: str, binary: bool) -> np.ndarray:
+    if binary:
+        return decode_msgpack_rows(content, rows, dtype)
+    document = msgspec.json.decode(content)
+    if encoding_format == "base64":
+        return np.stack([decode_row(d["logprobs"], dtype) for d in document["data"]])
+    return np.array([d["logprobs"] for d in document["data"]], dtype=np.float32)
+
+
+def codec_table(rows: int, vocab: int = 49152, repeats: int = 5) -> None:
+    """The server's encoder and the client's decoder on one response of `rows` rows."""
+    values = np.random.default_rng(0).standard_normal((rows, vocab)).astype(np.float32)
+    usage = NextTokenLogprobsUsage(prompt_tokens=rows, total_tokens=rows, cache_hits=0)
+    print(f"\n### codecs in process: {rows} rows x {vocab}\n")
+    print("| encoding | MB | encode MB/s | decode MB/s |")
+    print("| --- | ---: | ---: | ---: |")
+    for label, encoding_format, dtype, binary in ENCODINGS:
+        body = NextTokenLogprobsRequest(model="m", input=[[1]], encoding_format=encoding_format, dtype=dtype)
+
+        timings = {"encode": [], "decode": []}
+        for _ in range(repeats):
+            started = time.perf_counter()
+            content = _encode(values, body, vocab, usage, binary)
+            timings["encode"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            decoded = decode(content, rows, encoding_format, dtype, binary)
+            timings["decode"].append(time.perf_counter() - started)
+        assert decoded.shape == values.shape
+        mb = len(content) / 1e6
+        print(
+            f"| {label} | {mb:.1f} | {mb / min(timings['encode']):.0f} | {mb / min(timings['decode']):.0f} |"
+        )
 
 
 async def run_encoding(
@@ -104,7 +144,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8, help="rows per request")
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--codec-rows", type=int, default=64, help="rows of the in-process codec table")
     args = parser.parse_args()
+    codec_table(args.codec_rows)
     with tempfile.TemporaryDirectory() as tmp:
         for engine in args.engines:
             serve_args, model = engine_args(engine, Path(tmp))
