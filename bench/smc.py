@@ -64,10 +64,10 @@ MODES = ["engine", "gateway", "gateway-nocache", "genlm", "decode"]
 NextRows = Callable[[list[list[int]]], Awaitable[np.ndarray]]  # rows -> float32 [rows, vocab]
 
 
-def random_model_dir(shape: str, dtype: torch.dtype, directory: Path) -> Path:
+def random_model_dir(shape: str, dtype: torch.dtype, directory: Path, tokenizer_dir: Path | None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(DEFAULT_MODEL))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or resolve_model_dir(DEFAULT_MODEL))
     config = LlamaConfig(
         **SHAPES[shape],
         bos_token_id=tokenizer.bos_token_id,
@@ -239,6 +239,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a Hugging Face directory or a built-in name")
     parser.add_argument("--random-model", choices=list(SHAPES), help="random weights of this shape instead")
+    parser.add_argument(
+        "--tokenizer", type=Path, help="tokenizer directory of --random-model (default: SmolLM2's)"
+    )
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=Path("smc.png"))
@@ -257,13 +260,38 @@ async def measure_gateway(
         + ("[cache]\nenabled = false\n" if mode == "gateway-nocache" else "")
     )
     gateway = start_gateway(["--config", str(toml), *args.gateway_arg], tmp / f"{mode}.log")
+    timings: dict[int, list[tuple[float, float]]] = {}  # rows per request -> (rows ms, encode ms)
+
+    async def record(response) -> None:  # the gateway's Server-Timing header
+        if "server-timing" not in response.headers:
+            return
+        parts = dict(part.strip().split(";dur=") for part in response.headers["server-timing"].split(","))
+        rows = int(response.request.headers.get("x-bench-rows", 0))
+        timings.setdefault(rows, []).append((float(parts["rows"]), float(parts["encode"])))
+
     try:
         clients = [AsyncGatewayLM(gateway.base_url, "smc") for _ in range(args.repeats + 1)]
+        for client in clients:
+            http = client._async_client()
+            http.event_hooks["response"].append(record)
+            http.event_hooks["request"].append(_count_rows)
         await measure(mode, lambda p, r: client_rows(clients[r]))
         for client in clients:
             await client.aclose()
     finally:
         gateway.stop()
+    for rows, values in sorted(timings.items()):
+        if rows in args.particles:
+            compute, encode = (statistics.median(v) for v in zip(*values, strict=True))
+            print(f"{mode} P={rows}: server median per step: rows {compute:.1f} ms, encode {encode:.1f} ms")
+
+
+async def _count_rows(request) -> None:
+    """Tags a dense request with its row count, for the Server-Timing summary."""
+    if request.url.path.endswith("/next_token_logprobs"):
+        import msgspec
+
+        request.headers["x-bench-rows"] = str(len(msgspec.msgpack.decode(request.content)["input"]))
 
 
 async def run(args: argparse.Namespace, tmp: Path) -> None:
@@ -272,7 +300,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     if args.random_model:
-        model_dir = random_model_dir(args.random_model, dtype, tmp / "model")
+        model_dir = random_model_dir(args.random_model, dtype, tmp / "model", args.tokenizer)
         args.label = f"random {args.random_model}"
     else:
         model_dir = resolve_model_dir(args.model)

@@ -77,13 +77,29 @@ class _BinaryResponse(msgspec.Struct):
 _BINARY_DECODER = msgspec.msgpack.Decoder(_BinaryResponse)
 
 
-def decode_msgpack_rows(content: bytes, count: int, dtype: Dtype) -> np.ndarray:
+def decode_msgpack_rows(content: bytes | bytearray, count: int, dtype: Dtype) -> np.ndarray:
     """A MessagePack next_token_logprobs response as float32 [count, vocab], one copy per row."""
     document = _BINARY_DECODER.decode(content)
     out = np.empty((count, document.vocab_size), dtype=np.float32)
     for row in document.data:
         out[row.index] = decode_row(row.logprobs, dtype)
     return out
+
+
+async def _read_into_buffer(response: httpx.Response) -> bytes | bytearray:
+    """The body in one buffer of its announced length, filled chunk by chunk: a dense response is
+    tens of megabytes, and joining the chunks afterwards would copy it once more."""
+    length = response.headers.get("content-length")
+    if length is None or "content-encoding" in response.headers:
+        return await response.aread()
+    buffer = bytearray(int(length))
+    view, filled = memoryview(buffer), 0
+    async for chunk in response.aiter_raw():
+        view[filled : filled + len(chunk)] = chunk
+        filled += len(chunk)
+    if filled != len(buffer):
+        raise httpx.ReadError(f"the response ended after {filled} of {len(buffer)} bytes")
+    return buffer
 
 
 def _as_output(array: np.ndarray) -> Any:
@@ -175,7 +191,7 @@ class AsyncGatewayLM:
     def _request_body(self, model: str, rows: Sequence[Sequence[int]]) -> bytes:
         return msgspec.msgpack.encode({"model": model, "input": [list(r) for r in rows], "dtype": self.dtype})
 
-    def _decode(self, content: bytes, count: int) -> np.ndarray:
+    def _decode(self, content: bytes | bytearray, count: int) -> np.ndarray:
         return decode_msgpack_rows(content, count, self.dtype)
 
     def _remember(self, keys: Iterable[Key], values: Iterable[np.ndarray]) -> None:
@@ -203,9 +219,13 @@ class AsyncGatewayLM:
         for start in range(0, len(rows), self.max_rows_per_request):
             chunk = rows[start : start + self.max_rows_per_request]
             self.requests_sent += 1
-            response = await client.post("/v1/next_token_logprobs", content=self._request_body(model, chunk))
-            _raise_for_error(response)
-            parts.append(self._decode(response.content, len(chunk)))
+            body = self._request_body(model, chunk)
+            async with client.stream("POST", "/v1/next_token_logprobs", content=body) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    _raise_for_error(response)
+                content = await _read_into_buffer(response)
+            parts.append(self._decode(content, len(chunk)))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _async_client(self) -> httpx.AsyncClient:

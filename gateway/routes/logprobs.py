@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 import numpy as np
@@ -56,6 +57,7 @@ async def next_token_logprobs(request: Request) -> Response:
             f"an input has {longest} tokens; this model's maximum context length is {engine.max_model_len}",
             param="input",
         )
+    started = time.perf_counter()
     try:
         rows, hits = await dense_rows(served, request.app.state.cache, [i.ids for i in inputs], adapter)
     except GatewayError:
@@ -66,11 +68,20 @@ async def next_token_logprobs(request: Request) -> Response:
     tokens = sum(len(i.ids) for i in inputs)
     usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens, cache_hits=hits)
     # Encoding megabytes of floats would stall the event loop: it runs on a worker thread.
+    computed = time.perf_counter()
     content = await asyncio.to_thread(_encode, rows, body, engine.vocab_size, usage, binary)
+    # Where the server's time went (ms), for clients and benches: rows (cache + queue + engine), encode.
+    timing = (
+        f"rows;dur={(computed - started) * 1e3:.2f}, encode;dur={(time.perf_counter() - computed) * 1e3:.2f}"
+    )
     encoding = "msgpack" if binary else body.encoding_format
     served.metrics.dense_rows.labels(served.name, adapter or "", encoding).inc(len(inputs))
     served.metrics.dense_response_bytes.labels(served.name, encoding).inc(len(content))
-    return Response(content=content, media_type=MSGPACK_TYPES[0] if binary else "application/json")
+    return Response(
+        content=content,
+        media_type=MSGPACK_TYPES[0] if binary else "application/json",
+        headers={"Server-Timing": timing},
+    )
 
 
 def _encode(

@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from gateway.settings import ModelSettings
 from tests.conftest import MODEL
 
 pytestmark = pytest.mark.slow
@@ -352,7 +353,7 @@ def test_concurrent_requests_are_batched_and_deduplicated(http, gateway, referen
     # identical rows of different requests were computed once
     assert delta["engine_rows"] < delta["rows"]
     assert n <= delta["engine_rows"] <= n + len(shared) * delta["batches"]
-    assert 2 <= after["largest_batch"] <= 64
+    assert 2 <= after["largest_batch"] <= ModelSettings().max_batch_rows
 
     # each request got its own rows: equal to a separate sequential request and to the reference
     shared_want = [expected_row(reference, ids) for ids in shared]
