@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
 import statistics
 import sys
 import tempfile
@@ -246,7 +247,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=Path("smc.png"))
     parser.add_argument("--gateway-arg", action="append", default=[], help="extra `serve` flags")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--replot", type=Path, help="print and plot the results of an earlier --json")
     args = parser.parse_args()
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        vars(args).update(saved["args"])
+        results = {(p, m): v for p, m, v in saved["results"]}
+        checks = {(p, m): v for p, m, v in saved["checks"]}
+        print_table(args, results, checks)
+        plot(args.plot, args, results)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         asyncio.run(run(args, Path(tmp)))
 
@@ -355,6 +366,17 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
     if "decode" in args.modes:
         await measure("decode", lambda p, r: PlainDecode(model))
     print_table(args, results, checks)
+    if args.json:
+        keep = ("steps", "label", "device", "dtype", "resample_every", "repeats", "particles")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: getattr(args, k) for k in keep},
+                    "results": [[p, m, v] for (p, m), v in results.items()],
+                    "checks": [[p, m, v] for (p, m), v in checks.items()],
+                }
+            )
+        )
     plot(args.plot, args, results)
 
 

