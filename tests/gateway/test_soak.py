@@ -48,7 +48,9 @@ def soak_gateway(model_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("soak")
     config = workdir / "gateway.toml"
     config.write_text(
-        f'[[models]]\nname = "{MODEL}"\nmodel = "{model_dir}"\ndtype = "float32"\n\n'
+        f'[[models]]\nname = "{MODEL}"\nmodel = "{model_dir}"\ndtype = "float32"\n'
+        # a small prefix K/V budget too: it fills and evicts early, so growth after that is a leak
+        f"options = {{prefix_cache_bytes = {16 * 2**20}}}\n\n"
         f"[cache]\nmemory_bytes = {16 * 2**20}\n"  # small: evictions happen during the run
     )
     gateway = start_gateway(["--config", str(config)], workdir / "gateway.log")
