@@ -3,12 +3,13 @@
     python bench/transport.py                        # codecs; mock engine (vocab 131072); SmolLM2-135M
     python bench/transport.py --engines mock --rows 256 --requests 20 --concurrency 1
 
-First, in process: the server's encoder (the route's own `_encode`) and the client's decoder
-(`gateway.client.decode_msgpack_rows` for MessagePack; base64/JSON as a client would) on `--rows` rows of a
-49152-token vocabulary, in MB of response per second. Then over loopback HTTP: the gateway as a
-child process (output cache off), `--requests` requests of `--rows` distinct rows each from
-`--concurrency` concurrent clients. The mock engine shows what HTTP and the encodings cost; the
-real model adds the forward pass. Prints Markdown tables.
+First, in process: the server's encoder (the route's own `_encode`, whose buffers go out as they
+are) and the client's decoder (`gateway.client_wire` for MessagePack; base64/JSON as a client
+would) on `--codec-rows` rows of a 49152-token vocabulary, in MB of response per second. Then over
+loopback HTTP: the gateway as a child process (output cache off), `--requests` requests of
+`--rows` distinct rows each from `--concurrency` concurrent httpx clients, and last
+`gateway.client.AsyncGatewayLM` (MessagePack matrix read off the socket). The mock engine shows
+what HTTP and the encodings cost; the real model adds the forward pass. Prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -26,19 +27,22 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.client import decode_msgpack_rows  # noqa: E402
+from gateway.client import AsyncGatewayLM  # noqa: E402
+from gateway.client_wire import decode_msgpack_matrix, decode_msgpack_rows  # noqa: E402
 from gateway.encoding import decode_row  # noqa: E402
 from gateway.launcher import start_gateway  # noqa: E402
 from gateway.routes.logprobs import _encode  # noqa: E402
 from gateway.schemas.logprobs import NextTokenLogprobsRequest, NextTokenLogprobsUsage  # noqa: E402
 
-ENCODINGS = [  # (label, encoding_format, dtype, msgpack)
-    ("json float", "float", "float32", False),
-    ("json base64 f32", "base64", "float32", False),
-    ("json base64 bf16", "base64", "bfloat16", False),
-    ("msgpack f32", "float", "float32", True),
-    ("msgpack f16", "float", "float16", True),
-    ("msgpack bf16", "float", "bfloat16", True),
+ENCODINGS = [  # (label, encoding_format, dtype, msgpack, layout)
+    ("json float", "float", "float32", False, "rows"),
+    ("json base64 f32", "base64", "float32", False, "rows"),
+    ("json base64 bf16", "base64", "bfloat16", False, "rows"),
+    ("msgpack f32", "float", "float32", True, "rows"),
+    ("msgpack f16", "float", "float16", True, "rows"),
+    ("msgpack bf16", "float", "bfloat16", True, "rows"),
+    ("msgpack f32 matrix", "float", "float32", True, "matrix"),
+    ("msgpack bf16 matrix", "float", "bfloat16", True, "matrix"),
 ]
 
 
@@ -52,10 +56,18 @@ def engine_args(engine: str, workdir: Path) -> tuple[list[str], str]:
     return ["--model", "smollm2-135m", "--dtype", "float32", "--no-cache"], "smollm2-135m"
 
 
-def decode(content: bytes, rows: int, encoding_format: str, dtype: str, binary: bool) -> np.ndarray:
+def decode(
+    content: bytearray, rows: int, encoding_format: str, dtype: str, binary: bool, layout: str
+) -> np.ndarray:
     if binary:
+        if layout == "matrix":
+            return decode_msgpack_matrix(content, rows)
         return decode_msgpack_rows(content, rows, dtype)
     document = msgspec.json.decode(content)
+    if layout == "matrix":
+        if encoding_format == "base64":
+            return decode_row(document["logprobs"], dtype).reshape(rows, -1)
+        return np.array(document["logprobs"], dtype=np.float32)
     if encoding_format == "base64":
         return np.stack([decode_row(d["logprobs"], dtype) for d in document["data"]])
     return np.array([d["logprobs"] for d in document["data"]], dtype=np.float32)
@@ -68,16 +80,19 @@ def codec_table(rows: int, vocab: int = 49152, repeats: int = 5) -> None:
     print(f"\n### codecs in process: {rows} rows x {vocab}\n")
     print("| encoding | MB | encode MB/s | decode MB/s |")
     print("| --- | ---: | ---: | ---: |")
-    for label, encoding_format, dtype, binary in ENCODINGS:
-        body = NextTokenLogprobsRequest(model="m", input=[[1]], encoding_format=encoding_format, dtype=dtype)
+    for label, encoding_format, dtype, binary, layout in ENCODINGS:
+        body = NextTokenLogprobsRequest(
+            model="m", input=[[1]], encoding_format=encoding_format, dtype=dtype, layout=layout
+        )
 
         timings = {"encode": [], "decode": []}
         for _ in range(repeats):
             started = time.perf_counter()
-            content = _encode(values, body, vocab, usage, binary)
+            parts = _encode(values, body, vocab, usage, binary)
             timings["encode"].append(time.perf_counter() - started)
+            content = bytearray(b"".join(parts))  # as a client receives it: a writable buffer
             started = time.perf_counter()
-            decoded = decode(content, rows, encoding_format, dtype, binary)
+            decoded = decode(content, rows, encoding_format, dtype, binary, layout)
             timings["decode"].append(time.perf_counter() - started)
         assert decoded.shape == values.shape
         mb = len(content) / 1e6
@@ -89,14 +104,20 @@ def codec_table(rows: int, vocab: int = 49152, repeats: int = 5) -> None:
 async def run_encoding(
     base_url: str, model: str, encoding: tuple, rows: int, requests: int, concurrency: int, seed: int
 ) -> dict:
-    label, encoding_format, dtype, binary = encoding
+    label, encoding_format, dtype, binary, layout = encoding
     rng = np.random.default_rng(seed)
     headers = {"Accept": "application/msgpack", "Content-Type": "application/msgpack"} if binary else {}
 
     def body(i: int) -> bytes:
         # distinct short prefixes, so every row is computed (no de-duplication)
         batch = [[int(t) for t in rng.integers(100, 40000, size=8)] for _ in range(rows)]
-        doc = {"model": model, "input": batch, "encoding_format": encoding_format, "dtype": dtype}
+        doc = {
+            "model": model,
+            "input": batch,
+            "encoding_format": encoding_format,
+            "dtype": dtype,
+            "layout": layout,
+        }
         return msgspec.msgpack.encode(doc) if binary else msgspec.json.encode(doc)
 
     bodies = [body(i) for i in range(requests + concurrency)]
@@ -121,6 +142,28 @@ async def run_encoding(
         "rows/s": requests * rows / elapsed,
         "MB/s": total / elapsed / 1e6,
         "bytes/row": total / (requests * rows),
+    }
+
+
+async def run_client(base_url: str, model: str, rows: int, requests: int, seed: int) -> dict:
+    """gateway.client.AsyncGatewayLM, one batch call at a time: MessagePack matrix off the socket."""
+    rng = np.random.default_rng(seed)
+    batches = [
+        [[int(t) for t in rng.integers(100, 40000, size=8)] for _ in range(rows)] for _ in range(requests + 1)
+    ]
+    async with AsyncGatewayLM(base_url, model, cache_size=0) as lm:
+        await lm.batch_next_token_logprobs(batches[-1])  # warm-up
+        started = time.perf_counter()
+        for batch in batches[:requests]:
+            out = await lm.batch_next_token_logprobs(batch)
+        elapsed = time.perf_counter() - started
+    per_row = out.shape[1] * 4
+    return {
+        "encoding": "AsyncGatewayLM (msgpack f32 matrix, socket)",
+        "req/s": requests / elapsed,
+        "rows/s": requests * rows / elapsed,
+        "MB/s": requests * rows * per_row / elapsed / 1e6,
+        "bytes/row": per_row,
     }
 
 
@@ -160,6 +203,9 @@ def main() -> None:
                     )
                     for i, enc in enumerate(ENCODINGS)
                 ]
+                results.append(
+                    asyncio.run(run_client(gateway.base_url, model, args.rows, args.requests, seed=99))
+                )
             finally:
                 gateway.stop()
             print_table(

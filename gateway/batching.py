@@ -143,4 +143,13 @@ class RowBatcher:
             return
         for request in batch:
             if not request.future.done():
-                request.future.set_result(results[[index[row] for row in request.rows]])
+                request.future.set_result(_take(results, [index[row] for row in request.rows]))
+
+
+def _take(results: np.ndarray, positions: list[int]) -> np.ndarray:
+    """results[positions]: a view when they are consecutive (a request alone in its batch, rows
+    distinct), else a copy. Rows are megabytes per step; the view spares one copy of them."""
+    first = positions[0] if positions else 0
+    if positions == list(range(first, first + len(positions))):
+        return results[first : first + len(positions)]
+    return results[positions]

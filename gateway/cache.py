@@ -228,6 +228,7 @@ class DenseRowCache:
         self.namespace = namespace
         self.stats = stats or CacheStats()
         self.metrics = metrics or Metrics()
+        self._storing: dict[str, asyncio.Task[None]] = {}  # key -> its store still under way
 
     def key(self, fingerprint: str, adapter: str | None, ids: Sequence[int]) -> str:
         digest = hashlib.sha256()
@@ -253,6 +254,9 @@ class DenseRowCache:
 
     async def lookup(self, keys: Sequence[str], width: int) -> list[np.ndarray | None]:
         started = time.perf_counter()
+        storing = {self._storing[key] for key in keys if key in self._storing}
+        if storing:  # read-your-writes within the process: a row being stored is found
+            await asyncio.wait(storing)
         values = await self.store.get_many(keys)
         self.metrics.cache_duration.labels("get").observe(time.perf_counter() - started)
         rows: list[np.ndarray | None] = []
@@ -280,7 +284,24 @@ class DenseRowCache:
         await self.store.set_many(list(zip(keys, values, strict=True)))
         self.metrics.cache_duration.labels("set").observe(time.perf_counter() - started)
 
+    def store_in_background(self, keys: Sequence[str], rows: np.ndarray) -> None:
+        """Store `rows` without holding up the response that carries them (megabytes to hash and
+        copy per step); `lookup` of these keys waits for it, and `aclose` lets it finish."""
+        task = asyncio.create_task(self.store_rows(keys, rows))
+        for key in keys:
+            self._storing[key] = task
+        task.add_done_callback(lambda done: self._stored(keys, done))
+
+    def _stored(self, keys: Sequence[str], task: asyncio.Task[None]) -> None:
+        for key in keys:
+            if self._storing.get(key) is task:
+                del self._storing[key]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("storing %d rows failed", len(keys), exc_info=task.exception())
+
     async def aclose(self) -> None:
+        if self._storing:
+            await asyncio.wait(set(self._storing.values()), timeout=30)
         await self.store.aclose()
 
 

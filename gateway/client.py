@@ -3,9 +3,12 @@
 `AsyncGatewayLM` implements genlm-backend's (0.3) `AsyncLM` interface (next_token_logprobs, the
 batch and sync variants, all with a per-call `lora_name`; byte_vocab, str_vocab, tokenizer,
 clear_cache, sample, batch_sample) over HTTP. Concurrent
-`next_token_logprobs` calls are merged into one request (MessagePack, raw float32 rows), the way
-genlm's local backends auto-batch. Needs only httpx, msgspec and numpy; returns torch tensors
-when torch is installed (like genlm), numpy arrays otherwise.
+`next_token_logprobs` calls are merged into one request, the way genlm's local backends
+auto-batch. The answer is one MessagePack float32 matrix, read off the socket into one buffer
+(gateway.socket_http, for plain-http URLs; httpx otherwise); every row returned is a view of it,
+never a copy, and shared with the client's cache, as genlm's own backends share rows with
+theirs: do not write into them. Needs only httpx, msgspec and numpy; returns torch tensors when
+torch is installed (like genlm), numpy arrays otherwise.
 
     from gateway.client import AsyncGatewayLM
     from genlm.control import PromptedLLM
@@ -19,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import tempfile
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -29,7 +31,18 @@ import httpx
 import msgspec
 import numpy as np
 
-from gateway.encoding import Dtype, decode_row
+from gateway.client_cache import RowCache
+from gateway.client_wire import (
+    GatewayClientError,
+    decode_msgpack_matrix,
+    error_from,
+    raise_for_error,
+    read_into_buffer,
+)
+from gateway.encoding import Dtype
+from gateway.socket_http import SocketHTTPClient, UnsupportedResponse, usable_for
+
+__all__ = ["AsyncGatewayLM", "GatewayClientError"]
 
 MSGPACK = "application/msgpack"
 _HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -43,63 +56,6 @@ def _genlm_tokens(byte_vocab: list[bytes]) -> list[bytes]:
     except ImportError:
         return byte_vocab
     return [Token(token_id=i, byte_string=b) for i, b in enumerate(byte_vocab)]
-
-
-class GatewayClientError(RuntimeError):
-    """The gateway answered with an error; `status` and the server's message are kept."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"{status}: {message}")
-        self.status = status
-        self.message = message
-
-
-def _raise_for_error(response: httpx.Response) -> None:
-    if response.status_code < 400:
-        return
-    try:
-        message = msgspec.json.decode(response.content)["error"]["message"]
-    except Exception:
-        message = response.text
-    raise GatewayClientError(response.status_code, message)
-
-
-class _BinaryRow(msgspec.Struct):
-    index: int
-    logprobs: memoryview  # a view into the response body: no copy until the rows are assembled
-
-
-class _BinaryResponse(msgspec.Struct):
-    vocab_size: int
-    data: list[_BinaryRow]
-
-
-_BINARY_DECODER = msgspec.msgpack.Decoder(_BinaryResponse)
-
-
-def decode_msgpack_rows(content: bytes | bytearray, count: int, dtype: Dtype) -> np.ndarray:
-    """A MessagePack next_token_logprobs response as float32 [count, vocab], one copy per row."""
-    document = _BINARY_DECODER.decode(content)
-    out = np.empty((count, document.vocab_size), dtype=np.float32)
-    for row in document.data:
-        out[row.index] = decode_row(row.logprobs, dtype)
-    return out
-
-
-async def _read_into_buffer(response: httpx.Response) -> bytes | bytearray:
-    """The body in one buffer of its announced length, filled chunk by chunk: a dense response is
-    tens of megabytes, and joining the chunks afterwards would copy it once more."""
-    length = response.headers.get("content-length")
-    if length is None or "content-encoding" in response.headers:
-        return await response.aread()
-    buffer = bytearray(int(length))
-    view, filled = memoryview(buffer), 0
-    async for chunk in response.aiter_raw():
-        view[filled : filled + len(chunk)] = chunk
-        filled += len(chunk)
-    if filled != len(buffer):
-        raise httpx.ReadError(f"the response ended after {filled} of {len(buffer)} bytes")
-    return buffer
 
 
 def _as_output(array: np.ndarray) -> Any:
@@ -122,12 +78,12 @@ class AsyncGatewayLM:
         dtype: Dtype = "float32",
         timeout: float = 300.0,
         cache_size: int = 1024,
+        cache_bytes: int = 512 << 20,
         max_rows_per_request: int = 1024,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.dtype: Dtype = dtype
-        self.cache_size = cache_size
         self.max_rows_per_request = max_rows_per_request
         self._headers = {"Accept": MSGPACK, "Content-Type": MSGPACK}
         if api_key:
@@ -136,10 +92,14 @@ class AsyncGatewayLM:
         self._sync = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout)
         self._async: httpx.AsyncClient | None = None
         self._async_loop: asyncio.AbstractEventLoop | None = None
-        self._cache: OrderedDict[Key, np.ndarray] = OrderedDict()
+        self._socket: SocketHTTPClient | None = None
+        self._socket_usable = usable_for(self.base_url)
+        # Rows seen, by (model, ids); sized in rows and in the bytes of the matrices they keep alive.
+        self._cache = RowCache(cache_size, cache_bytes)
         self._pending: dict[Key, asyncio.Future[np.ndarray]] = {}
         self._flusher: asyncio.Task[None] | None = None
         self.requests_sent = 0  # dense-row HTTP requests, for diagnostics
+        self.server_timing: str | None = None  # the last dense answer's Server-Timing header
         vocab = self._get(f"/v1/models/{self._base_model}/vocabulary")
         self.vocab_size: int = vocab["vocab_size"]
         self.byte_vocab: list[bytes] = _genlm_tokens(vocab["tokens"])
@@ -154,7 +114,7 @@ class AsyncGatewayLM:
 
     def _get(self, path: str) -> Any:
         response = self._sync.get(path)
-        _raise_for_error(response)
+        raise_for_error(response)
         return (
             msgspec.msgpack.decode(response.content)
             if MSGPACK in response.headers.get("content-type", "")
@@ -189,19 +149,9 @@ class AsyncGatewayLM:
     # -- dense rows ------------------------------------------------------------------------------
 
     def _request_body(self, model: str, rows: Sequence[Sequence[int]]) -> bytes:
-        return msgspec.msgpack.encode({"model": model, "input": [list(r) for r in rows], "dtype": self.dtype})
-
-    def _decode(self, content: bytes | bytearray, count: int) -> np.ndarray:
-        return decode_msgpack_rows(content, count, self.dtype)
-
-    def _remember(self, keys: Iterable[Key], values: Iterable[np.ndarray]) -> None:
-        if self.cache_size <= 0:
-            return
-        for key, value in zip(keys, values, strict=True):
-            self._cache[key] = value
-            self._cache.move_to_end(key)
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        return msgspec.msgpack.encode(
+            {"model": model, "input": [list(r) for r in rows], "dtype": self.dtype, "layout": "matrix"}
+        )
 
     def _fetch_sync(self, model: str, rows: list[tuple[int, ...]]) -> np.ndarray:
         parts = []
@@ -209,43 +159,69 @@ class AsyncGatewayLM:
             chunk = rows[start : start + self.max_rows_per_request]
             self.requests_sent += 1
             response = self._sync.post("/v1/next_token_logprobs", content=self._request_body(model, chunk))
-            _raise_for_error(response)
-            parts.append(self._decode(response.content, len(chunk)))
+            raise_for_error(response)
+            parts.append(decode_msgpack_matrix(response.content, len(chunk)))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     async def _fetch(self, model: str, rows: list[tuple[int, ...]]) -> np.ndarray:
-        client = self._async_client()
         parts = []
         for start in range(0, len(rows), self.max_rows_per_request):
             chunk = rows[start : start + self.max_rows_per_request]
             self.requests_sent += 1
-            body = self._request_body(model, chunk)
-            async with client.stream("POST", "/v1/next_token_logprobs", content=body) as response:
-                if response.status_code >= 400:
-                    await response.aread()
-                    _raise_for_error(response)
-                content = await _read_into_buffer(response)
-            parts.append(self._decode(content, len(chunk)))
+            content = await self._post_dense(self._request_body(model, chunk))
+            parts.append(decode_msgpack_matrix(content, len(chunk)))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def _async_client(self) -> httpx.AsyncClient:
+    async def _post_dense(self, body: bytes) -> bytes | bytearray | memoryview:
+        """The body of a successful dense answer: off the socket when the URL allows, else httpx."""
+        self._same_loop()
+        if self._socket_usable:
+            if self._socket is None:
+                self._socket = SocketHTTPClient(self.base_url, self._headers, self._timeout)
+            try:
+                response = await self._socket.post("/v1/next_token_logprobs", body)
+            except UnsupportedResponse:  # something between us and the gateway recodes answers
+                self._socket_usable = False
+            else:
+                self.server_timing = response.headers.get("server-timing")
+                if response.status >= 400:
+                    raise error_from(response.status, response.body)
+                return response.body
+        client = self._async_client()
+        async with client.stream("POST", "/v1/next_token_logprobs", content=body) as response:
+            self.server_timing = response.headers.get("server-timing")
+            if response.status_code >= 400:
+                await response.aread()
+                raise_for_error(response)
+            return await read_into_buffer(response)
+
+    def _same_loop(self) -> None:
+        """Connections belong to the event loop that opened them: a new loop starts afresh."""
         loop = asyncio.get_running_loop()
-        if self._async is None or self._async_loop is not loop:  # an AsyncClient belongs to one loop
+        if self._async_loop is not loop:
+            self._async = None
+            if self._socket is not None:
+                self._socket.close()
+            self._socket = None
+            self._async_loop = loop
+
+    def _async_client(self) -> httpx.AsyncClient:
+        self._same_loop()
+        if self._async is None:
             self._async = httpx.AsyncClient(
                 base_url=self.base_url, headers=self._headers, timeout=self._timeout
             )
-            self._async_loop = loop
         return self._async
 
     async def next_token_logprobs(self, token_ids: Sequence[int], lora_name: str | None = None) -> Any:
         """log_softmax over the whole vocabulary after `token_ids`; concurrent calls share one request."""
-        row = await self._row((self._model_for(lora_name), tuple(token_ids)))
-        return _as_output(np.array(row))  # a copy: callers may edit it
+        return _as_output(await self._row((self._model_for(lora_name), tuple(token_ids))))
 
     async def _row(self, key: Key) -> np.ndarray:
         cached = self._cache.get(key)
         if cached is not None:
             return cached
+        self._same_loop()
         future = self._pending.get(key)
         if future is None:
             future = asyncio.get_running_loop().create_future()
@@ -273,7 +249,7 @@ class AsyncGatewayLM:
                 if not futures[key].done():
                     futures[key].set_exception(exc)
             return
-        self._remember(keys, values)
+        self._cache.put_many(keys, values)
         for key, value in zip(keys, values, strict=True):
             if not futures[key].done():
                 futures[key].set_result(value)
@@ -285,7 +261,13 @@ class AsyncGatewayLM:
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> Any:
         model = self._model_for(lora_name)
-        rows = await asyncio.gather(*(self._row((model, tuple(t))) for t in token_ids_list))
+        keys = [(model, tuple(t)) for t in token_ids_list]
+        if len(set(keys)) == len(keys) and not any(k in self._cache or k in self._pending for k in keys):
+            self._same_loop()
+            matrix = await self._fetch(model, [row for _, row in keys])  # all new: the answer as it is
+            self._cache.put_many(keys, matrix)
+            return _as_output(matrix)
+        rows = await asyncio.gather(*(self._row(key) for key in keys))
         return _as_output(np.stack(rows))
 
     def batch_next_token_logprobs_sync(
@@ -294,13 +276,15 @@ class AsyncGatewayLM:
         model = self._model_for(lora_name)
         keys = [(model, tuple(t)) for t in token_ids_list]
         missing = list(dict.fromkeys(k for k in keys if k not in self._cache))
-        fetched = (
-            dict(zip(missing, self._fetch_sync(model, [r for _, r in missing]), strict=True))
-            if missing
-            else {}
-        )
-        self._remember(missing, [fetched[k] for k in missing])
-        return _as_output(np.stack([fetched[k] if k in fetched else self._cache[k] for k in keys]))
+        fetched: dict[Key, np.ndarray] = {}
+        if missing:
+            matrix = self._fetch_sync(model, [r for _, r in missing])
+            if missing == keys:
+                self._cache.put_many(keys, matrix)
+                return _as_output(matrix)
+            fetched = dict(zip(missing, matrix, strict=True))
+            self._cache.put_many(missing, matrix)
+        return _as_output(np.stack([fetched[k] if k in fetched else self._cache.get(k) for k in keys]))
 
     def clear_cache(self) -> None:
         self._cache.clear()
@@ -355,9 +339,15 @@ class AsyncGatewayLM:
         if self._async is not None:
             await self._async.aclose()
             self._async = None
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
         self._sync.close()
 
     def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
         self._sync.close()
 
     async def __aenter__(self) -> AsyncGatewayLM:

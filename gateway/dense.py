@@ -25,6 +25,10 @@ async def dense_rows(
     keys = [cache.key(served.fingerprint, adapter_id, row) for row in rows]
     cached = await cache.lookup(keys, engine.vocab_size)
     missing = [i for i, row in enumerate(cached) if row is None]
+    if len(missing) == len(rows):  # nothing cached (every SMC step): the engine's rows as they are
+        computed = await served.batcher.submit(rows, adapter)
+        cache.store_in_background(keys, computed)
+        return computed, 0
     out = np.empty((len(rows), engine.vocab_size), dtype=np.float32)
     for i, row in enumerate(cached):
         if row is not None:
@@ -32,7 +36,7 @@ async def dense_rows(
     if missing:
         computed = await served.batcher.submit([rows[i] for i in missing], adapter)
         out[missing] = computed
-        await cache.store_rows([keys[i] for i in missing], computed)
+        cache.store_in_background([keys[i] for i in missing], computed)
     hits = len(rows) - len(missing)
     log.debug("model %s: %d rows, %d from the cache", served.name, len(rows), hits)
     return out, hits

@@ -40,16 +40,33 @@ def row_bytes(values: np.ndarray, dtype: Dtype) -> bytes:
     return to_bfloat16_bits(values).astype("<u2", copy=False).tobytes()
 
 
+def as_wire_array(rows: np.ndarray, dtype: Dtype) -> np.ndarray:
+    """A [rows, vocab] float32 array as contiguous little-endian `dtype` values (no copy for float32)."""
+    if dtype == "float32":
+        return np.ascontiguousarray(rows, dtype="<f4")  # a no-op for the engines' float32 rows
+    if dtype == "float16":
+        return np.ascontiguousarray(rows, dtype="<f2")
+    return to_bfloat16_bits(rows).astype("<u2", copy=False)
+
+
 def row_views(rows: np.ndarray, dtype: Dtype) -> list[memoryview]:
     """Each row of a [rows, vocab] array as little-endian `dtype` bytes, without a copy per row:
     msgspec writes a memoryview as MessagePack `bin` straight from the array's memory."""
-    if dtype == "float32":
-        array = np.ascontiguousarray(rows, dtype="<f4")  # a no-op for the engines' float32 rows
-    elif dtype == "float16":
-        array = np.ascontiguousarray(rows, dtype="<f2")
-    else:
-        array = to_bfloat16_bits(rows).astype("<u2", copy=False)
-    return [memoryview(row).cast("B") for row in array]
+    return [memoryview(row).cast("B") for row in as_wire_array(rows, dtype)]
+
+
+def matrix_view(rows: np.ndarray, dtype: Dtype) -> memoryview:
+    """The whole [rows, vocab] array as little-endian `dtype` bytes, row-major."""
+    return memoryview(as_wire_array(rows, dtype).reshape(-1).view(np.uint8))
+
+
+def msgpack_bin_header(size: int) -> bytes:
+    """The MessagePack `bin` header of `size` bytes, in the shortest form (as msgspec writes it)."""
+    if size < 1 << 8:
+        return b"\xc4" + size.to_bytes(1, "big")
+    if size < 1 << 16:
+        return b"\xc5" + size.to_bytes(2, "big")
+    return b"\xc6" + size.to_bytes(4, "big")
 
 
 def decode_row(raw: bytes | memoryview | str, dtype: Dtype) -> np.ndarray:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request, Response
+from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
+from litestar.response.base import ASGIResponse
+from litestar.types import Receive, Send
 
 from gateway.access import Access
 from gateway.errors import ErrorDetail, ErrorResponse, GatewayError, InvalidRequestError
@@ -69,6 +73,45 @@ def msgpack_response(body: Any, status_code: int = 200) -> Response:
     return Response(
         content=msgspec.msgpack.encode(body), status_code=status_code, media_type=MSGPACK_TYPES[0]
     )
+
+
+class _ASGIPartsResponse(ASGIResponse):
+    __slots__ = ("parts",)
+
+    def __init__(self, *, parts: Sequence[bytes | memoryview], **kwargs: Any) -> None:
+        super().__init__(content_length=sum(len(part) for part in parts), **kwargs)
+        self.parts = parts
+
+    async def send_body(self, send: Send, receive: Receive) -> None:
+        last = len(self.parts) - 1
+        for i, part in enumerate(self.parts):
+            await send({"type": "http.response.body", "body": part, "more_body": i < last})  # type: ignore[typeddict-item]
+
+
+class PartsResponse(Response):
+    """A body sent as it lies in memory, in several buffers (a small header, then megabytes of an
+    array), under one Content-Length: joining them would copy the array once more."""
+
+    def __init__(
+        self,
+        parts: Sequence[bytes | memoryview],
+        *,
+        media_type: str,
+        headers: dict[str, str] | None = None,
+        background: BackgroundTask | None = None,
+    ) -> None:
+        super().__init__(content=b"", media_type=media_type, headers=headers, background=background)
+        self.parts = parts
+
+    def to_asgi_response(self, request: Request, **kwargs: Any) -> ASGIResponse:  # type: ignore[override]
+        return _ASGIPartsResponse(
+            parts=self.parts,
+            background=self.background or kwargs.get("background"),
+            cookies=itertools.chain(self.cookies, kwargs.get("cookies") or ()),
+            headers={**(kwargs.get("headers") or {}), **self.headers},
+            media_type=self.media_type,
+            status_code=self.status_code or kwargs.get("status_code"),
+        )
 
 
 def json_response(body: Any, status_code: int = 200) -> Response:

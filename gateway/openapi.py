@@ -21,7 +21,9 @@ from gateway.schemas.logprobs import (
     BatchingStats,
     DetokenizeRequest,
     DetokenizeResponse,
+    NextTokenLogprobsBinaryMatrixResponse,
     NextTokenLogprobsBinaryResponse,
+    NextTokenLogprobsMatrixResponse,
     NextTokenLogprobsRequest,
     NextTokenLogprobsResponse,
     TokenizeRequest,
@@ -127,11 +129,20 @@ OPERATIONS = [
         "`add_special_tokens`), the log_softmax of the model's logits after it, over the whole vocabulary "
         "(`vocab_size` = width of the logits). `encoding_format: float` gives JSON numbers (-inf as null); "
         "`base64` gives little-endian `dtype` bytes (bfloat16 = upper half of the float32). With "
-        "`Accept: application/msgpack` the document is MessagePack with rows as raw bytes. Request bodies may "
+        "`Accept: application/msgpack` the document is MessagePack with rows as raw bytes. `layout: matrix` "
+        "returns one `[rows, vocab_size]` array instead of one object per input (in MessagePack a single "
+        "`bin`, the last field, that a client reads without copying). Request bodies may "
         "be MessagePack too (`Content-Type: application/msgpack`). Concurrent requests share engine batches; "
         "rows may come from the output cache (`usage.cache_hits`), bit-identical to computing them.",
         NextTokenLogprobsRequest,
-        {"application/json": _ref(NextTokenLogprobsResponse), MSGPACK: _ref(NextTokenLogprobsBinaryResponse)},
+        {
+            "application/json": {
+                "oneOf": [_ref(NextTokenLogprobsResponse), _ref(NextTokenLogprobsMatrixResponse)]
+            },
+            MSGPACK: {
+                "oneOf": [_ref(NextTokenLogprobsBinaryResponse), _ref(NextTokenLogprobsBinaryMatrixResponse)]
+            },
+        },
         example={
             "model": "smollm2-135m",
             "input": [[504, 3575, 282, 4649, 314]],
@@ -278,6 +289,8 @@ _TYPES = [t for op in OPERATIONS for t in (op.request,) if t is not None] + [
     ChatCompletionChunk,
     NextTokenLogprobsResponse,
     NextTokenLogprobsBinaryResponse,
+    NextTokenLogprobsMatrixResponse,
+    NextTokenLogprobsBinaryMatrixResponse,
     ModelList,
     ModelCard,
     Vocabulary,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 
 import msgspec
@@ -10,10 +11,11 @@ import numpy as np
 from litestar import Request, Response, get, post
 
 from gateway.dense import dense_rows
-from gateway.encoding import row_base64, row_views
+from gateway.encoding import matrix_view, msgpack_bin_header, row_base64, row_views
 from gateway.errors import ContextLengthError, EngineError, GatewayError
 from gateway.http import (
     MSGPACK_TYPES,
+    PartsResponse,
     charge_rows,
     decode_json,
     json_response,
@@ -24,8 +26,10 @@ from gateway.http import (
 from gateway.prompts import token_inputs
 from gateway.schemas.logprobs import (
     BatchingStats,
+    NextTokenLogprobsBinaryMatrixResponse,
     NextTokenLogprobsBinaryResponse,
     NextTokenLogprobsBinaryRow,
+    NextTokenLogprobsMatrixResponse,
     NextTokenLogprobsRequest,
     NextTokenLogprobsResponse,
     NextTokenLogprobsRow,
@@ -69,16 +73,16 @@ async def next_token_logprobs(request: Request) -> Response:
     usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens, cache_hits=hits)
     # Encoding megabytes of floats would stall the event loop: it runs on a worker thread.
     computed = time.perf_counter()
-    content = await asyncio.to_thread(_encode, rows, body, engine.vocab_size, usage, binary)
+    parts = await asyncio.to_thread(_encode, rows, body, engine.vocab_size, usage, binary)
     # Where the server's time went (ms), for clients and benches: rows (cache + queue + engine), encode.
     timing = (
         f"rows;dur={(computed - started) * 1e3:.2f}, encode;dur={(time.perf_counter() - computed) * 1e3:.2f}"
     )
     encoding = "msgpack" if binary else body.encoding_format
     served.metrics.dense_rows.labels(served.name, adapter or "", encoding).inc(len(inputs))
-    served.metrics.dense_response_bytes.labels(served.name, encoding).inc(len(content))
-    return Response(
-        content=content,
+    served.metrics.dense_response_bytes.labels(served.name, encoding).inc(sum(len(p) for p in parts))
+    return PartsResponse(
+        parts,
         media_type=MSGPACK_TYPES[0] if binary else "application/json",
         headers={"Server-Timing": timing},
     )
@@ -90,20 +94,25 @@ def _encode(
     vocab_size: int,
     usage: NextTokenLogprobsUsage,
     binary: bool,
-) -> bytes:
+) -> list[bytes | memoryview]:
+    """The response body, as buffers to send one after the other."""
+    if body.layout == "matrix":
+        return _encode_matrix(rows, body, vocab_size, usage, binary)
     if binary:
-        return msgspec.msgpack.encode(
-            NextTokenLogprobsBinaryResponse(
-                model=body.model,
-                vocab_size=vocab_size,
-                dtype=body.dtype,
-                data=[
-                    NextTokenLogprobsBinaryRow(index=i, logprobs=view)  # type: ignore[arg-type]
-                    for i, view in enumerate(row_views(rows, body.dtype))
-                ],
-                usage=usage,
+        return [
+            msgspec.msgpack.encode(
+                NextTokenLogprobsBinaryResponse(
+                    model=body.model,
+                    vocab_size=vocab_size,
+                    dtype=body.dtype,
+                    data=[
+                        NextTokenLogprobsBinaryRow(index=i, logprobs=view)  # type: ignore[arg-type]
+                        for i, view in enumerate(row_views(rows, body.dtype))
+                    ],
+                    usage=usage,
+                )
             )
-        )
+        ]
     if body.encoding_format == "base64":
         data = [NextTokenLogprobsRow(index=i, logprobs=row_base64(r, body.dtype)) for i, r in enumerate(rows)]
     else:
@@ -115,7 +124,32 @@ def _encode(
         data=data,
         usage=usage,
     )
-    return msgspec.json.encode(response)
+    return [msgspec.json.encode(response)]
+
+
+def _encode_matrix(
+    rows: np.ndarray,
+    body: NextTokenLogprobsRequest,
+    vocab_size: int,
+    usage: NextTokenLogprobsUsage,
+    binary: bool,
+) -> list[bytes | memoryview]:
+    fields = dict(model=body.model, vocab_size=vocab_size, rows=len(rows), usage=usage)
+    if binary:
+        # The document with an empty matrix ends with the empty `bin` (0xc4 0x00), as the matrix is
+        # its last field: swap that for the real header, and the array's memory follows unjoined.
+        empty = msgspec.msgpack.encode(
+            NextTokenLogprobsBinaryMatrixResponse(**fields, dtype=body.dtype, logprobs=b"")
+        )
+        matrix = matrix_view(rows, body.dtype)
+        return [empty[:-2] + msgpack_bin_header(len(matrix)), matrix]
+    if body.encoding_format == "base64":
+        document = NextTokenLogprobsMatrixResponse(
+            **fields, dtype=body.dtype, logprobs=base64.b64encode(matrix_view(rows, body.dtype)).decode()
+        )
+    else:
+        document = NextTokenLogprobsMatrixResponse(**fields, dtype="float32", logprobs=rows.tolist())
+    return [msgspec.json.encode(document)]
 
 
 @get("/v1/models/{model:str}/stats", summary="Dense-row batching counters of a model")

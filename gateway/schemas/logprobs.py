@@ -20,6 +20,9 @@ class NextTokenLogprobsRequest(msgspec.Struct, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     dtype: Dtype = "float32"
     add_special_tokens: bool = False
+    # "rows": one object per input (OpenAI's embeddings shape); "matrix": one [inputs, vocab_size]
+    # array, row-major (a single MessagePack `bin` that clients read without copying).
+    layout: Literal["rows", "matrix"] = "rows"
 
 
 class NextTokenLogprobsRow(msgspec.Struct, kw_only=True):
@@ -57,6 +60,25 @@ class NextTokenLogprobsBinaryResponse(_NextTokenLogprobsDocument, kw_only=True):
     """The MessagePack form (`Accept: application/msgpack`): rows as raw bytes."""
 
     data: list[NextTokenLogprobsBinaryRow]
+
+
+class _NextTokenLogprobsMatrixDocument(_NextTokenLogprobsDocument, kw_only=True):
+    object: Literal["next_token_logprobs.matrix"] = "next_token_logprobs.matrix"  # type: ignore[assignment]
+    rows: int  # the matrix is [rows, vocab_size], in input order
+
+
+class NextTokenLogprobsMatrixResponse(_NextTokenLogprobsMatrixDocument, kw_only=True):
+    """`layout: matrix` as JSON: nested lists ("float", -inf as null), or the whole matrix's
+    little-endian `dtype` bytes, base64-encoded ("base64")."""
+
+    logprobs: list[list[float | None]] | str
+
+
+class NextTokenLogprobsBinaryMatrixResponse(_NextTokenLogprobsMatrixDocument, kw_only=True):
+    """`layout: matrix` as MessagePack: the whole matrix as one `bin` of little-endian `dtype` bytes.
+    It is the last field, so the body ends with the matrix."""
+
+    logprobs: bytes
 
 
 class _VocabularyDocument(msgspec.Struct, kw_only=True):

@@ -39,6 +39,7 @@ from gateway.schemas.chat import ChatCompletionResponse
 from gateway.schemas.completions import CompletionResponse
 from gateway.schemas.logprobs import (
     DetokenizeResponse,
+    NextTokenLogprobsBinaryMatrixResponse,
     NextTokenLogprobsBinaryResponse,
     NextTokenLogprobsRequest,
     NextTokenLogprobsResponse,
@@ -156,21 +157,36 @@ def test_response_bodies_carry_exactly_the_encoded_rows(rows, dtype):
     vocab = rows.shape[1]
     usage = NextTokenLogprobsUsage(prompt_tokens=1, total_tokens=1)
 
-    def body(encoding_format: str) -> NextTokenLogprobsRequest:
-        return NextTokenLogprobsRequest(model="m", input=[1], encoding_format=encoding_format, dtype=dtype)
+    def encoded(encoding_format: str, binary: bool, layout: str = "rows") -> bytes:
+        body = NextTokenLogprobsRequest(
+            model="m", input=[1], encoding_format=encoding_format, dtype=dtype, layout=layout
+        )
+        return b"".join(_encode(rows, body, vocab, usage, binary))  # the parts, as sent one after another
 
-    binary = msgspec.msgpack.decode(_encode(rows, body("base64"), vocab, usage, True))
+    binary = msgspec.msgpack.decode(encoded("base64", True))
     assert binary["dtype"] == dtype and binary["vocab_size"] == vocab
     assert [r["logprobs"] for r in binary["data"]] == [row_bytes(r, dtype) for r in rows]
     assert all(type(r["logprobs"]) is bytes for r in binary["data"])  # MessagePack bin, not str
 
-    text = json.loads(_encode(rows, body("base64"), vocab, usage, False))
+    text = json.loads(encoded("base64", False))
     assert [base64.b64decode(r["logprobs"]) for r in text["data"]] == [row_bytes(r, dtype) for r in rows]
 
-    floats = json.loads(_encode(rows, body("float"), vocab, usage, False))
+    floats = json.loads(encoded("float", False))
     assert floats["dtype"] == "float32"
     expected = [[None if v == -math.inf else v for v in r.tolist()] for r in rows]
     assert [r["logprobs"] for r in floats["data"]] == expected  # float32 values exactly, -inf as null
+
+    # layout: matrix. The MessagePack body, sent as a header and the array's own memory, is byte for
+    # byte what msgspec writes for the whole document.
+    matrix = b"".join(row_bytes(r, dtype) for r in rows)
+    document = NextTokenLogprobsBinaryMatrixResponse(
+        model="m", vocab_size=vocab, dtype=dtype, usage=usage, rows=len(rows), logprobs=matrix
+    )
+    assert encoded("float", True, "matrix") == msgspec.msgpack.encode(document)
+    text = json.loads(encoded("base64", False, "matrix"))
+    assert text["object"] == "next_token_logprobs.matrix" and text["rows"] == len(rows)
+    assert base64.b64decode(text["logprobs"]) == matrix
+    assert json.loads(encoded("float", False, "matrix"))["logprobs"] == expected
 
 
 # -- the app, in-process on the mock engine ---------------------------------------------------------

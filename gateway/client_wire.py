@@ -1,0 +1,92 @@
+"""What the client reads off the wire: dense responses as arrays, error answers as exceptions.
+
+Needs only msgspec, numpy and httpx.
+"""
+
+from __future__ import annotations
+
+import httpx
+import msgspec
+import numpy as np
+
+from gateway.encoding import Dtype, decode_row
+
+
+class GatewayClientError(RuntimeError):
+    """The gateway answered with an error; `status` and the server's message are kept."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def error_from(status: int, content: bytes | bytearray | memoryview) -> GatewayClientError:
+    try:
+        message = msgspec.json.decode(content)["error"]["message"]
+    except Exception:
+        message = bytes(content).decode("utf-8", errors="replace")
+    return GatewayClientError(status, message)
+
+
+def raise_for_error(response: httpx.Response) -> None:
+    if response.status_code >= 400:
+        raise error_from(response.status_code, response.content)
+
+
+class _BinaryRow(msgspec.Struct):
+    index: int
+    logprobs: memoryview  # a view into the response body
+
+
+class _BinaryRows(msgspec.Struct):
+    vocab_size: int
+    data: list[_BinaryRow]
+
+
+class _BinaryMatrix(msgspec.Struct):
+    vocab_size: int
+    rows: int
+    dtype: str
+    logprobs: memoryview  # a view into the response body
+
+
+_ROWS_DECODER = msgspec.msgpack.Decoder(_BinaryRows)
+_MATRIX_DECODER = msgspec.msgpack.Decoder(_BinaryMatrix)
+
+
+def decode_msgpack_rows(content: bytes | bytearray, count: int, dtype: Dtype) -> np.ndarray:
+    """A MessagePack `layout: rows` response as float32 [count, vocab], one copy per row."""
+    document = _ROWS_DECODER.decode(content)
+    out = np.empty((count, document.vocab_size), dtype=np.float32)
+    for row in document.data:
+        out[row.index] = decode_row(row.logprobs, dtype)
+    return out
+
+
+def decode_msgpack_matrix(content: bytes | bytearray | memoryview, count: int) -> np.ndarray:
+    """A MessagePack `layout: matrix` response as float32 [count, vocab]: for float32, a view of
+    `content` (no copy); float16/bfloat16 are widened once."""
+    document = _MATRIX_DECODER.decode(content)
+    if document.rows != count or len(document.logprobs) != count * document.vocab_size * (
+        4 if document.dtype == "float32" else 2
+    ):
+        raise ValueError(f"a {document.rows}-row matrix of {len(document.logprobs)} bytes for {count} rows")
+    matrix = decode_row(document.logprobs, document.dtype).reshape(count, document.vocab_size)  # type: ignore[arg-type]
+    return matrix if matrix.flags.writeable else matrix.copy()  # a view of immutable bytes: copied
+
+
+async def read_into_buffer(response: httpx.Response) -> bytes | bytearray:
+    """An httpx response body in one buffer of its announced length, filled chunk by chunk:
+    joining the chunks afterwards would copy tens of megabytes once more."""
+    length = response.headers.get("content-length")
+    if length is None or "content-encoding" in response.headers:
+        return await response.aread()
+    buffer = bytearray(int(length))
+    view, filled = memoryview(buffer), 0
+    async for chunk in response.aiter_raw():
+        view[filled : filled + len(chunk)] = chunk
+        filled += len(chunk)
+    if filled != len(buffer):
+        raise httpx.ReadError(f"the response ended after {filled} of {len(buffer)} bytes")
+    return buffer
