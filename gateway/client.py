@@ -262,11 +262,18 @@ class AsyncGatewayLM:
     ) -> Any:
         model = self._model_for(lora_name)
         keys = [(model, tuple(t)) for t in token_ids_list]
-        if len(set(keys)) == len(keys) and not any(k in self._cache or k in self._pending for k in keys):
+        positions: dict[Key, int] = {}
+        for key in keys:
+            positions.setdefault(key, len(positions))
+        if not any(k in self._cache or k in self._pending for k in positions):
+            # All new (an SMC step): one request of the distinct rows, and the answer as it is when
+            # no row repeats; else one gather of it (particles that resampling duplicated).
             self._same_loop()
-            matrix = await self._fetch(model, [row for _, row in keys])  # all new: the answer as it is
-            self._cache.put_many(keys, matrix)
-            return _as_output(matrix)
+            matrix = await self._fetch(model, [row for _, row in positions])
+            self._cache.put_many(list(positions), matrix)
+            if len(positions) == len(keys):
+                return _as_output(matrix)
+            return _as_output(matrix[[positions[k] for k in keys]])
         rows = await asyncio.gather(*(self._row(key) for key in keys))
         return _as_output(np.stack(rows))
 

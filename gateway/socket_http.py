@@ -117,6 +117,16 @@ class SocketHTTPClient:
         view = memoryview(head)
         filled = 0
         while True:  # until the end of a final (non-1xx) header block
+            end = head.find(b"\r\n\r\n", 0, filled)
+            if end >= 0:
+                status, headers = _parse_head(bytes(head[:end]))
+                if not 100 <= status < 200:
+                    break
+                view[: filled - end - 4] = view[end + 4 : filled]  # an interim answer: dropped
+                filled -= end + 4
+                continue
+            if filled == len(head):
+                raise UnsupportedResponse("response headers over 64 KiB")
             try:
                 n = await loop.sock_recv_into(sock, view[filled:])
             except ConnectionResetError:
@@ -126,16 +136,6 @@ class SocketHTTPClient:
                     raise _StaleConnection
                 raise ConnectionError("the server closed the connection mid-answer")
             filled += n
-            end = head.find(b"\r\n\r\n", 0, filled)
-            if end >= 0:
-                status, headers = _parse_head(bytes(head[:end]))
-                if 100 <= status < 200:  # an interim answer: drop it, the final one follows
-                    view[: filled - end - 4] = view[end + 4 : filled]
-                    filled -= end + 4
-                    continue
-                break
-            if filled == len(head):
-                raise UnsupportedResponse("response headers over 64 KiB")
         if "transfer-encoding" in headers or "content-encoding" in headers:
             raise UnsupportedResponse("a transfer- or content-coded body")
         if "content-length" not in headers:

@@ -55,6 +55,13 @@ def dense(gateway, rows, model=MODEL):
     return raw, doc["usage"]["cache_hits"]
 
 
+def stored(gateway, rows, model=MODEL):
+    """Rows are stored after their response: asking the same replica again waits for that store
+    (read-your-writes), after which every replica can read them."""
+    _, hits = dense(gateway, rows, model)
+    assert hits == len(rows)
+
+
 def as_array(raw):
     return np.stack([np.frombuffer(r, dtype="<f4") for r in raw])
 
@@ -64,6 +71,7 @@ def test_second_replica_reads_rows_the_first_computed(replicas, reference):
     rows = [reference.tokenizer(t).input_ids for t in ["Shared cache one", "Shared cache two, longer"]]
     computed, hits = dense(first, rows)
     assert hits == 0
+    stored(first, rows)
     cached, hits = dense(second, rows)
     assert hits == 2
     assert cached == computed  # bytes, bit for bit
@@ -77,6 +85,7 @@ def test_models_never_share_entries(replicas, reference):
     real, _ = dense(first, rows)
     mock, hits = dense(second, rows, model="mock")
     assert hits == 0 and mock != real
+    stored(second, rows, model="mock")
     again, hits = dense(first, rows, model="mock")
     assert hits == 1 and again == mock
 
@@ -96,6 +105,7 @@ def test_redis_outage_is_invisible_and_cache_resumes(replicas, redis_server, ref
 
     time.sleep(0.6)  # past retry_after_s: the replicas try Redis again
     computed, hits = dense(first, prefixes[:3])
+    stored(first, prefixes[:3])
     cached, hits_second = dense(second, prefixes[:3])
     assert hits_second == 3 and cached == computed
     assert "unavailable" in first.log_path.read_text() and "is back" in first.log_path.read_text()
@@ -105,6 +115,7 @@ def test_corrupted_values_are_recomputed_and_replaced(replicas, redis_server, re
     first, second = replicas
     rows = [reference.tokenizer("Corrupt me").input_ids]
     computed, _ = dense(first, rows)
+    stored(first, rows)
     client = redis_server.client()
     keys = list(client.scan_iter(f"lpg:v{FORMAT}:row:*"))
     assert keys
@@ -113,5 +124,6 @@ def test_corrupted_values_are_recomputed_and_replaced(replicas, redis_server, re
         client.set(key, value[:-8] + b"\x00" * 8)  # same length, wrong bytes
     again, hits = dense(second, rows)
     assert hits == 0 and again == computed
+    stored(second, rows)
     _, hits = dense(first, rows)
     assert hits == 1  # the fresh value replaced the corrupted one

@@ -115,3 +115,18 @@ async def test_redis_outage_is_a_miss_logged_once_and_recovers(redis_server, cap
     assert np.array_equal((await cache.lookup([key], 1000))[0], _row(1))
     assert sum("is back" in r.message for r in caplog.records) == 1
     await store.aclose()
+
+
+async def test_background_stores_are_read_back_and_finished_on_close():
+    store = MemoryStore(10**7)
+    cache = DenseRowCache(store)
+    rows = np.stack([_row(1), _row(2)])
+    keys = [cache.key("m", None, [1]), cache.key("m", None, [2])]
+    cache.store_in_background(keys, rows)
+    assert store.size == 0  # not stored yet: the caller's response goes first
+    found = await cache.lookup(keys, 1000)  # waits for the store of these keys
+    assert all(np.array_equal(f, r) for f, r in zip(found, rows, strict=True))
+    other = cache.key("m", None, [3])
+    cache.store_in_background([other], _row(3)[None])
+    await cache.aclose()  # lets the store finish: nothing is lost at shutdown
+    assert await store.get_many([other]) != [None]

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 
+import httpx
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -89,3 +92,59 @@ def test_errors_carry_the_server_message(gateway, lm):
     with pytest.raises(GatewayClientError) as bad:
         lm.next_token_logprobs_sync([49152])
     assert bad.value.status == 400 and "outside the vocabulary" in bad.value.message
+
+
+def test_a_batch_is_one_request_of_its_distinct_rows_read_without_copies(lm, reference):
+    rows = [reference.tokenizer(p).input_ids for p in PREFIXES]
+    particles = [rows[0], rows[1], rows[0], rows[2], rows[1]]  # resampled: duplicates
+
+    async def run():
+        return await lm.batch_next_token_logprobs(particles), await lm.batch_next_token_logprobs(
+            [rows[3], rows[3] + [11]]
+        )
+
+    with_duplicates, distinct = asyncio.run(run())
+    assert lm.requests_sent == 2 and lm._socket is not None  # read off the socket, not through httpx
+    assert tuple(with_duplicates.shape) == (5, 49152)
+    assert torch.equal(with_duplicates[0], with_duplicates[2]) and torch.equal(
+        with_duplicates[1], with_duplicates[4]
+    )
+    for got, ids in zip(with_duplicates, particles, strict=True):
+        assert np.max(np.abs(got.numpy() - reference.logprobs(ids)[-1])) <= 1e-4
+    # distinct rows: the answer's own buffer, shared with the client's cache, no copy anywhere
+    assert np.shares_memory(distinct.numpy(), lm._cache.get((MODEL, tuple(rows[3]))))
+    assert np.max(np.abs(distinct[1].numpy() - reference.logprobs(rows[3] + [11])[-1])) <= 1e-4
+    assert lm.server_timing is not None and "rows;dur=" in lm.server_timing
+
+
+@pytest.mark.parametrize("encoding_format", ["float", "base64"])
+def test_matrix_layout_carries_the_rows_layouts_numbers(gateway, reference, encoding_format):
+    rows = [reference.tokenizer(p).input_ids for p in PREFIXES[:3]]
+
+    def post(layout: str, binary: bool) -> dict:
+        body = {"model": MODEL, "input": rows, "encoding_format": encoding_format, "layout": layout}
+        response = httpx.post(
+            gateway.base_url + "/v1/next_token_logprobs",
+            json=body,
+            headers={"Accept": "application/msgpack"} if binary else {},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        return msgspec.msgpack.decode(response.content) if binary else response.json()
+
+    def floats(values: list) -> np.ndarray:
+        return np.array([[-np.inf if v is None else v for v in row] for row in values], dtype=np.float32)
+
+    by_rows = post("rows", binary=True)
+    expected = np.stack([np.frombuffer(r["logprobs"], dtype="<f4") for r in by_rows["data"]])
+    binary = post("matrix", binary=True)
+    assert binary["object"] == "next_token_logprobs.matrix" and binary["rows"] == 3
+    assert np.frombuffer(binary["logprobs"], dtype="<f4").reshape(3, -1).tobytes() == expected.tobytes()
+    text = post("matrix", binary=False)
+    if encoding_format == "base64":
+        got = np.frombuffer(base64.b64decode(text["logprobs"]), dtype="<f4").reshape(3, -1)
+    else:
+        got = floats(text["logprobs"])
+    assert got.tobytes() == expected.tobytes()  # the same numbers, bit for bit
+    for row, ids in zip(expected, rows, strict=True):
+        assert np.max(np.abs(row - reference.logprobs(ids)[-1])) <= 1e-4

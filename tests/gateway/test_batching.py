@@ -1,0 +1,40 @@
+"""gateway.batching.RowBatcher on a recording engine call: what each request gets back, and when
+that is a view of the engine's output rather than a copy."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from gateway.batching import RowBatcher
+
+
+class RecordingEngine:
+    def __init__(self) -> None:
+        self.outputs: list[np.ndarray] = []
+
+    async def __call__(self, rows, adapters) -> np.ndarray:
+        await asyncio.sleep(0.01)
+        out = np.array(
+            [[sum(r), len(r), hash(a) % 7] for r, a in zip(rows, adapters, strict=True)], np.float32
+        )
+        self.outputs.append(out)
+        return out
+
+
+async def test_a_request_alone_gets_a_view_and_shared_batches_get_their_own_rows():
+    engine = RecordingEngine()
+    batcher = RowBatcher(engine, window_s=0.05)
+    alone = await batcher.submit([[1, 2], [3], [4, 5, 6]])
+    assert np.shares_memory(alone, engine.outputs[-1])  # the engine's rows as they are
+    assert alone[:, 0].tolist() == [3, 3, 15]
+    first, second = await asyncio.gather(
+        batcher.submit([[1], [2], [3]]),
+        batcher.submit([[2], [9], [1]]),  # overlapping rows
+    )
+    assert len(engine.outputs) == 2 and len(engine.outputs[-1]) == 4  # one call, rows de-duplicated
+    assert first[:, 0].tolist() == [1, 2, 3] and second[:, 0].tolist() == [2, 9, 1]
+    assert np.shares_memory(first, engine.outputs[-1])  # its rows are consecutive in the batch
+    assert not np.shares_memory(second, engine.outputs[-1])  # gathered: a copy
+    await batcher.aclose()
