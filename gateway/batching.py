@@ -1,8 +1,10 @@
 """Merges dense-row requests from many clients into few engine calls.
 
 Requests queue up while the engine is busy; each engine call takes everything queued (up to
-`max_batch_rows` distinct rows), optionally waiting `window_s` for more when the engine was idle,
-runs identical (adapter, prefix) rows once, and hands every request its own rows back. Rows of
+`max_batch_rows` distinct rows), runs identical (adapter, prefix) rows once, and hands every
+request its own rows back. When the engine was idle it first waits `window_s` for more, but only
+while traffic is concurrent (the last engine call served several requests): a lone client, such
+as an SMC loop that sends one request per step and waits for it, would pay the window every step. Rows of
 different adapters share an engine call: the engine applies each row's adapter.
 
 Requests whose clients have gone (their futures cancelled) are dropped before each engine call.
@@ -60,6 +62,7 @@ class RowBatcher:
         self.stats = BatchStats()
         self._queue: asyncio.Queue[_Request] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None
+        self._concurrent = False  # the last engine call served more than one request
 
     async def submit(self, rows: Sequence[Sequence[int]], adapter: str | None = None) -> np.ndarray:
         """float32 [len(rows), vocab]: each row equal to what the engine computes for it alone."""
@@ -85,7 +88,7 @@ class RowBatcher:
         batch = [await self._queue.get()]
         unique = set(batch[0].rows)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.window_s
+        deadline = loop.time() + (self.window_s if self._concurrent else 0.0)
         while len(unique) < self.max_batch_rows:
             try:
                 request = self._queue.get_nowait()
@@ -106,6 +109,7 @@ class RowBatcher:
             batch = [r for r in await self._gather() if not r.future.done()]  # drop cancelled requests
             if not batch:
                 continue
+            self._concurrent = len(batch) > 1
             now = asyncio.get_running_loop().time()
             for request in batch:
                 self._on_wait(now - request.enqueued)

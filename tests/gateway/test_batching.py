@@ -38,3 +38,23 @@ async def test_a_request_alone_gets_a_view_and_shared_batches_get_their_own_rows
     assert np.shares_memory(first, engine.outputs[-1])  # its rows are consecutive in the batch
     assert not np.shares_memory(second, engine.outputs[-1])  # gathered: a copy
     await batcher.aclose()
+
+
+async def test_the_window_is_waited_only_under_concurrent_traffic():
+    engine = RecordingEngine()
+    batcher = RowBatcher(engine, window_s=0.3)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    for step in range(3):  # a lone client, one request per step: never waits for company
+        await batcher.submit([[step]])
+    assert loop.time() - started < 0.3 and len(engine.outputs) == 3
+
+    async def late(rows, delay):
+        await asyncio.sleep(delay)
+        return await batcher.submit(rows)
+
+    await asyncio.gather(batcher.submit([[1]]), batcher.submit([[2]]))  # concurrent: window on
+    calls = len(engine.outputs)
+    await asyncio.gather(batcher.submit([[3]]), late([[4]], 0.1))  # the late one still joins
+    assert len(engine.outputs) == calls + 1 and len(engine.outputs[-1]) == 2
+    await batcher.aclose()
