@@ -11,6 +11,8 @@ garbage) reads as a miss, and the rows are computed as if there were no cache.
 Keys: `{namespace}:v{FORMAT}:row:{sha256(model fingerprint, adapter, dtype, token ids)}`.
 Values: a 16-byte header (magic + version, row length, CRC-32 of the payload) and the raw
 little-endian float32 row. A value whose header, length or checksum is off is a miss and is deleted.
+The values of one engine step are views of one buffer, filled by one numpy copy outside the
+interpreter lock (a copy per row would hold it, and stall the event loop, for every row).
 """
 
 from __future__ import annotations
@@ -48,13 +50,16 @@ class CacheStats:
     corrupt: int = 0  # values that failed the checks, deleted
 
 
+Value = bytes | memoryview
+
+
 class RowStore(ABC):
     @abstractmethod
-    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    async def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         """Values in key order; None for a miss. Never raises for store failures."""
 
     @abstractmethod
-    async def set_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+    async def set_many(self, items: Sequence[tuple[str, Value]]) -> None:
         """Best effort; never raises for store failures."""
 
     @abstractmethod
@@ -64,15 +69,25 @@ class RowStore(ABC):
         return None
 
 
+def _memory_of(value: Value) -> tuple[object, int]:
+    """The object whose memory a value keeps alive, and its size: a view keeps its whole buffer."""
+    owner = value.obj if isinstance(value, memoryview) else value
+    while isinstance(owner, np.ndarray) and owner.base is not None:
+        owner = owner.base
+    return owner, owner.nbytes if isinstance(owner, np.ndarray) else len(value)
+
+
 class MemoryStore(RowStore):
-    """An in-process LRU bounded by the total size of its values."""
+    """An in-process LRU bounded by the memory its values keep alive (a buffer that several values
+    view counts once, in full, until the last of them goes)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.size = 0
-        self._items: OrderedDict[str, bytes] = OrderedDict()
+        self._items: OrderedDict[str, Value] = OrderedDict()
+        self._owners: dict[int, list[int]] = {}  # id(owner) -> [bytes, values viewing it]
 
-    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    async def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         out = []
         for key in keys:
             value = self._items.get(key)
@@ -81,22 +96,34 @@ class MemoryStore(RowStore):
             out.append(value)
         return out
 
-    async def set_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+    async def set_many(self, items: Sequence[tuple[str, Value]]) -> None:
         for key, value in items:
-            if len(value) > self.max_bytes:
+            if _memory_of(value)[1] > self.max_bytes:
                 continue
-            old = self._items.pop(key, None)
-            self.size -= len(old) if old is not None else 0
+            self._drop(key)
             self._items[key] = value
-            self.size += len(value)
-        while self.size > self.max_bytes:
-            _, evicted = self._items.popitem(last=False)
-            self.size -= len(evicted)
+            owner, nbytes = _memory_of(value)
+            held = self._owners.setdefault(id(owner), [nbytes, 0])
+            if held[1] == 0:
+                self.size += nbytes
+            held[1] += 1
+        while self.size > self.max_bytes and self._items:
+            self._drop(next(iter(self._items)))
 
     async def delete_many(self, keys: Sequence[str]) -> None:
         for key in keys:
-            old = self._items.pop(key, None)
-            self.size -= len(old) if old is not None else 0
+            self._drop(key)
+
+    def _drop(self, key: str) -> None:
+        value = self._items.pop(key, None)
+        if value is None:
+            return
+        owner, nbytes = _memory_of(value)
+        held = self._owners[id(owner)]
+        held[1] -= 1
+        if held[1] == 0:
+            del self._owners[id(owner)]
+            self.size -= nbytes
 
 
 class RedisStore(RowStore):
@@ -154,7 +181,7 @@ class RedisStore(RowStore):
             self._outage = False
             log.warning("redis cache at %s is back", _redact(self.url))
 
-    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    async def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         if not keys or not self._available():
             return [None] * len(keys)
         try:
@@ -165,7 +192,7 @@ class RedisStore(RowStore):
         self._succeeded()
         return [v if isinstance(v, bytes) else None for v in values]
 
-    async def set_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+    async def set_many(self, items: Sequence[tuple[str, Value]]) -> None:
         if not items or not self._available():
             return
         try:
@@ -238,12 +265,22 @@ class DenseRowCache:
 
     @staticmethod
     def encode(row: np.ndarray) -> bytes:
-        payload = memoryview(np.ascontiguousarray(row, dtype="<f4")).cast("B")  # no copy
-        check = zlib.crc32(payload)
-        return b"".join((_HEADER.pack(_MAGIC, row.shape[0], check), payload))  # the one copy
+        return bytes(DenseRowCache.encode_many(row[None])[0])
 
     @staticmethod
-    def decode(value: bytes, width: int) -> np.ndarray | None:
+    def encode_many(rows: np.ndarray) -> list[memoryview]:
+        """The values of `rows` [n, width]: views of one buffer [n, header + payload]."""
+        count, width = rows.shape
+        buffer = np.empty((count, _HEADER.size + 4 * width), dtype=np.uint8)
+        buffer[:, _HEADER.size :].view("<f4")[...] = rows  # one copy, outside the interpreter lock
+        values = []
+        for value in buffer:
+            _HEADER.pack_into(value, 0, _MAGIC, width, zlib.crc32(value[_HEADER.size :]))
+            values.append(memoryview(value))
+        return values
+
+    @staticmethod
+    def decode(value: Value, width: int) -> np.ndarray | None:
         if len(value) != _HEADER.size + 4 * width:
             return None
         magic, count, check = _HEADER.unpack_from(value)
@@ -280,7 +317,7 @@ class DenseRowCache:
     async def store_rows(self, keys: Sequence[str], rows: np.ndarray) -> None:
         started = time.perf_counter()
         # Megabytes of rows to copy and hash: off the event loop (zlib releases the GIL).
-        values = await asyncio.to_thread(lambda: [self.encode(r) for r in rows])
+        values = await asyncio.to_thread(self.encode_many, rows)
         await self.store.set_many(list(zip(keys, values, strict=True)))
         self.metrics.cache_duration.labels("set").observe(time.perf_counter() - started)
 

@@ -130,3 +130,21 @@ async def test_background_stores_are_read_back_and_finished_on_close():
     cache.store_in_background([other], _row(3)[None])
     await cache.aclose()  # lets the store finish: nothing is lost at shutdown
     assert await store.get_many([other]) != [None]
+
+
+async def test_values_of_one_step_share_a_buffer_counted_once():
+    rows = np.stack([_row(i) for i in range(4)])
+    values = DenseRowCache.encode_many(rows)
+    assert [bytes(v) for v in values] == [DenseRowCache.encode(r) for r in rows]
+    assert all(np.array_equal(DenseRowCache.decode(v, 1000), r) for v, r in zip(values, rows, strict=True))
+    store = MemoryStore(3 * 4016 * 4)  # room for three such steps
+    await store.set_many([(f"a{i}", v) for i, v in enumerate(values)])
+    assert store.size == 4 * 4016  # one buffer of four values
+    await store.delete_many(["a0", "a1", "a2"])
+    assert store.size == 4 * 4016  # "a3" alone keeps the whole buffer
+    for step in range(3):  # newer steps push the oldest out, buffer by buffer
+        more = DenseRowCache.encode_many(np.stack([_row(10 * step + i) for i in range(4)]))
+        await store.set_many([(f"s{step}-{i}", v) for i, v in enumerate(more)])
+    assert await store.get_many(["a3"]) == [None] and store.size == 3 * 4 * 4016
+    await store.set_many([("huge", DenseRowCache.encode_many(np.stack([_row(i) for i in range(13)]))[0])])
+    assert await store.get_many(["huge"]) == [None]  # its buffer alone is over the budget
