@@ -97,7 +97,8 @@ def _encode(
 ) -> list[bytes | memoryview]:
     """The response body, as buffers to send one after the other."""
     if body.layout == "matrix":
-        return _encode_matrix(rows, body, vocab_size, usage, binary)
+        fields = dict(model=body.model, vocab_size=vocab_size, rows=len(rows), usage=usage)
+        return _encode_matrix(rows, body, binary, fields)
     if binary:
         return [
             msgspec.msgpack.encode(
@@ -128,13 +129,8 @@ def _encode(
 
 
 def _encode_matrix(
-    rows: np.ndarray,
-    body: NextTokenLogprobsRequest,
-    vocab_size: int,
-    usage: NextTokenLogprobsUsage,
-    binary: bool,
+    rows: np.ndarray, body: NextTokenLogprobsRequest, binary: bool, fields: dict
 ) -> list[bytes | memoryview]:
-    fields = dict(model=body.model, vocab_size=vocab_size, rows=len(rows), usage=usage)
     if binary:
         # The document with an empty matrix ends with the empty `bin` (0xc4 0x00), as the matrix is
         # its last field: swap that for the real header, and the array's memory follows unjoined.
