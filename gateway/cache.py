@@ -22,16 +22,17 @@ import hashlib
 import json
 import logging
 import struct
+import sys
 import time
 import zlib
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from gateway.buffer_lru import BufferLRU
 from gateway.metrics import Metrics
 from gateway.settings import CacheSettings
 
@@ -83,47 +84,22 @@ class MemoryStore(RowStore):
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self.size = 0
-        self._items: OrderedDict[str, Value] = OrderedDict()
-        self._owners: dict[int, list[int]] = {}  # id(owner) -> [bytes, values viewing it]
+        self._items = BufferLRU(sys.maxsize, max_bytes)
+
+    @property
+    def size(self) -> int:
+        return self._items.nbytes
 
     async def get_many(self, keys: Sequence[str]) -> list[Value | None]:
-        out = []
-        for key in keys:
-            value = self._items.get(key)
-            if value is not None:
-                self._items.move_to_end(key)
-            out.append(value)
-        return out
+        return [self._items.get(key) for key in keys]
 
     async def set_many(self, items: Sequence[tuple[str, Value]]) -> None:
         for key, value in items:
-            if _memory_of(value)[1] > self.max_bytes:
-                continue
-            self._drop(key)
-            self._items[key] = value
-            owner, nbytes = _memory_of(value)
-            held = self._owners.setdefault(id(owner), [nbytes, 0])
-            if held[1] == 0:
-                self.size += nbytes
-            held[1] += 1
-        while self.size > self.max_bytes and self._items:
-            self._drop(next(iter(self._items)))
+            self._items.put(key, value, *_memory_of(value))
 
     async def delete_many(self, keys: Sequence[str]) -> None:
         for key in keys:
-            self._drop(key)
-
-    def _drop(self, key: str) -> None:
-        value = self._items.pop(key, None)
-        if value is None:
-            return
-        owner, nbytes = _memory_of(value)
-        held = self._owners[id(owner)]
-        held[1] -= 1
-        if held[1] == 0:
-            del self._owners[id(owner)]
-            self.size -= nbytes
+            self._items.pop(key)
 
 
 class RedisStore(RowStore):

@@ -31,7 +31,7 @@ import httpx
 import msgspec
 import numpy as np
 
-from gateway.client_cache import RowCache
+from gateway.buffer_lru import BufferLRU
 from gateway.client_wire import (
     GatewayClientError,
     decode_msgpack_matrix,
@@ -95,7 +95,7 @@ class AsyncGatewayLM:
         self._socket: SocketHTTPClient | None = None
         self._socket_usable = usable_for(self.base_url)
         # Rows seen, by (model, ids); sized in rows and in the bytes of the matrices they keep alive.
-        self._cache = RowCache(cache_size, cache_bytes)
+        self._cache = BufferLRU(cache_size, cache_bytes)
         self._pending: dict[Key, asyncio.Future[np.ndarray]] = {}
         self._flusher: asyncio.Task[None] | None = None
         self.requests_sent = 0  # dense-row HTTP requests, for diagnostics
@@ -249,7 +249,7 @@ class AsyncGatewayLM:
                 if not futures[key].done():
                     futures[key].set_exception(exc)
             return
-        self._cache.put_many(keys, values)
+        self._cache.put_rows(keys, values)
         for key, value in zip(keys, values, strict=True):
             if not futures[key].done():
                 futures[key].set_result(value)
@@ -270,7 +270,7 @@ class AsyncGatewayLM:
             # no row repeats; else one gather of it (particles that resampling duplicated).
             self._same_loop()
             matrix = await self._fetch(model, [row for _, row in positions])
-            self._cache.put_many(list(positions), matrix)
+            self._cache.put_rows(list(positions), matrix)
             if len(positions) == len(keys):
                 return _as_output(matrix)
             return _as_output(matrix[[positions[k] for k in keys]])
@@ -287,10 +287,10 @@ class AsyncGatewayLM:
         if missing:
             matrix = self._fetch_sync(model, [r for _, r in missing])
             if missing == keys:
-                self._cache.put_many(keys, matrix)
+                self._cache.put_rows(keys, matrix)
                 return _as_output(matrix)
             fetched = dict(zip(missing, matrix, strict=True))
-            self._cache.put_many(missing, matrix)
+            self._cache.put_rows(missing, matrix)
         return _as_output(np.stack([fetched[k] if k in fetched else self._cache.get(k) for k in keys]))
 
     def clear_cache(self) -> None:

@@ -1,10 +1,10 @@
-"""gateway.client_cache.RowCache: rows are views, and the budget counts the matrices they keep alive."""
+"""gateway.buffer_lru.BufferLRU: entries are views, and the budget counts the buffers they keep alive."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from gateway.client_cache import RowCache
+from gateway.buffer_lru import BufferLRU
 
 
 def matrix(rows: int, seed: int, width: int = 250) -> np.ndarray:  # 1000 bytes a row
@@ -12,32 +12,32 @@ def matrix(rows: int, seed: int, width: int = 250) -> np.ndarray:  # 1000 bytes 
 
 
 def test_rows_are_views_and_a_matrix_counts_until_its_last_row_goes():
-    cache = RowCache(max_rows=100, max_bytes=10_000)
+    cache = BufferLRU(max_items=100, max_bytes=10_000)
     first = matrix(4, 0)
-    cache.put_many(["a", "b", "c", "d"], first)
+    cache.put_rows(["a", "b", "c", "d"], first)
     assert np.shares_memory(cache.get("b"), first) and np.array_equal(cache.get("b"), first[1])
     assert cache.nbytes == 4000
     second = matrix(4, 1)
-    cache.put_many(["a", "b", "c", "x"], second)  # three rows move to the second matrix
+    cache.put_rows(["a", "b", "c", "x"], second)  # three rows move to the second matrix
     assert np.array_equal(cache.get("a"), second[0]) and "d" in cache
     assert cache.nbytes == 8000  # "d" alone keeps the whole first matrix alive
-    cache.put_many(["p", "q"], matrix(2, 2))  # 10000 bytes: still fits
+    cache.put_rows(["p", "q"], matrix(2, 2))  # 10000 bytes: still fits
     assert cache.nbytes == 10_000 and "d" in cache
-    cache.put_many(["r"], matrix(1, 3))  # over budget: "d", least recently used, goes first
+    cache.put_rows(["r"], matrix(1, 3))  # over budget: "d", least recently used, goes first
     assert "d" not in cache and cache.nbytes == 7000
     assert len(cache) == 7
 
 
 def test_row_budget_least_recently_used_first_and_oversized_matrices_skipped():
-    cache = RowCache(max_rows=3, max_bytes=1 << 20)
-    cache.put_many(["a", "b", "c"], matrix(3, 0))
+    cache = BufferLRU(max_items=3, max_bytes=1 << 20)
+    cache.put_rows(["a", "b", "c"], matrix(3, 0))
     cache.get("a")  # used: "b" is now the oldest
-    cache.put_many(["d"], matrix(1, 1))
+    cache.put_rows(["d"], matrix(1, 1))
     assert "b" not in cache and {"a", "c", "d"} == {k for k in "abcd" if k in cache}
-    cache.put_many(["big"], matrix(1, 2, width=300_000))  # 1.2 MB > max_bytes: not cached at all
+    cache.put_rows(["big"], matrix(1, 2, width=300_000))  # 1.2 MB > max_bytes: not cached at all
     assert "big" not in cache and len(cache) == 3
     cache.clear()
     assert len(cache) == 0 and cache.nbytes == 0
-    off = RowCache(max_rows=0, max_bytes=1 << 20)
-    off.put_many(["a"], matrix(1, 0))
+    off = BufferLRU(max_items=0, max_bytes=1 << 20)
+    off.put_rows(["a"], matrix(1, 0))
     assert off.get("a") is None

@@ -1,0 +1,73 @@
+"""An LRU of values that are views of shared buffers, bounded by entries and by memory.
+
+Dense rows are views of the matrix they arrived or were computed in, never copies, so what an
+entry costs is the buffer it keeps alive: a buffer counts once, in full, while any entry views
+it, and least recently used entries go until both bounds hold. Used by the client's row cache and
+the gateway's in-process output cache. Needs only the standard library and numpy.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+
+class BufferLRU:
+    def __init__(self, max_items: int, max_bytes: int) -> None:
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self.nbytes = 0  # bytes of the buffers that entries keep alive
+        self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()  # key -> (value, id(owner))
+        self._owners: dict[int, list[int]] = {}  # id(owner) -> [bytes, entries viewing it]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def get(self, key: Hashable) -> Any:
+        found = self._entries.get(key)
+        if found is None:
+            return None
+        self._entries.move_to_end(key)
+        return found[0]
+
+    def put(self, key: Hashable, value: Any, owner: object, nbytes: int) -> None:
+        """`value` under `key`; it keeps `owner`, `nbytes` of memory, alive (owner may be value).
+        Nothing is kept when the owner alone is over the byte bound."""
+        if self.max_items <= 0 or nbytes > self.max_bytes:
+            return
+        self.pop(key)
+        self._entries[key] = (value, id(owner))  # value keeps owner alive: the id stays its own
+        held = self._owners.setdefault(id(owner), [nbytes, 0])
+        if held[1] == 0:
+            self.nbytes += nbytes
+        held[1] += 1
+        while len(self._entries) > self.max_items or self.nbytes > self.max_bytes:
+            self.pop(next(iter(self._entries)))
+
+    def put_rows(self, keys: Sequence[Hashable], matrix: np.ndarray) -> None:
+        """Row i of `matrix` under keys[i], as views of it."""
+        for key, row in zip(keys, matrix, strict=True):
+            self.put(key, row, matrix, matrix.nbytes)
+
+    def pop(self, key: Hashable) -> Any:
+        found = self._entries.pop(key, None)
+        if found is None:
+            return None
+        value, owner = found
+        held = self._owners[owner]
+        held[1] -= 1
+        if held[1] == 0:
+            del self._owners[owner]
+            self.nbytes -= held[0]
+        return value
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._owners.clear()
+        self.nbytes = 0
