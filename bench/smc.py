@@ -48,7 +48,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.base import EngineConfig  # noqa: E402
 from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
-from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
+from backends.transformers import (  # noqa: E402
+    TransformersEngine,
+    resolve_device,
+    resolve_dtype,
+    rows_to_host,
+)
 from bench.smc_report import load_report, plot, print_tables, save_report  # noqa: E402
 from gateway.client import AsyncGatewayLM  # noqa: E402
 from gateway.launcher import start_gateway  # noqa: E402
@@ -185,11 +190,7 @@ class PlainDecode:
             logits = out.logits[:, -1]
         self.cache = out.past_key_values
         self.previous = {tuple(r): i for i, r in enumerate(rows)}
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        if logprobs.device.type == "cpu":
-            return logprobs.numpy()
-        host = torch.empty(logprobs.shape, pin_memory=True)  # as the engine copies them
-        return host.copy_(logprobs).numpy()
+        return rows_to_host(torch.log_softmax(logits.float(), dim=-1))  # as the engine copies them
 
 
 def reference_check(model: object, kept: list[tuple[list[int], np.ndarray]]) -> float:

@@ -221,7 +221,6 @@ class AsyncGatewayLM:
         cached = self._cache.get(key)
         if cached is not None:
             return cached
-        self._same_loop()
         future = self._pending.get(key)
         if future is None:
             future = asyncio.get_running_loop().create_future()
@@ -268,7 +267,6 @@ class AsyncGatewayLM:
         if not any(k in self._cache or k in self._pending for k in positions):
             # All new (an SMC step): one request of the distinct rows, and the answer as it is when
             # no row repeats; else one gather of it (particles that resampling duplicated).
-            self._same_loop()
             matrix = await self._fetch(model, [row for _, row in positions])
             self._cache.put_rows(list(positions), matrix)
             if len(positions) == len(keys):
