@@ -280,16 +280,16 @@ class AsyncGatewayLM:
     ) -> Any:
         model = self._model_for(lora_name)
         keys = [(model, tuple(t)) for t in token_ids_list]
-        missing = list(dict.fromkeys(k for k in keys if k not in self._cache))
-        fetched: dict[Key, np.ndarray] = {}
+        # Rows taken from the cache before fetching: storing the fetched ones may evict them.
+        found = {k: row for k in dict.fromkeys(keys) if (row := self._cache.get(k)) is not None}
+        missing = [k for k in dict.fromkeys(keys) if k not in found]
         if missing:
             matrix = self._fetch_sync(model, [r for _, r in missing])
-            if missing == keys:
-                self._cache.put_rows(keys, matrix)
-                return _as_output(matrix)
-            fetched = dict(zip(missing, matrix, strict=True))
             self._cache.put_rows(missing, matrix)
-        return _as_output(np.stack([fetched[k] if k in fetched else self._cache.get(k) for k in keys]))
+            if missing == keys:
+                return _as_output(matrix)
+            found.update(zip(missing, matrix, strict=True))
+        return _as_output(np.stack([found[k] for k in keys]))
 
     def clear_cache(self) -> None:
         self._cache.clear()

@@ -148,3 +148,14 @@ def test_matrix_layout_carries_the_rows_layouts_numbers(gateway, reference, enco
     assert got.tobytes() == expected.tobytes()  # the same numbers, bit for bit
     for row, ids in zip(expected, rows, strict=True):
         assert np.max(np.abs(row - reference.logprobs(ids)[-1])) <= 1e-4
+
+
+def test_a_sync_batch_keeps_the_cached_rows_it_asked_for(gateway, reference):
+    """A batch mixing cached and new rows, with a cache too small for both: storing the new rows
+    evicts the cached one, which the answer still carries."""
+    rows = [reference.tokenizer(p).input_ids for p in PREFIXES[:2]]
+    with AsyncGatewayLM(gateway.base_url, MODEL, cache_size=1) as lm:
+        first = lm.next_token_logprobs_sync(rows[0])
+        batch = lm.batch_next_token_logprobs_sync([rows[0], rows[1]])
+        assert lm.requests_sent == 2 and torch.equal(batch[0], first)
+        assert np.max(np.abs(batch[1].numpy() - reference.logprobs(rows[1])[-1])) <= 1e-4
