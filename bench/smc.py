@@ -12,7 +12,10 @@ way runs the same algorithm:
 
   engine    our TransformersEngine in-process (prefix K/V reuse), identical rows sent once
   gateway   a real gateway process (gateway.launcher), through gateway.client.AsyncGatewayLM's
-            batch_next_token_logprobs (one request per step)
+            batch_next_token_logprobs (one request per step); on one host the gateway writes the
+            answers into the client's memory (shared memory, the client's default)
+  gateway-socket   `gateway` with the answers in the HTTP body (shared_memory=False): what a
+            client on another host gets
   gateway-particles   the same, each particle asking for its own row concurrently (genlm's
             samplers do this); the client merges the calls into one request per step
   gateway-nocache   `gateway` with the gateway's output cache off (SMC rows never repeat)
@@ -73,7 +76,8 @@ SHAPES = {  # Llama-3.2-1B's shape with SmolLM2's vocabulary
         vocab_size=49152,
     ),
 }
-MODES = ["engine", "gateway", "gateway-particles", "gateway-nocache", "genlm", "decode"]
+MODES = ["engine", "gateway", "gateway-socket", "gateway-particles", "gateway-nocache", "genlm", "decode"]
+GATEWAY_MODES = ("gateway", "gateway-socket", "gateway-particles", "gateway-nocache")
 NextRows = Callable[[list[list[int]]], Awaitable[np.ndarray]]  # rows -> float32 [rows, vocab]
 
 
@@ -228,7 +232,10 @@ async def measure_gateway(
 
     calls = particle_rows if mode == "gateway-particles" else batch_rows
     try:
-        clients = [AsyncGatewayLM(gateway.base_url, "smc") for _ in range(args.repeats + 1)]
+        shared_memory = False if mode == "gateway-socket" else None
+        clients = [
+            AsyncGatewayLM(gateway.base_url, "smc", shared_memory=shared_memory) for _ in range(args.repeats + 1)
+        ]
         await measure(mode, lambda p, r: timed(clients[r], calls(clients[r])))
         for client in clients:
             await client.aclose()
@@ -282,7 +289,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
         print(f"engine prefix cache: {stats}")
         await engine.aclose()
         del engine
-    for mode in ("gateway", "gateway-particles", "gateway-nocache"):
+    for mode in GATEWAY_MODES:
         if mode in args.modes:
             await measure_gateway(mode, model_dir, args, tmp, measure, report["server"])
     if "genlm" in args.modes:

@@ -8,7 +8,8 @@ are) and the client's decoder (`gateway.client_wire` for MessagePack; base64/JSO
 would) on `--codec-rows` rows of a 49152-token vocabulary, in MB of response per second. Then over
 loopback HTTP: the gateway as a child process (output cache off), `--requests` requests of
 `--rows` distinct rows each from `--concurrency` concurrent httpx clients, and last
-`gateway.client.AsyncGatewayLM` (MessagePack matrix read off the socket). The mock engine shows
+`gateway.client.AsyncGatewayLM`, its answers written into its memory by the gateway (shared
+memory), then read off the socket (MessagePack matrix). The mock engine shows
 what HTTP and the encodings cost; the real model adds the forward pass. Prints Markdown tables.
 """
 
@@ -145,21 +146,24 @@ async def run_encoding(
     }
 
 
-async def run_client(base_url: str, model: str, rows: int, requests: int, seed: int) -> dict:
-    """gateway.client.AsyncGatewayLM, one batch call at a time: MessagePack matrix off the socket."""
+async def run_client(
+    base_url: str, model: str, rows: int, requests: int, seed: int, shared_memory: bool
+) -> dict:
+    """gateway.client.AsyncGatewayLM, one batch call at a time."""
     rng = np.random.default_rng(seed)
     batches = [
         [[int(t) for t in rng.integers(100, 40000, size=8)] for _ in range(rows)] for _ in range(requests + 1)
     ]
-    async with AsyncGatewayLM(base_url, model, cache_size=0) as lm:
+    async with AsyncGatewayLM(base_url, model, cache_size=0, shared_memory=shared_memory) as lm:
         await lm.batch_next_token_logprobs(batches[-1])  # warm-up
         started = time.perf_counter()
         for batch in batches[:requests]:
             out = await lm.batch_next_token_logprobs(batch)
         elapsed = time.perf_counter() - started
+        used = lm.shared_memory_answers > 0
     per_row = out.shape[1] * 4
     return {
-        "encoding": "AsyncGatewayLM (msgpack f32 matrix, socket)",
+        "encoding": f"AsyncGatewayLM ({'f32 into shared memory' if used else 'msgpack f32 matrix, socket'})",
         "req/s": requests / elapsed,
         "rows/s": requests * rows / elapsed,
         "MB/s": requests * rows * per_row / elapsed / 1e6,
@@ -203,9 +207,10 @@ def main() -> None:
                     )
                     for i, enc in enumerate(ENCODINGS)
                 ]
-                results.append(
-                    asyncio.run(run_client(gateway.base_url, model, args.rows, args.requests, seed=99))
-                )
+                results += [
+                    asyncio.run(run_client(gateway.base_url, model, args.rows, args.requests, 99, shared))
+                    for shared in (True, False)
+                ]
             finally:
                 gateway.stop()
             print_table(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from collections.abc import AsyncIterator
 
 from litestar import Litestar
@@ -24,6 +25,7 @@ from gateway.routes.logprobs import batching_stats, next_token_logprobs
 from gateway.routes.models import health, list_models, openapi_document, prometheus_metrics, retrieve_model
 from gateway.routes.vocabulary import detokenize_route, tokenize_route, tokenizer_files, vocabulary
 from gateway.settings import Settings
+from gateway.shared_memory import SharedMemoryWriter
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +55,16 @@ def create_app(settings: Settings, registry: ModelRegistry | None = None) -> Lit
     registry = registry or ModelRegistry(settings.models, metrics)
     metrics.registry.register(StateCollector(registry))
     access = Access(KeyRing.from_settings(settings), settings.limits)
+    shared_memory = SharedMemoryWriter() if settings.shared_memory and sys.platform == "linux" else None
     state = State(
-        {"settings": settings, "registry": registry, "cache": None, "metrics": metrics, "access": access}
+        {
+            "settings": settings,
+            "registry": registry,
+            "cache": None,
+            "metrics": metrics,
+            "access": access,
+            "shared_memory": shared_memory,
+        }
     )
 
     @contextlib.asynccontextmanager
@@ -70,6 +80,8 @@ def create_app(settings: Settings, registry: ModelRegistry | None = None) -> Lit
             await registry.aclose()
             if app.state.cache is not None:
                 await app.state.cache.aclose()
+            if shared_memory is not None:
+                shared_memory.close()
 
     return Litestar(
         route_handlers=ROUTES,

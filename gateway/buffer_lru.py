@@ -21,7 +21,7 @@ class BufferLRU:
         self.max_bytes = max_bytes
         self.nbytes = 0  # bytes of the buffers that entries keep alive
         self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()  # key -> (value, id(owner))
-        self._owners: dict[int, list[int]] = {}  # id(owner) -> [bytes, entries viewing it]
+        self._owners: dict[int, tuple[int, set[Hashable]]] = {}  # id(owner) -> (bytes, keys viewing it)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -43,31 +43,47 @@ class BufferLRU:
             return
         self.pop(key)
         self._entries[key] = (value, id(owner))  # value keeps owner alive: the id stays its own
-        held = self._owners.setdefault(id(owner), [nbytes, 0])
-        if held[1] == 0:
+        held = self._owners.get(id(owner))
+        if held is None:
+            held = self._owners[id(owner)] = (nbytes, set())
             self.nbytes += nbytes
-        held[1] += 1
+        held[1].add(key)
         while len(self._entries) > self.max_items or self.nbytes > self.max_bytes:
             self.pop(next(iter(self._entries)))
 
     def put_rows(self, keys: Sequence[Hashable], matrix: np.ndarray) -> None:
         """Row i of `matrix` under keys[i], as views of it."""
+        owner = anchor(matrix)
         for key, row in zip(keys, matrix, strict=True):
-            self.put(key, row, matrix, matrix.nbytes)
+            self.put(key, row, owner, owner.nbytes)
 
     def pop(self, key: Hashable) -> Any:
         found = self._entries.pop(key, None)
         if found is None:
             return None
         value, owner = found
-        held = self._owners[owner]
-        held[1] -= 1
-        if held[1] == 0:
+        nbytes, keys = self._owners[owner]
+        keys.discard(key)
+        if not keys:
             del self._owners[owner]
-            self.nbytes -= held[0]
+            self.nbytes -= nbytes
         return value
+
+    def drop_owner(self, owner: object) -> None:
+        """Every entry put with `owner` (for `put_rows`, its `anchor`)."""
+        held = self._owners.get(id(owner))
+        for key in list(held[1]) if held else ():
+            self.pop(key)
 
     def clear(self) -> None:
         self._entries.clear()
         self._owners.clear()
         self.nbytes = 0
+
+
+def anchor(array: np.ndarray) -> np.ndarray:
+    """The array that views of `array` keep alive: numpy points a view's `base` at the first
+    array up the chain that owns its memory or wraps a foreign buffer, never at a view between."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array

@@ -37,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
         const=False,
         help="turn the output cache off",
     )
+    serve.add_argument(
+        "--no-shared-memory",
+        dest="shared_memory",
+        action="store_const",
+        const=False,
+        help="always send dense answers in the body, never into a same-host client's memory",
+    )
     hashed = commands.add_parser(
         "hash-key", help="print the api_keys entry for a key read from standard input (never from argv)"
     )

@@ -4,10 +4,11 @@
 batch and sync variants, all with a per-call `lora_name`; byte_vocab, str_vocab, tokenizer,
 clear_cache, sample, batch_sample) over HTTP. Concurrent
 `next_token_logprobs` calls are merged into one request, the way genlm's local backends
-auto-batch. The answer is one MessagePack float32 matrix, read off the socket into one buffer
-(gateway.socket_http, for plain-http URLs; httpx otherwise); every row returned is a view of it,
-never a copy, and shared with the client's cache, as genlm's own backends share rows with
-theirs: do not write into them. Needs only httpx, msgspec and numpy; returns torch tensors when
+auto-batch. The answer is one float32 matrix: written by a gateway on the same host straight
+into this process's memory (gateway.client_shm), else one MessagePack body read off the socket
+into one buffer (gateway.socket_http, for plain-http URLs; httpx otherwise). Every row returned
+is a view of it, never a copy, and shared with the client's cache, as genlm's own backends share
+rows with theirs: do not write into them. Needs only httpx, msgspec and numpy; returns torch tensors when
 torch is installed (like genlm), numpy arrays otherwise.
 
     from gateway.client import AsyncGatewayLM
@@ -31,15 +32,19 @@ import httpx
 import msgspec
 import numpy as np
 
+from gateway import client_shm
 from gateway.buffer_lru import BufferLRU
+from gateway.client_shm import Segment, SharedSegments
 from gateway.client_wire import (
+    SHARED_MEMORY_ANSWER,
     GatewayClientError,
-    decode_msgpack_matrix,
+    body_matrix,
+    decode_dense_answer,
     error_from,
     raise_for_error,
     read_into_buffer,
 )
-from gateway.encoding import Dtype
+from gateway.encoding import ITEMSIZE, Dtype
 from gateway.socket_http import SocketHTTPClient, UnsupportedResponse, usable_for
 
 __all__ = ["AsyncGatewayLM", "GatewayClientError"]
@@ -67,7 +72,11 @@ def _as_output(array: np.ndarray) -> Any:
 
 
 class AsyncGatewayLM:
-    """genlm's `AsyncLM`, served remotely. `model` may name an adapter: "base:adapter"."""
+    """genlm's `AsyncLM`, served remotely. `model` may name an adapter: "base:adapter".
+
+    `shared_memory`: None (default) asks the gateway to write large answers into this process's
+    memory while it does so (it can when it runs on this host); False never; True also, and
+    fails where the platform has no memfd (Linux only)."""
 
     def __init__(
         self,
@@ -80,6 +89,7 @@ class AsyncGatewayLM:
         cache_size: int = 1024,
         cache_bytes: int = 512 << 20,
         max_rows_per_request: int = 1024,
+        shared_memory: bool | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
@@ -100,6 +110,12 @@ class AsyncGatewayLM:
         self._flusher: asyncio.Task[None] | None = None
         self.requests_sent = 0  # dense-row HTTP requests, for diagnostics
         self.server_timing: str | None = None  # the last dense answer's Server-Timing header
+        if shared_memory and not client_shm.supported():
+            raise ValueError("shared_memory needs Linux's memfd_create")
+        use = shared_memory is not False and client_shm.supported()
+        self._segments = SharedSegments(evict=self._cache.drop_owner) if use else None
+        self._ask_shared_memory = self._segments is not None  # until the gateway answers in the body
+        self.shared_memory_answers = 0  # dense answers the gateway wrote into shared memory
         vocab = self._get(f"/v1/models/{self._base_model}/vocabulary")
         self.vocab_size: int = vocab["vocab_size"]
         self.byte_vocab: list[bytes] = _genlm_tokens(vocab["tokens"])
@@ -148,28 +164,73 @@ class AsyncGatewayLM:
 
     # -- dense rows ------------------------------------------------------------------------------
 
-    def _request_body(self, model: str, rows: Sequence[Sequence[int]]) -> bytes:
-        return msgspec.msgpack.encode(
-            {"model": model, "input": [list(r) for r in rows], "dtype": self.dtype, "layout": "matrix"}
-        )
+    def _chunks(self, rows: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+        step = self.max_rows_per_request
+        return [rows[start : start + step] for start in range(0, len(rows), step)]
+
+    def _request(self, model: str, rows: list[tuple[int, ...]]) -> tuple[bytes, Segment | None]:
+        """The request's body, and the segment it asks the gateway to write the answer into."""
+        self.requests_sent += 1
+        body: dict[str, Any] = {"model": model, "input": [list(r) for r in rows], "dtype": self.dtype}
+        body["layout"] = "matrix"
+        segment = None
+        if self._segments is not None and self._ask_shared_memory:
+            segment = self._segments.lease(len(rows) * self.vocab_size * ITEMSIZE[self.dtype])
+            if segment is not None:
+                body["shared_memory"] = segment.target()
+        return msgspec.msgpack.encode(body), segment
+
+    def _matrix(
+        self, content: bytes | bytearray | memoryview, count: int, segment: Segment | None
+    ) -> np.ndarray:
+        document = decode_dense_answer(content, count)
+        if document.object != SHARED_MEMORY_ANSWER:
+            if segment is not None and self._segments is not None:
+                # The gateway cannot see this process's memory (another host): stop asking.
+                self._ask_shared_memory = False
+                self._segments.release(segment)
+                self._segments.drop_idle()
+            return body_matrix(document, count)
+        expected = count * self.vocab_size * ITEMSIZE[self.dtype]
+        if (
+            segment is None
+            or document.offset != 0
+            or document.nbytes != expected
+            or document.dtype != self.dtype
+        ):
+            raise ValueError("a shared memory answer that does not match the request")
+        self.shared_memory_answers += 1
+        assert self._segments is not None
+        return self._segments.matrix(segment, count, self.vocab_size, self.dtype)
+
+    def _retire(self, segment: Segment | None) -> None:
+        """A request that failed after it was sent: the gateway may still write into its segment,
+        so no later answer may go there."""
+        if segment is not None and self._segments is not None:
+            self._segments.retire(segment)
 
     def _fetch_sync(self, model: str, rows: list[tuple[int, ...]]) -> np.ndarray:
         parts = []
-        for start in range(0, len(rows), self.max_rows_per_request):
-            chunk = rows[start : start + self.max_rows_per_request]
-            self.requests_sent += 1
-            response = self._sync.post("/v1/next_token_logprobs", content=self._request_body(model, chunk))
-            raise_for_error(response)
-            parts.append(decode_msgpack_matrix(response.content, len(chunk)))
+        for chunk in self._chunks(rows):
+            body, segment = self._request(model, chunk)
+            try:
+                response = self._sync.post("/v1/next_token_logprobs", content=body)
+                raise_for_error(response)
+                parts.append(self._matrix(response.content, len(chunk), segment))
+            except BaseException:
+                self._retire(segment)
+                raise
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     async def _fetch(self, model: str, rows: list[tuple[int, ...]]) -> np.ndarray:
         parts = []
-        for start in range(0, len(rows), self.max_rows_per_request):
-            chunk = rows[start : start + self.max_rows_per_request]
-            self.requests_sent += 1
-            content = await self._post_dense(self._request_body(model, chunk))
-            parts.append(decode_msgpack_matrix(content, len(chunk)))
+        for chunk in self._chunks(rows):
+            body, segment = self._request(model, chunk)
+            try:
+                parts.append(self._matrix(await self._post_dense(body), len(chunk), segment))
+            except BaseException:
+                self._retire(segment)
+                raise
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     async def _post_dense(self, body: bytes) -> bytes | bytearray | memoryview:
@@ -293,6 +354,8 @@ class AsyncGatewayLM:
 
     def clear_cache(self) -> None:
         self._cache.clear()
+        if self._segments is not None:
+            self._segments.drop_idle()
 
     # -- sampling (genlm's AsyncLM.sample semantics: stop before an end-of-sequence token) --------
 
@@ -344,15 +407,14 @@ class AsyncGatewayLM:
         if self._async is not None:
             await self._async.aclose()
             self._async = None
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
-        self._sync.close()
+        self.close()
 
     def close(self) -> None:
         if self._socket is not None:
             self._socket.close()
             self._socket = None
+        if self._segments is not None:
+            self._segments.close()
         self._sync.close()
 
     async def __aenter__(self) -> AsyncGatewayLM:

@@ -9,7 +9,7 @@ import httpx
 import msgspec
 import numpy as np
 
-from gateway.encoding import Dtype, decode_row
+from gateway.encoding import ITEMSIZE, Dtype, decode_row
 
 
 class GatewayClientError(RuntimeError):
@@ -44,15 +44,22 @@ class _BinaryRows(msgspec.Struct):
     data: list[_BinaryRow]
 
 
-class _BinaryMatrix(msgspec.Struct):
+class DenseAnswer(msgspec.Struct):
+    """A MessagePack `layout: matrix` answer: the matrix in the body, or where in the client's
+    shared memory the gateway wrote it."""
+
     vocab_size: int
     rows: int
     dtype: str
-    logprobs: memoryview  # a view into the response body
+    object: str = "next_token_logprobs.matrix"
+    logprobs: memoryview | None = None  # a view into the body; None when in shared memory
+    offset: int = 0
+    nbytes: int = 0
 
 
+SHARED_MEMORY_ANSWER = "next_token_logprobs.shared_memory"
+_ANSWER_DECODER = msgspec.msgpack.Decoder(DenseAnswer)
 _ROWS_DECODER = msgspec.msgpack.Decoder(_BinaryRows)
-_MATRIX_DECODER = msgspec.msgpack.Decoder(_BinaryMatrix)
 
 
 def decode_msgpack_rows(content: bytes | bytearray, count: int, dtype: Dtype) -> np.ndarray:
@@ -64,16 +71,28 @@ def decode_msgpack_rows(content: bytes | bytearray, count: int, dtype: Dtype) ->
     return out
 
 
-def decode_msgpack_matrix(content: bytes | bytearray | memoryview, count: int) -> np.ndarray:
-    """A MessagePack `layout: matrix` response as float32 [count, vocab]: for float32, a view of
-    `content` (no copy); float16/bfloat16 are widened once."""
-    document = _MATRIX_DECODER.decode(content)
-    if document.rows != count or len(document.logprobs) != count * document.vocab_size * (
-        4 if document.dtype == "float32" else 2
-    ):
-        raise ValueError(f"a {document.rows}-row matrix of {len(document.logprobs)} bytes for {count} rows")
+def decode_dense_answer(content: bytes | bytearray | memoryview, count: int) -> DenseAnswer:
+    document = _ANSWER_DECODER.decode(content)
+    if document.rows != count:
+        raise ValueError(f"a {document.rows}-row answer for {count} rows")
+    if document.object != SHARED_MEMORY_ANSWER and document.logprobs is None:
+        raise ValueError("a matrix answer without its matrix")
+    return document
+
+
+def body_matrix(document: DenseAnswer, count: int) -> np.ndarray:
+    """The matrix in an answer's body as float32 [count, vocab]: for float32, a view of the body
+    (no copy); float16/bfloat16 are widened once."""
+    assert document.logprobs is not None
+    if len(document.logprobs) != count * document.vocab_size * ITEMSIZE.get(document.dtype, 0):
+        raise ValueError(f"a {count}-row matrix of {len(document.logprobs)} bytes")
     matrix = decode_row(document.logprobs, document.dtype).reshape(count, document.vocab_size)  # type: ignore[arg-type]
     return matrix if matrix.flags.writeable else matrix.copy()  # a view of immutable bytes: copied
+
+
+def decode_msgpack_matrix(content: bytes | bytearray | memoryview, count: int) -> np.ndarray:
+    """A MessagePack `layout: matrix` response with the matrix in its body, as float32 [count, vocab]."""
+    return body_matrix(decode_dense_answer(content, count), count)
 
 
 async def read_into_buffer(response: httpx.Response) -> bytes | bytearray:

@@ -24,6 +24,7 @@ from gateway.schemas.logprobs import (
     NextTokenLogprobsBinaryMatrixResponse,
     NextTokenLogprobsBinaryResponse,
     NextTokenLogprobsMatrixResponse,
+    NextTokenLogprobsSharedMemoryResponse,
     NextTokenLogprobsRequest,
     NextTokenLogprobsResponse,
     TokenizeRequest,
@@ -131,16 +132,27 @@ OPERATIONS = [
         "`base64` gives little-endian `dtype` bytes (bfloat16 = upper half of the float32). With "
         "`Accept: application/msgpack` the document is MessagePack with rows as raw bytes. `layout: matrix` "
         "returns one `[rows, vocab_size]` array instead of one object per input (in MessagePack a single "
-        "`bin`, the last field, that a client reads without copying). Request bodies may "
+        "`bin`, the last field, that a client reads without copying). A client on the gateway's host may "
+        "name a sealed memfd of its own in `shared_memory`: the matrix is written there and the answer says "
+        "where (`next_token_logprobs.shared_memory`); a segment the gateway cannot open is ignored and the "
+        "matrix comes in the body. Request bodies may "
         "be MessagePack too (`Content-Type: application/msgpack`). Concurrent requests share engine batches; "
         "rows may come from the output cache (`usage.cache_hits`), bit-identical to computing them.",
         NextTokenLogprobsRequest,
         {
             "application/json": {
-                "oneOf": [_ref(NextTokenLogprobsResponse), _ref(NextTokenLogprobsMatrixResponse)]
+                "oneOf": [
+                    _ref(NextTokenLogprobsResponse),
+                    _ref(NextTokenLogprobsMatrixResponse),
+                    _ref(NextTokenLogprobsSharedMemoryResponse),
+                ]
             },
             MSGPACK: {
-                "oneOf": [_ref(NextTokenLogprobsBinaryResponse), _ref(NextTokenLogprobsBinaryMatrixResponse)]
+                "oneOf": [
+                    _ref(NextTokenLogprobsBinaryResponse),
+                    _ref(NextTokenLogprobsBinaryMatrixResponse),
+                    _ref(NextTokenLogprobsSharedMemoryResponse),
+                ]
             },
         },
         example={
@@ -291,6 +303,7 @@ _TYPES = [t for op in OPERATIONS for t in (op.request,) if t is not None] + [
     NextTokenLogprobsBinaryResponse,
     NextTokenLogprobsMatrixResponse,
     NextTokenLogprobsBinaryMatrixResponse,
+    NextTokenLogprobsSharedMemoryResponse,
     ModelList,
     ModelCard,
     Vocabulary,

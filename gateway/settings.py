@@ -6,6 +6,7 @@
     admin_key = "..."              # the adapter endpoints' key (plain, or a sha256: entry)
     metrics_public = true          # /metrics without a key
     shutdown_grace_s = 30          # after SIGTERM: finish in-flight requests this long
+    shared_memory = true           # write dense answers into same-host clients' memory when asked
 
     [[models]]
     name = "smollm2-135m"          # the name clients put in `model`
@@ -32,7 +33,8 @@
 
 Environment: LOGPROB_GATEWAY_CONFIG, _HOST, _PORT, _MODEL, _BACKEND, _SERVED_MODEL_NAME, _DTYPE,
 _DEVICE, _MAX_MODEL_LEN, _LOG_LEVEL, _REDIS_URL, _CACHE (false: no cache), _ADMIN_KEY,
-_API_KEYS (comma-separated entries), _API_KEYS_FILE, _METRICS_PUBLIC, _SHUTDOWN_GRACE_S.
+_API_KEYS (comma-separated entries), _API_KEYS_FILE, _METRICS_PUBLIC, _SHUTDOWN_GRACE_S,
+_SHARED_MEMORY.
 A model given by flag or environment replaces the file's model list.
 """
 
@@ -120,6 +122,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     api_keys_file: str | None = None  # one entry per line (a mounted secret)
     metrics_public: bool = True  # /metrics without a key (for scrapers); /health never needs one
     shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0  # drain time after SIGTERM
+    # Dense matrices written into a same-host client's memfd when its request names one
+    # (gateway/shared_memory.py); off: always in the body.
+    shared_memory: bool = True
     models: list[ModelSettings] = msgspec.field(default_factory=lambda: [ModelSettings()])
     limits: Limits = msgspec.field(default_factory=Limits)
     cache: CacheSettings = msgspec.field(default_factory=CacheSettings)
@@ -159,6 +164,7 @@ _ENV_KEYS = {
     "API_KEYS_FILE": "api_keys_file",
     "METRICS_PUBLIC": "metrics_public",
     "SHUTDOWN_GRACE_S": "shutdown_grace_s",
+    "SHARED_MEMORY": "shared_memory",
 }
 _CACHE_KEYS = {"redis_url": "redis_url", "cache_enabled": "enabled"}
 

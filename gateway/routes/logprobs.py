@@ -11,8 +11,8 @@ import numpy as np
 from litestar import Request, Response, get, post
 
 from gateway.dense import dense_rows
-from gateway.encoding import matrix_view, msgpack_bin_header, row_base64, row_views
-from gateway.errors import ContextLengthError, EngineError, GatewayError
+from gateway.encoding import ITEMSIZE, matrix_view, msgpack_bin_header, row_base64, row_views
+from gateway.errors import ContextLengthError, EngineError, GatewayError, InvalidRequestError
 from gateway.http import (
     MSGPACK_TYPES,
     PartsResponse,
@@ -33,8 +33,10 @@ from gateway.schemas.logprobs import (
     NextTokenLogprobsRequest,
     NextTokenLogprobsResponse,
     NextTokenLogprobsRow,
+    NextTokenLogprobsSharedMemoryResponse,
     NextTokenLogprobsUsage,
 )
+from gateway.shared_memory import copy_into
 
 
 def _float_row(values: np.ndarray) -> list[float | None]:
@@ -61,6 +63,8 @@ async def next_token_logprobs(request: Request) -> Response:
             f"an input has {longest} tokens; this model's maximum context length is {engine.max_model_len}",
             param="input",
         )
+    # Checked before any row is computed: a segment too small is the client's error.
+    destination = _shared_memory_target(request, body, len(inputs) * engine.vocab_size * ITEMSIZE[body.dtype])
     started = time.perf_counter()
     try:
         rows, hits = await dense_rows(served, request.app.state.cache, [i.ids for i in inputs], adapter)
@@ -73,12 +77,15 @@ async def next_token_logprobs(request: Request) -> Response:
     usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens, cache_hits=hits)
     # Encoding megabytes of floats would stall the event loop: it runs on a worker thread.
     computed = time.perf_counter()
-    parts = await asyncio.to_thread(_encode, rows, body, engine.vocab_size, usage, binary)
+    if destination is not None:
+        parts = await asyncio.to_thread(_deliver, rows, body, engine.vocab_size, usage, binary, destination)
+    else:
+        parts = await asyncio.to_thread(_encode, rows, body, engine.vocab_size, usage, binary)
     # Where the server's time went (ms), for clients and benches: rows (cache + queue + engine), encode.
     timing = (
         f"rows;dur={(computed - started) * 1e3:.2f}, encode;dur={(time.perf_counter() - computed) * 1e3:.2f}"
     )
-    encoding = "msgpack" if binary else body.encoding_format
+    encoding = "shared_memory" if destination is not None else "msgpack" if binary else body.encoding_format
     served.metrics.dense_rows.labels(served.name, adapter or "", encoding).inc(len(inputs))
     served.metrics.dense_response_bytes.labels(served.name, encoding).inc(sum(len(p) for p in parts))
     return PartsResponse(
@@ -86,6 +93,40 @@ async def next_token_logprobs(request: Request) -> Response:
         media_type=MSGPACK_TYPES[0] if binary else "application/json",
         headers={"Server-Timing": timing},
     )
+
+
+def _shared_memory_target(request: Request, body: NextTokenLogprobsRequest, nbytes: int) -> np.ndarray | None:
+    """Where in the client's segment the matrix goes; None: in the body (no segment named, the
+    feature off, or a segment this host cannot see)."""
+    if body.shared_memory is None:
+        return None
+    if body.layout != "matrix":
+        raise InvalidRequestError('shared_memory needs layout: "matrix"', param="shared_memory")
+    writer = request.app.state.shared_memory
+    return None if writer is None else writer.target(body.shared_memory, nbytes)
+
+
+def _deliver(
+    rows: np.ndarray,
+    body: NextTokenLogprobsRequest,
+    vocab_size: int,
+    usage: NextTokenLogprobsUsage,
+    binary: bool,
+    destination: np.ndarray,
+) -> list[bytes | memoryview]:
+    """The matrix copied into the client's segment; the body says where it lies."""
+    copy_into(destination, np.frombuffer(matrix_view(rows, body.dtype), dtype=np.uint8))
+    assert body.shared_memory is not None
+    document = NextTokenLogprobsSharedMemoryResponse(
+        model=body.model,
+        vocab_size=vocab_size,
+        rows=len(rows),
+        dtype=body.dtype,
+        usage=usage,
+        offset=body.shared_memory.offset,
+        nbytes=len(destination),
+    )
+    return [msgspec.msgpack.encode(document) if binary else msgspec.json.encode(document)]
 
 
 def _encode(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -14,6 +14,16 @@ from gateway.schemas.common import TokenId
 Input = str | list[str | TokenId | list[TokenId]]
 
 
+class SharedMemoryTarget(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A memfd of a client on the gateway's host to write the matrix into (gateway/shared_memory.py):
+    created by `memfd_create(name)`, sealed with F_SEAL_SHRINK, open as `fd` in process `pid`."""
+
+    pid: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+    fd: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+    name: Annotated[str, msgspec.Meta(pattern="^logprob-gateway-[0-9a-f]{32}$")]
+    offset: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
+
+
 class NextTokenLogprobsRequest(msgspec.Struct, kw_only=True):
     model: str
     input: Input
@@ -23,6 +33,9 @@ class NextTokenLogprobsRequest(msgspec.Struct, kw_only=True):
     # "rows": one object per input (OpenAI's embeddings shape); "matrix": one [inputs, vocab_size]
     # array, row-major (a single MessagePack `bin` that clients read without copying).
     layout: Literal["rows", "matrix"] = "rows"
+    # With layout "matrix": write the matrix into this segment, when the gateway can open it, and
+    # answer where it lies (NextTokenLogprobsSharedMemoryResponse); else the body carries it.
+    shared_memory: SharedMemoryTarget | None = None
 
 
 class NextTokenLogprobsRow(msgspec.Struct, kw_only=True):
@@ -79,6 +92,15 @@ class NextTokenLogprobsBinaryMatrixResponse(_NextTokenLogprobsMatrixDocument, kw
     It is the last field, so the body ends with the matrix."""
 
     logprobs: bytes
+
+
+class NextTokenLogprobsSharedMemoryResponse(_NextTokenLogprobsMatrixDocument, kw_only=True):
+    """`shared_memory` honoured: the matrix's little-endian `dtype` bytes, row-major, were written
+    into the client's segment, `nbytes` of them from `offset`, before this answer was sent."""
+
+    object: Literal["next_token_logprobs.shared_memory"] = "next_token_logprobs.shared_memory"  # type: ignore[assignment]
+    offset: int
+    nbytes: int
 
 
 class _VocabularyDocument(msgspec.Struct, kw_only=True):

@@ -1,0 +1,143 @@
+"""Dense answers written straight into a client's memory, for clients on the gateway's own host.
+
+A 256-row step of a 49152-token vocabulary is 50 MB of float32; through a loopback socket the
+kernel copies it twice and the client faults fresh pages in, 10-20 ms a step. A client on the
+same machine can instead name a segment of its own memory in the request (`shared_memory`): a
+memfd (`memfd_create`) called `logprob-gateway-<32 hex digits>`, sealed against shrinking. The
+gateway opens it through /proc/<pid>/fd/<fd>, maps it once, and copies the `[rows, vocab]` matrix
+there; the answer is a small document saying where it lies.
+
+Why this is safe for the gateway: the shrink seal means the file can never become shorter than
+the gateway's mapping (writing into a truncated mapping would kill the process with SIGBUS);
+opening another process's descriptor needs the right to inspect it (the same user, or root);
+and the file opened must be a memfd with the random name the request gave, so only a segment its
+client created for this is ever written. A target the gateway cannot open (a client on another
+host or in another PID namespace, another user's process) is not an error: the matrix is sent in
+the body, as without the field, and the client stops asking. Linux only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from gateway.errors import InvalidRequestError
+from gateway.schemas.logprobs import SharedMemoryTarget
+
+_COPY_PIECE = 4 << 20  # bytes per parallel copy piece: below this, one thread is as fast
+_COPY_THREADS = min(8, os.cpu_count() or 1)
+_copiers = ThreadPoolExecutor(max_workers=_COPY_THREADS, thread_name_prefix="shm-copy")
+
+
+@dataclass
+class _Segment:
+    mapping: mmap.mmap
+    size: int
+
+
+class SharedMemoryWriter:
+    """Maps clients' segments on first use and keeps the most recent mappings, bounded in count
+    and bytes; a mapping whose client closed the segment is dropped when another is mapped."""
+
+    def __init__(self, max_segments: int = 64, max_bytes: int = 8 << 30) -> None:
+        self.max_segments = max_segments
+        self.max_bytes = max_bytes
+        self._segments: OrderedDict[tuple[int, int, str], _Segment] = OrderedDict()
+        self._bytes = 0
+
+    def target(self, target: SharedMemoryTarget, nbytes: int) -> np.ndarray | None:
+        """`nbytes` of the client's segment at its offset, as a uint8 array to copy the matrix
+        into; None when the segment is not visible from here. A segment that is visible but
+        cannot hold the matrix, or is not sealed against shrinking, is the client's error (400)."""
+        key = (target.pid, target.fd, target.name)
+        segment = self._segments.get(key)
+        if segment is None:
+            segment = self._map(target)
+            if segment is None:
+                return None
+        else:
+            self._segments.move_to_end(key)
+        if target.offset + nbytes > segment.size:
+            raise InvalidRequestError(
+                f"the shared memory segment has {segment.size} bytes; the answer needs {nbytes} "
+                f"from offset {target.offset}",
+                param="shared_memory",
+            )
+        return np.frombuffer(segment.mapping, dtype=np.uint8, count=nbytes, offset=target.offset)
+
+    def _map(self, target: SharedMemoryTarget) -> _Segment | None:
+        path = f"/proc/{target.pid}/fd/{target.fd}"
+        expected = f"/memfd:{target.name} (deleted)"
+        try:
+            if os.readlink(path) != expected:  # checked first, so nothing else is ever opened
+                return None
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:  # no such process or descriptor here, or not ours to open
+            return None
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != expected:  # replaced between the two looks
+                return None
+            if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+                raise InvalidRequestError(
+                    "the shared memory segment must be sealed against shrinking (F_SEAL_SHRINK)",
+                    param="shared_memory",
+                )
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise InvalidRequestError("the shared memory segment is empty", param="shared_memory")
+            segment = _Segment(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), size)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)  # the mapping keeps the file
+        self._drop_closed()
+        self._segments[target.pid, target.fd, target.name] = segment
+        self._bytes += size
+        while len(self._segments) > self.max_segments or self._bytes > self.max_bytes:
+            self._forget(next(iter(self._segments)))
+        return segment
+
+    def _drop_closed(self) -> None:
+        """Mappings of segments their client closed (or exited) would keep that memory alive."""
+        for key in list(self._segments):
+            pid, fd, name = key
+            try:
+                alive = os.readlink(f"/proc/{pid}/fd/{fd}") == f"/memfd:{name} (deleted)"
+            except OSError:
+                alive = False
+            if not alive:
+                self._forget(key)
+
+    def _forget(self, key: tuple[int, int, str]) -> None:
+        segment = self._segments.pop(key)
+        self._bytes -= segment.size
+        # A copy still writing through it holds a buffer export: then it closes when that ends.
+        with contextlib.suppress(BufferError):
+            segment.mapping.close()
+
+    def close(self) -> None:
+        while self._segments:
+            self._forget(next(iter(self._segments)))
+
+
+def copy_into(destination: np.ndarray, source: np.ndarray) -> None:
+    """destination[:] = source (flat uint8 arrays), in pieces on several threads when large: one
+    thread's memcpy is well below what the memory can do."""
+    pieces = min(_COPY_THREADS, len(source) // _COPY_PIECE)
+    if pieces <= 1:
+        np.copyto(destination, source)
+        return
+    bounds = np.linspace(0, len(source), pieces + 1, dtype=np.int64)
+    list(
+        _copiers.map(
+            lambda ab: np.copyto(destination[ab[0] : ab[1]], source[ab[0] : ab[1]]),
+            zip(bounds[:-1], bounds[1:], strict=True),
+        )
+    )
