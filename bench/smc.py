@@ -234,7 +234,8 @@ async def measure_gateway(
     try:
         shared_memory = False if mode == "gateway-socket" else None
         clients = [
-            AsyncGatewayLM(gateway.base_url, "smc", shared_memory=shared_memory) for _ in range(args.repeats + 1)
+            AsyncGatewayLM(gateway.base_url, "smc", shared_memory=shared_memory)
+            for _ in range(args.repeats + 1)
         ]
         await measure(mode, lambda p, r: timed(clients[r], calls(clients[r])))
         for client in clients:

@@ -50,7 +50,9 @@ class Segment:
     mapping: mmap.mmap
     busy: bool = True  # leased, or an answer in it is still viewed
     leased: int = 0  # lease order: the oldest answer is recycled first
-    answer: Callable[[], object] = field(default=lambda: None)  # weakly, the array all views of the answer keep alive
+    answer: Callable[[], object] = field(
+        default=lambda: None
+    )  # weakly, the array all views of the answer keep alive
 
     def target(self) -> dict[str, object]:
         """The request's `shared_memory` field."""
@@ -84,6 +86,8 @@ class SharedSegments:
             return None
         with self._lock:
             if os.getpid() != self._pid:  # a forked child: these segments are its parent's
+                for inherited in self._segments:
+                    os.close(inherited.fd)  # the child's copy; its mapping stays for any views
                 self._segments, self._pid = [], os.getpid()
             segment = self._idle(nbytes) or self._grow(nbytes) or self._recycle(nbytes)
             if segment is not None:
@@ -114,7 +118,9 @@ class SharedSegments:
 
     def _recycle(self, nbytes: int) -> Segment | None:
         """The oldest answer whose only holder is the client's cache gives up its segment."""
-        for segment in sorted((s for s in self._segments if s.busy and s.size >= nbytes), key=lambda s: s.leased):
+        for segment in sorted(
+            (s for s in self._segments if s.busy and s.size >= nbytes), key=lambda s: s.leased
+        ):
             answer = segment.answer()
             if answer is None:  # a request in flight
                 continue
