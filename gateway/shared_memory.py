@@ -23,17 +23,12 @@ import fcntl
 import mmap
 import os
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from gateway.errors import InvalidRequestError
 from gateway.schemas.logprobs import SharedMemoryTarget
-
-_COPY_PIECE = 4 << 20  # bytes per parallel copy piece: below this, one thread is as fast
-_COPY_THREADS = min(8, os.cpu_count() or 1)
-_copiers = ThreadPoolExecutor(max_workers=_COPY_THREADS, thread_name_prefix="shm-copy")
 
 
 @dataclass
@@ -125,19 +120,3 @@ class SharedMemoryWriter:
     def close(self) -> None:
         while self._segments:
             self._forget(next(iter(self._segments)))
-
-
-def copy_into(destination: np.ndarray, source: np.ndarray) -> None:
-    """destination[:] = source (flat uint8 arrays), in pieces on several threads when large: one
-    thread's memcpy is well below what the memory can do."""
-    pieces = min(_COPY_THREADS, len(source) // _COPY_PIECE)
-    if pieces <= 1:
-        np.copyto(destination, source)
-        return
-    bounds = np.linspace(0, len(source), pieces + 1, dtype=np.int64)
-    list(
-        _copiers.map(
-            lambda ab: np.copyto(destination[ab[0] : ab[1]], source[ab[0] : ab[1]]),
-            zip(bounds[:-1], bounds[1:], strict=True),
-        )
-    )

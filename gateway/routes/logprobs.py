@@ -23,6 +23,7 @@ from gateway.http import (
     settings,
     wants_msgpack,
 )
+from gateway.parallel_copy import copy_into
 from gateway.prompts import token_inputs
 from gateway.schemas.logprobs import (
     BatchingStats,
@@ -36,7 +37,6 @@ from gateway.schemas.logprobs import (
     NextTokenLogprobsSharedMemoryResponse,
     NextTokenLogprobsUsage,
 )
-from gateway.shared_memory import copy_into
 
 
 def _float_row(values: np.ndarray) -> list[float | None]:

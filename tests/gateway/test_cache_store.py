@@ -148,3 +148,22 @@ async def test_values_of_one_step_share_a_buffer_counted_once():
     assert await store.get_many(["a3"]) == [None] and store.size == 3 * 4 * 4016
     await store.set_many([("huge", DenseRowCache.encode_many(np.stack([_row(i) for i in range(13)]))[0])])
     assert await store.get_many(["huge"]) == [None]  # its buffer alone is over the budget
+
+
+async def test_in_process_values_skip_the_checksum_and_read_back_bit_identical():
+    store = MemoryStore(10**7)
+    cache = DenseRowCache(store)
+    rows = np.stack([_row(i) for i in range(3)])
+    keys = [cache.key("m", None, [i]) for i in range(3)]
+    await cache.store_rows(keys, rows)
+    stored = await store.get_many(keys)
+    assert [bytes(v[8:16]) for v in stored] == [bytes(8)] * 3  # no CRC-32 computed
+    found = await cache.lookup(keys, 1000)
+    assert all(f.tobytes() == r.tobytes() for f, r in zip(found, rows, strict=True))
+    # A value bound for Redis carries the checksum, and a flipped bit is caught by it.
+    framed = DenseRowCache.encode(rows[0])
+    assert framed[8:16] != bytes(8) and framed[16:] == rows[0].tobytes()
+    flipped = bytearray(framed)
+    flipped[-1] ^= 1
+    assert DenseRowCache.decode(bytes(flipped), 1000) is None
+    assert DenseRowCache.decode(bytes(flipped), 1000, checksums=False) is not None

@@ -19,8 +19,9 @@ import torch
 from gateway import client_shm
 from gateway.client import AsyncGatewayLM, GatewayClientError
 from gateway.launcher import start_gateway
+from gateway.parallel_copy import copy_into
 from gateway.schemas.logprobs import SharedMemoryTarget
-from gateway.shared_memory import SharedMemoryWriter, copy_into
+from gateway.shared_memory import SharedMemoryWriter
 from tests.conftest import MODEL
 
 pytestmark = [
