@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import statistics
 import sys
@@ -209,18 +210,31 @@ def reference_check(model: object, kept: list[tuple[list[int], np.ndarray]]) -> 
     return worst
 
 
-async def measure_gateway(
-    mode: str, model_dir: Path, args: argparse.Namespace, tmp: Path, measure: Callable, server: dict
-) -> None:
+async def gateway_way(
+    mode: str, model_dir: Path, args: argparse.Namespace, tmp: Path, stack: contextlib.AsyncExitStack
+) -> tuple[Callable[[int, int], NextRows], dict[int, list[tuple[float, float]]]]:
+    """A gateway process for `mode`, and its rows per (P, repeat); the second value collects the
+    server's (rows ms, encode ms) per request size from Server-Timing."""
     toml = tmp / f"{mode}.toml"
     toml.write_text(
         f'[[models]]\nname = "smc"\nmodel = "{model_dir}"\ndtype = "{args.dtype}"\ndevice = "{args.device}"\n'
         + ("[cache]\nenabled = false\n" if mode == "gateway-nocache" else "")
     )
     gateway = start_gateway(["--config", str(toml), *args.gateway_arg], tmp / f"{mode}.log")
-    timings: dict[int, list[tuple[float, float]]] = {}  # rows per request -> (rows ms, encode ms)
+    stack.callback(gateway.stop)
+    shared_memory = False if mode == "gateway-socket" else None
+    clients = [
+        AsyncGatewayLM(gateway.base_url, "smc", shared_memory=shared_memory) for _ in range(args.repeats + 1)
+    ]
+    for client in clients:
+        stack.push_async_callback(client.aclose)
+    timings: dict[int, list[tuple[float, float]]] = {}
+    calls = particle_rows if mode == "gateway-particles" else batch_rows
 
-    def timed(lm: AsyncGatewayLM, inner: NextRows) -> NextRows:
+    def make(p: int, r: int) -> NextRows:
+        lm = clients[r]
+        inner = calls(lm)
+
         async def next_rows(rows: list[list[int]]) -> np.ndarray:
             out = await inner(rows)
             parts = dict(p.strip().split(";dur=") for p in (lm.server_timing or "").split(",") if p)
@@ -230,21 +244,7 @@ async def measure_gateway(
 
         return next_rows
 
-    calls = particle_rows if mode == "gateway-particles" else batch_rows
-    try:
-        shared_memory = False if mode == "gateway-socket" else None
-        clients = [
-            AsyncGatewayLM(gateway.base_url, "smc", shared_memory=shared_memory)
-            for _ in range(args.repeats + 1)
-        ]
-        await measure(mode, lambda p, r: timed(clients[r], calls(clients[r])))
-        for client in clients:
-            await client.aclose()
-    finally:
-        gateway.stop()
-    for rows, values in sorted(timings.items()):
-        if rows in args.particles:
-            server[rows, mode] = [statistics.median(v) for v in zip(*values, strict=True)]
+    return make, timings
 
 
 async def run(args: argparse.Namespace, tmp: Path) -> dict:
@@ -265,50 +265,58 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
         return tokenizer(f"{PROMPT} ({p}.{r})").input_ids
 
     report: dict = {"results": {}, "calls": {}, "checks": {}, "server": {}}
+    ways: dict[str, Callable[[int, int], NextRows]] = {}
+    timings: dict[str, dict[int, list[tuple[float, float]]]] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        if "engine" in args.modes:
+            engine = TransformersEngine.load(
+                EngineConfig(model=str(model_dir), dtype=args.dtype, device=args.device)
+            )
+            stack.push_async_callback(engine.aclose)
+            ways["engine"] = lambda p, r: engine_rows(engine)
+        for mode in GATEWAY_MODES:
+            if mode in args.modes:
+                ways[mode], timings[mode] = await gateway_way(mode, model_dir, args, tmp, stack)
+        if "genlm" in args.modes:
+            if importlib.util.find_spec("genlm.backend") is None:
+                print("genlm-backend is not installed: no genlm row")
+            else:
+                from genlm.backend.llm import AsyncTransformer
 
-    async def measure(mode: str, make: Callable[[int, int], NextRows]) -> None:
+                lm = AsyncTransformer(model, tokenizer, batch_size=max(args.particles))
+
+                def fresh(p: int, r: int) -> NextRows:  # the prompt's K/V is cached before the clock starts
+                    lm.clear_cache()
+                    lm.cache_kv(prompt(p, r))
+                    return batch_rows(lm)
+
+                ways["genlm"] = fresh
+        if "decode" in args.modes:
+            ways["decode"] = lambda p, r: PlainDecode(model)
         for p in args.particles:
-            # A warm-up run; then each repeat has its own prompt, so nothing cached carries over.
-            await smc(make(p, args.repeats), prompt(p, args.repeats), p, 2, 2, args.seed)
+            for make in ways.values():  # a warm-up run of each way, on a prompt of its own
+                await smc(make(p, args.repeats), prompt(p, args.repeats), p, 2, 2, args.seed)
+            # The ways take turns within each repeat, so a slow spell of the machine (lent machines
+            # have them) falls on all of them alike; "vs engine" pairs each run with the engine's.
             for r in range(args.repeats):
-                seconds, in_calls, kept = await smc(
-                    make(p, r), prompt(p, r), p, args.steps, args.resample_every, args.seed + 1000 * p + r
-                )
-                report["results"].setdefault((p, mode), []).append(p * args.steps / seconds)
-                report["calls"].setdefault((p, mode), []).append(in_calls / args.steps * 1e3)
-                if mode.startswith(("engine", "gateway")):
-                    check = reference_check(model, kept)
-                    report["checks"][p, mode] = max(report["checks"].get((p, mode), 0.0), check)
-            rates = ", ".join(f"{v:.1f}" for v in report["results"][p, mode])
-            print(f"P={p} {mode}: {rates} rows/s", flush=True)
-
-    config = EngineConfig(model=str(model_dir), dtype=args.dtype, device=args.device)
-    if "engine" in args.modes:
-        engine = TransformersEngine.load(config)
-        await measure("engine", lambda p, r: engine_rows(engine))
-        stats = engine.prefix_cache.stats if engine.prefix_cache else None
-        print(f"engine prefix cache: {stats}")
-        await engine.aclose()
-        del engine
-    for mode in GATEWAY_MODES:
-        if mode in args.modes:
-            await measure_gateway(mode, model_dir, args, tmp, measure, report["server"])
-    if "genlm" in args.modes:
-        if importlib.util.find_spec("genlm.backend") is None:
-            print("genlm-backend is not installed: no genlm row")
-        else:
-            from genlm.backend.llm import AsyncTransformer
-
-            lm = AsyncTransformer(model, tokenizer, batch_size=max(args.particles))
-
-            def fresh(p: int, r: int) -> NextRows:  # the prompt's K/V is cached before the clock starts
-                lm.clear_cache()
-                lm.cache_kv(prompt(p, r))
-                return batch_rows(lm)
-
-            await measure("genlm", fresh)
-    if "decode" in args.modes:
-        await measure("decode", lambda p, r: PlainDecode(model))
+                for mode, make in ways.items():
+                    seconds, in_calls, kept = await smc(
+                        make(p, r), prompt(p, r), p, args.steps, args.resample_every, args.seed + 1000 * p + r
+                    )
+                    report["results"].setdefault((p, mode), []).append(p * args.steps / seconds)
+                    report["calls"].setdefault((p, mode), []).append(in_calls / args.steps * 1e3)
+                    if mode.startswith(("engine", "gateway")):
+                        check = reference_check(model, kept)
+                        report["checks"][p, mode] = max(report["checks"].get((p, mode), 0.0), check)
+            for mode in ways:
+                rates = ", ".join(f"{v:.1f}" for v in report["results"][p, mode])
+                print(f"P={p} {mode}: {rates} rows/s", flush=True)
+        if "engine" in ways and engine.prefix_cache is not None:
+            print(f"engine prefix cache: {engine.prefix_cache.stats}")
+    for mode, by_rows in timings.items():
+        for rows, values in sorted(by_rows.items()):
+            if rows in args.particles:
+                report["server"][rows, mode] = [statistics.median(v) for v in zip(*values, strict=True)]
     return report
 
 

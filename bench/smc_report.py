@@ -3,7 +3,8 @@
 A report: results[(P, way)] = rows/s of each repeat (the whole loop, sampling included);
 calls[(P, way)] = ms per step spent in the next-token call; server[(P, way)] = the gateway's
 median (rows, encode) ms per step from Server-Timing; checks[(P, way)] = the largest difference
-from an uncached forward pass.
+from an uncached forward pass. "vs engine" (and decode, genlm) is the median over repeats of each
+run's ratio to that way's run of the same repeat: the ways take turns within a repeat.
 """
 
 from __future__ import annotations
@@ -44,10 +45,7 @@ def print_tables(args: argparse.Namespace, report: dict) -> None:
     )
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for (particles, mode), values in sorted(results.items(), key=lambda item: item[0][0]):
-        ratio = {
-            m: f"{median[particles, mode] / median[particles, m]:.2f}x" if (particles, m) in median else "-"
-            for m in ("engine", "decode", "genlm")
-        }
+        ratio = {m: _paired(results, particles, mode, m) for m in ("engine", "decode", "genlm")}
         call = f"{statistics.median(calls[particles, mode]):.1f}" if (particles, mode) in calls else "-"
         timing = server.get((particles, mode))
         on_server = f"{timing[0]:.1f} + {timing[1]:.1f}" if timing else "-"
@@ -56,6 +54,15 @@ def print_tables(args: argparse.Namespace, report: dict) -> None:
             f"| {particles} | {mode} | {median[particles, mode]:.1f} | {min(values):.1f}-{max(values):.1f} | "
             f"{ratio['engine']} | {ratio['decode']} | {ratio['genlm']} | {call} | {on_server} | {check} |"
         )
+
+
+def _paired(results: dict, particles: int, mode: str, base: str) -> str:
+    if (particles, base) not in results:
+        return "-"
+    runs, base_runs = results[particles, mode], results[particles, base]
+    if len(runs) != len(base_runs):
+        return f"{statistics.median(runs) / statistics.median(base_runs):.2f}x"
+    return f"{statistics.median(a / b for a, b in zip(runs, base_runs, strict=True)):.2f}x"
 
 
 def plot(path: Path, args: argparse.Namespace, results: dict) -> None:

@@ -62,7 +62,7 @@ class Segment:
 class SharedSegments:
     def __init__(
         self,
-        max_bytes: int = 128 << 20,
+        max_bytes: int = 64 << 20,
         max_segments: int = 64,
         evict: Callable[[object], None] = lambda answer: None,
     ) -> None:
