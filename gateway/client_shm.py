@@ -117,17 +117,22 @@ class SharedSegments:
         return len(self._segments) < 2 or self.nbytes + size <= self.max_bytes
 
     def _recycle(self, nbytes: int) -> Segment | None:
-        """The oldest answer whose only holder is the client's cache gives up its segment."""
-        for segment in sorted(
-            (s for s in self._segments if s.busy and s.size >= nbytes), key=lambda s: s.leased
-        ):
+        """The oldest answers whose only holder is the client's cache give up their segments: one
+        that fits takes the answer, smaller ones are closed to make room for one that does."""
+        for segment in sorted((s for s in self._segments if s.busy), key=lambda s: s.leased):
             answer = segment.answer()
             if answer is None:  # a request in flight
                 continue
             self.evict(answer)
             del answer
-            if not segment.busy:  # nothing else viewed it: its finalizer ran
+            if segment.busy:  # the caller still holds rows of it
+                continue
+            if segment.size >= nbytes:
                 return segment
+            self._close(segment)
+            grown = self._grow(nbytes)
+            if grown is not None:
+                return grown
         return None
 
     def release(self, segment: Segment) -> None:

@@ -214,6 +214,17 @@ def test_smc_steps_take_turns_in_two_segments(lm, socket_lm):
     assert len(lm._cache) == 16  # the rows of the two answers still in segments
 
 
+def test_a_larger_answer_takes_the_place_of_smaller_ones(lm):
+    """Segments sized for small steps (their rows only in the row cache) make room for a larger
+    step instead of sending it in the body."""
+    lm._segments.max_bytes = 0
+    for seed in range(3):
+        lm.batch_next_token_logprobs_sync(prefixes(8, 50 + seed))
+    larger = lm.batch_next_token_logprobs_sync(prefixes(24, 60))
+    assert lm.shared_memory_answers == 4 and in_segment(lm, larger)
+    assert len(lm._segments._segments) == 2
+
+
 def test_answers_the_caller_keeps_are_never_written_over(lm, socket_lm):
     lm._segments.max_bytes = 0
     kept = []
