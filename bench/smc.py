@@ -27,7 +27,7 @@ Sampling is the same for every way: inverse CDF in float32 on the CPU with torch
 seeded. Besides rows/s of the whole loop, the bench times the next-token call of each step alone.
 
 Prints a Markdown table of rows/s per particle count (median over --repeats runs, each with its own prompt so no
-cache carries over), checks rows of `engine` and `gateway` against an uncached forward pass of the
+cache carries over; the ways take turns within each repeat, and ratios pair the runs of a repeat), checks rows of `engine` and `gateway` against an uncached forward pass of the
 same weights, and writes a bar chart (matplotlib). --random-model builds randomly initialised
 weights of a named shape (SmolLM2's tokenizer, vocab 49152) in a temporary directory.
 """
