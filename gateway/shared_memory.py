@@ -23,7 +23,6 @@ import fcntl
 import mmap
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,10 +30,12 @@ from gateway.errors import InvalidRequestError
 from gateway.schemas.logprobs import SharedMemoryTarget
 
 
-@dataclass
-class _Segment:
-    mapping: mmap.mmap
-    size: int
+def _names_segment(path: str, name: str) -> bool:
+    """Whether `path` (a /proc/.../fd/N link) is the memfd called `name`."""
+    try:
+        return os.readlink(path) == f"/memfd:{name} (deleted)"
+    except OSError:  # no such process or descriptor here, or not ours to inspect
+        return False
 
 
 class SharedMemoryWriter:
@@ -44,7 +45,7 @@ class SharedMemoryWriter:
     def __init__(self, max_segments: int = 64, max_bytes: int = 8 << 30) -> None:
         self.max_segments = max_segments
         self.max_bytes = max_bytes
-        self._segments: OrderedDict[tuple[int, int, str], _Segment] = OrderedDict()
+        self._segments: OrderedDict[tuple[int, int, str], mmap.mmap] = OrderedDict()
         self._bytes = 0
 
     def target(self, target: SharedMemoryTarget, nbytes: int) -> np.ndarray | None:
@@ -59,25 +60,24 @@ class SharedMemoryWriter:
                 return None
         else:
             self._segments.move_to_end(key)
-        if target.offset + nbytes > segment.size:
+        if target.offset + nbytes > len(segment):
             raise InvalidRequestError(
-                f"the shared memory segment has {segment.size} bytes; the answer needs {nbytes} "
+                f"the shared memory segment has {len(segment)} bytes; the answer needs {nbytes} "
                 f"from offset {target.offset}",
                 param="shared_memory",
             )
-        return np.frombuffer(segment.mapping, dtype=np.uint8, count=nbytes, offset=target.offset)
+        return np.frombuffer(segment, dtype=np.uint8, count=nbytes, offset=target.offset)
 
-    def _map(self, target: SharedMemoryTarget) -> _Segment | None:
+    def _map(self, target: SharedMemoryTarget) -> mmap.mmap | None:
         path = f"/proc/{target.pid}/fd/{target.fd}"
-        expected = f"/memfd:{target.name} (deleted)"
-        try:
-            if os.readlink(path) != expected:  # checked first, so nothing else is ever opened
-                return None
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:  # no such process or descriptor here, or not ours to open
+        if not _names_segment(path, target.name):  # checked first, so nothing else is ever opened
             return None
         try:
-            if os.readlink(f"/proc/self/fd/{fd}") != expected:  # replaced between the two looks
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:  # gone meanwhile, or not ours to open
+            return None
+        try:
+            if not _names_segment(f"/proc/self/fd/{fd}", target.name):  # replaced between the two looks
                 return None
             if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
                 raise InvalidRequestError(
@@ -87,15 +87,18 @@ class SharedMemoryWriter:
             size = os.fstat(fd).st_size
             if size == 0:
                 raise InvalidRequestError("the shared memory segment is empty", param="shared_memory")
-            segment = _Segment(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), size)
+            segment = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             return None
         finally:
             os.close(fd)  # the mapping keeps the file
         self._drop_closed()
         self._segments[target.pid, target.fd, target.name] = segment
-        self._bytes += size
-        while len(self._segments) > self.max_segments or self._bytes > self.max_bytes:
+        self._bytes += len(segment)
+        # The oldest go first, never the one just mapped: this request writes into it.
+        while len(self._segments) > 1 and (
+            len(self._segments) > self.max_segments or self._bytes > self.max_bytes
+        ):
             self._forget(next(iter(self._segments)))
         return segment
 
@@ -103,19 +106,15 @@ class SharedMemoryWriter:
         """Mappings of segments their client closed (or exited) would keep that memory alive."""
         for key in list(self._segments):
             pid, fd, name = key
-            try:
-                alive = os.readlink(f"/proc/{pid}/fd/{fd}") == f"/memfd:{name} (deleted)"
-            except OSError:
-                alive = False
-            if not alive:
+            if not _names_segment(f"/proc/{pid}/fd/{fd}", name):
                 self._forget(key)
 
     def _forget(self, key: tuple[int, int, str]) -> None:
         segment = self._segments.pop(key)
-        self._bytes -= segment.size
+        self._bytes -= len(segment)
         # A copy still writing through it holds a buffer export: then it closes when that ends.
         with contextlib.suppress(BufferError):
-            segment.mapping.close()
+            segment.close()
 
     def close(self) -> None:
         while self._segments:

@@ -321,3 +321,17 @@ def test_large_copies_run_in_pieces_and_copy_every_byte():
     destination = np.zeros_like(source)
     copy_into(destination, source)
     assert np.array_equal(destination, source)
+
+
+def test_a_segment_over_the_gateways_bound_is_still_written_and_pushes_out_the_others():
+    writer = SharedMemoryWriter(max_bytes=4096)
+    big, other = memfd(8192), memfd(8192)
+    try:
+        for value, (fd, name) in ((3, big), (4, other)):
+            writer.target(SharedMemoryTarget(pid=os.getpid(), fd=fd, name=name), 8192)[:] = value
+            assert os.pread(fd, 8192, 0) == bytes([value]) * 8192
+            assert [key[2] for key in writer._segments] == [name]  # only the one being written
+    finally:
+        writer.close()
+        for fd, _ in (big, other):
+            os.close(fd)
