@@ -168,14 +168,21 @@ class AsyncGatewayLM:
         step = self.max_rows_per_request
         return [rows[start : start + step] for start in range(0, len(rows), step)]
 
+    def _answer_bytes(self, rows: int) -> int:
+        return rows * self.vocab_size * ITEMSIZE[self.dtype]
+
     def _request(self, model: str, rows: list[tuple[int, ...]]) -> tuple[bytes, Segment | None]:
         """The request's body, and the segment it asks the gateway to write the answer into."""
         self.requests_sent += 1
-        body: dict[str, Any] = {"model": model, "input": [list(r) for r in rows], "dtype": self.dtype}
-        body["layout"] = "matrix"
+        body: dict[str, Any] = {
+            "model": model,
+            "input": [list(r) for r in rows],
+            "dtype": self.dtype,
+            "layout": "matrix",
+        }
         segment = None
         if self._segments is not None and self._ask_shared_memory:
-            segment = self._segments.lease(len(rows) * self.vocab_size * ITEMSIZE[self.dtype])
+            segment = self._segments.lease(self._answer_bytes(len(rows)))
             if segment is not None:
                 body["shared_memory"] = segment.target()
         return msgspec.msgpack.encode(body), segment
@@ -191,11 +198,10 @@ class AsyncGatewayLM:
                 self._segments.release(segment)
                 self._segments.drop_idle()
             return body_matrix(document, count)
-        expected = count * self.vocab_size * ITEMSIZE[self.dtype]
         if (
             segment is None
             or document.offset != 0
-            or document.nbytes != expected
+            or document.nbytes != self._answer_bytes(count)
             or document.dtype != self.dtype
         ):
             raise ValueError("a shared memory answer that does not match the request")

@@ -32,7 +32,7 @@ from itertools import count
 
 import numpy as np
 
-from gateway.encoding import Dtype, decode_row
+from gateway.encoding import ITEMSIZE, Dtype, decode_row
 
 MIN_BYTES = 1 << 20  # smaller answers come in the body: a segment per row would cost more than it saves
 _GRAIN = 1 << 20  # segment sizes are rounded up to this, so steps of similar size share segments
@@ -145,7 +145,7 @@ class SharedSegments:
         into a new array."""
         values = rows * vocab_size
         if dtype != "float32":
-            raw = np.frombuffer(segment.mapping, dtype=np.uint8, count=values * 2)
+            raw = np.frombuffer(segment.mapping, dtype=np.uint8, count=values * ITEMSIZE[dtype])
             try:
                 return decode_row(memoryview(raw), dtype).reshape(rows, vocab_size)
             finally:
