@@ -3,19 +3,23 @@
 The cache is an optimisation, never part of correctness: any failure of the store (down, slow,
 garbage) reads as a miss, and the rows are computed as if there were no cache.
 
-    RowStore                  bytes by key: get_many / set_many / delete_many
-     ├── MemoryStore          in-process LRU bounded by bytes
+    RowStore                  values by key: get_many / set_many / delete_many
+     ├── MemoryStore          in-process LRU bounded by the memory its values keep alive
      └── RedisStore           pipelined MGET / SET EX, timeouts, circuit breaker
     DenseRowCache             keys, value framing and checks, over one RowStore
 
 Keys: `{namespace}:v{FORMAT}:row:{sha256(model fingerprint, adapter, dtype, token ids)}`.
-Values: a 16-byte header (magic + version, row length, CRC-32 of the payload) and the raw
-little-endian float32 row. A value whose header, length or checksum is off is a miss and is deleted.
-Values that never leave the process (MemoryStore) carry no checksum (0): 50 MB of CRC-32 per
-256-row step cost 14 ms of a core here. The values of one engine step are views of one buffer,
-filled by one copy outside the interpreter lock. Stores run after the response, on one thread of
-lower priority: a client on the same machine is then sampling from its rows on every core, and
-a store competing for those cores costs it more than the store itself.
+Values bound for Redis are framed: a 16-byte header (magic + version, row length, CRC-32 of the
+payload) and the raw little-endian float32 row. A value whose header, length or checksum is off is
+a miss and is deleted. The values of one engine step are views of one buffer, filled by one copy
+outside the interpreter lock, on one thread of lower priority after the response: a client on the
+same machine is then sampling from its rows on every core, and a store competing for those cores
+costs it more than the store itself.
+
+The in-process store keeps the engine's rows themselves, as read-only views of the matrix the
+engine returned: no copy, no framing. A 256-row step is 50 MB; copying it into the cache cost a
+client on the same host more time per step than the gateway's whole call through shared memory.
+Engines return a fresh matrix per call and nothing on the response path writes to it.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.buffer_lru import BufferLRU
+from gateway.buffer_lru import BufferLRU, anchor
 from gateway.metrics import Metrics
 from gateway.settings import CacheSettings
 
@@ -66,11 +70,11 @@ class CacheStats:
     corrupt: int = 0  # values that failed the checks, deleted
 
 
-Value = bytes | memoryview
+Value = bytes | memoryview | np.ndarray
 
 
 class RowStore(ABC):
-    checksums = True  # values carry a CRC-32 of their payload, checked when read
+    framed = True  # values are bytes (header and row); False: the float32 rows themselves
 
     @abstractmethod
     async def get_many(self, keys: Sequence[str]) -> list[Value | None]:
@@ -90,16 +94,17 @@ class RowStore(ABC):
 def _memory_of(value: Value) -> tuple[object, int]:
     """The object whose memory a value keeps alive, and its size: a view keeps its whole buffer."""
     owner = value.obj if isinstance(value, memoryview) else value
-    while isinstance(owner, np.ndarray) and owner.base is not None:
-        owner = owner.base
-    return owner, owner.nbytes if isinstance(owner, np.ndarray) else len(value)
+    if isinstance(owner, np.ndarray):
+        owner = anchor(owner)
+        return owner, owner.nbytes
+    return owner, len(value)
 
 
 class MemoryStore(RowStore):
     """An in-process LRU bounded by the memory its values keep alive (a buffer that several values
     view counts once, in full, until the last of them goes)."""
 
-    checksums = False  # its values never leave the process
+    framed = False  # its values never leave the process
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -263,31 +268,37 @@ class DenseRowCache:
         return f"{self.namespace}:v{FORMAT}:row:{digest.hexdigest()}"
 
     @staticmethod
-    def encode(row: np.ndarray, checksums: bool = True) -> bytes:
-        return bytes(DenseRowCache.encode_many(row[None], checksums)[0])
+    def encode(row: np.ndarray) -> bytes:
+        return bytes(DenseRowCache.encode_many(row[None])[0])
 
     @staticmethod
-    def encode_many(rows: np.ndarray, checksums: bool = True) -> list[memoryview]:
+    def encode_many(rows: np.ndarray) -> list[memoryview]:
         """The values of `rows` [n, width]: views of one buffer [n, header + payload]."""
         count, width = rows.shape
         buffer = np.empty((count, _HEADER.size + 4 * width), dtype=np.uint8)
         buffer[:, _HEADER.size :].view("<f4")[...] = rows  # one copy, outside the interpreter lock
         values = []
         for value in buffer:
-            check = zlib.crc32(value[_HEADER.size :]) if checksums else 0
-            _HEADER.pack_into(value, 0, _MAGIC, width, check)
+            _HEADER.pack_into(value, 0, _MAGIC, width, zlib.crc32(value[_HEADER.size :]))
             values.append(memoryview(value))
         return values
 
     @staticmethod
-    def decode(value: Value, width: int, checksums: bool = True) -> np.ndarray | None:
+    def decode(value: Value, width: int) -> np.ndarray | None:
         if len(value) != _HEADER.size + 4 * width:
             return None
         magic, count, check = _HEADER.unpack_from(value)
         payload = memoryview(value)[_HEADER.size :]
-        if magic != _MAGIC or count != width or (checksums and zlib.crc32(payload) != check):
+        if magic != _MAGIC or count != width or zlib.crc32(payload) != check:
             return None
         return np.frombuffer(payload, dtype="<f4")
+
+    def _row(self, value: Value, width: int) -> np.ndarray | None:
+        if self.store.framed:
+            return self.decode(value, width)
+        if isinstance(value, np.ndarray) and value.dtype == np.float32 and value.shape == (width,):
+            return value
+        return None
 
     async def lookup(self, keys: Sequence[str], width: int) -> list[np.ndarray | None]:
         started = time.perf_counter()
@@ -299,7 +310,7 @@ class DenseRowCache:
         rows: list[np.ndarray | None] = []
         corrupt = []
         for key, value in zip(keys, values, strict=True):
-            row = None if value is None else self.decode(value, width, self.store.checksums)
+            row = None if value is None else self._row(value, width)
             if value is not None and row is None:
                 corrupt.append(key)
             rows.append(row)
@@ -316,9 +327,15 @@ class DenseRowCache:
 
     async def store_rows(self, keys: Sequence[str], rows: np.ndarray) -> None:
         started = time.perf_counter()
-        # Megabytes of rows to copy (and hash): off the event loop (numpy and zlib release the GIL).
-        loop = asyncio.get_running_loop()
-        values = await loop.run_in_executor(_storer, self.encode_many, rows, self.store.checksums)
+        values: Sequence[Value]
+        if self.store.framed:
+            # Megabytes of rows to copy and hash: off the event loop (numpy and zlib release the GIL).
+            loop = asyncio.get_running_loop()
+            values = await loop.run_in_executor(_storer, self.encode_many, rows)
+        else:
+            frozen = rows.view()  # the rows themselves; nothing can write through the cache's views
+            frozen.flags.writeable = False
+            values = list(frozen)
         await self.store.set_many(list(zip(keys, values, strict=True)))
         self.metrics.cache_duration.labels("set").observe(time.perf_counter() - started)
 

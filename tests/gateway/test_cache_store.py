@@ -129,41 +129,40 @@ async def test_background_stores_are_read_back_and_finished_on_close():
     other = cache.key("m", None, [3])
     cache.store_in_background([other], _row(3)[None])
     await cache.aclose()  # lets the store finish: nothing is lost at shutdown
-    assert await store.get_many([other]) != [None]
+    assert np.array_equal((await store.get_many([other]))[0], _row(3))
 
 
-async def test_values_of_one_step_share_a_buffer_counted_once():
+async def test_in_process_values_are_the_engine_rows_read_only_and_counted_once():
+    store = MemoryStore(3 * 4 * 4000)  # room for three steps of four rows
+    cache = DenseRowCache(store)
+    rows = np.stack([_row(i) for i in range(4)])
+    keys = [cache.key("m", None, [i]) for i in range(4)]
+    await cache.store_rows(keys, rows)
+    stored = await store.get_many(keys)
+    assert all(np.shares_memory(v, rows) for v in stored)  # no copy
+    assert not any(v.flags.writeable for v in stored)
+    found = await cache.lookup(keys, 1000)
+    assert all(f.tobytes() == r.tobytes() for f, r in zip(found, rows, strict=True))
+    assert await cache.lookup([keys[0]], 999) == [None]  # another vocabulary: a miss
+    assert store.size == rows.nbytes  # one matrix, counted once
+    await store.delete_many(keys[:3])
+    assert store.size == rows.nbytes  # the last row alone keeps the whole matrix
+    for step in range(3):  # newer steps push the oldest out, matrix by matrix
+        more = np.stack([_row(10 * step + i) for i in range(4)])
+        await cache.store_rows([cache.key("m", None, [step, i]) for i in range(4)], more)
+    assert await store.get_many(keys[3:]) == [None] and store.size == 3 * rows.nbytes
+    huge = np.stack([_row(i) for i in range(13)])
+    await cache.store_rows([cache.key("m", None, [99])], huge[:1])
+    assert await store.get_many([cache.key("m", None, [99])]) == [None]  # its matrix alone is over the budget
+
+
+async def test_values_bound_for_redis_are_framed_with_a_checksum():
     rows = np.stack([_row(i) for i in range(4)])
     values = DenseRowCache.encode_many(rows)
     assert [bytes(v) for v in values] == [DenseRowCache.encode(r) for r in rows]
     assert all(np.array_equal(DenseRowCache.decode(v, 1000), r) for v, r in zip(values, rows, strict=True))
-    store = MemoryStore(3 * 4016 * 4)  # room for three such steps
-    await store.set_many([(f"a{i}", v) for i, v in enumerate(values)])
-    assert store.size == 4 * 4016  # one buffer of four values
-    await store.delete_many(["a0", "a1", "a2"])
-    assert store.size == 4 * 4016  # "a3" alone keeps the whole buffer
-    for step in range(3):  # newer steps push the oldest out, buffer by buffer
-        more = DenseRowCache.encode_many(np.stack([_row(10 * step + i) for i in range(4)]))
-        await store.set_many([(f"s{step}-{i}", v) for i, v in enumerate(more)])
-    assert await store.get_many(["a3"]) == [None] and store.size == 3 * 4 * 4016
-    await store.set_many([("huge", DenseRowCache.encode_many(np.stack([_row(i) for i in range(13)]))[0])])
-    assert await store.get_many(["huge"]) == [None]  # its buffer alone is over the budget
-
-
-async def test_in_process_values_skip_the_checksum_and_read_back_bit_identical():
-    store = MemoryStore(10**7)
-    cache = DenseRowCache(store)
-    rows = np.stack([_row(i) for i in range(3)])
-    keys = [cache.key("m", None, [i]) for i in range(3)]
-    await cache.store_rows(keys, rows)
-    stored = await store.get_many(keys)
-    assert [bytes(v[8:16]) for v in stored] == [bytes(8)] * 3  # no CRC-32 computed
-    found = await cache.lookup(keys, 1000)
-    assert all(f.tobytes() == r.tobytes() for f, r in zip(found, rows, strict=True))
-    # A value bound for Redis carries the checksum, and a flipped bit is caught by it.
     framed = DenseRowCache.encode(rows[0])
     assert framed[8:16] != bytes(8) and framed[16:] == rows[0].tobytes()
     flipped = bytearray(framed)
     flipped[-1] ^= 1
     assert DenseRowCache.decode(bytes(flipped), 1000) is None
-    assert DenseRowCache.decode(bytes(flipped), 1000, checksums=False) is not None
