@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import time
 
@@ -41,6 +43,12 @@ def test_keys_separate_models_adapters_and_prefixes():
     assert len(keys) == 6
     assert all(k.startswith(f"lpg:v{FORMAT}:row:") for k in keys)
     assert cache.key("model-a", None, [1, 2, 3]) == cache.key("model-a", None, (1, 2, 3))
+    # The documented derivation: replicas of other versions sharing one Redis find the same rows.
+    ids = [0, 49151, 2**40]
+    digest = hashlib.sha256(
+        json.dumps(["model-a", "lora_1", "float32"]).encode() + np.asarray(ids, "<i8").tobytes()
+    )
+    assert cache.key("model-a", "lora_1", ids) == f"lpg:v{FORMAT}:row:{digest.hexdigest()}"
 
 
 def test_weights_fingerprint_follows_config_and_weights(model_dir, tmp_path):
