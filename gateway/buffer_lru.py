@@ -9,7 +9,7 @@ the gateway's in-process output cache. Needs only the standard library and numpy
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,9 @@ class BufferLRU:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
 
+    def isdisjoint(self, keys: Iterable[Hashable]) -> bool:
+        return self._entries.keys().isdisjoint(keys)
+
     def get(self, key: Hashable) -> Any:
         found = self._entries.get(key)
         if found is None:
@@ -39,23 +42,30 @@ class BufferLRU:
     def put(self, key: Hashable, value: Any, owner: object, nbytes: int) -> None:
         """`value` under `key`; it keeps `owner`, `nbytes` of memory, alive (owner may be value).
         Nothing is kept when the owner alone is over the byte bound."""
-        if self.max_items <= 0 or nbytes > self.max_bytes:
-            return
-        self.pop(key)
-        self._entries[key] = (value, id(owner))  # value keeps owner alive: the id stays its own
-        held = self._owners.get(id(owner))
-        if held is None:
-            held = self._owners[id(owner)] = (nbytes, set())
-            self.nbytes += nbytes
-        held[1].add(key)
-        while len(self._entries) > self.max_items or self.nbytes > self.max_bytes:
-            self.pop(next(iter(self._entries)))
+        self._put([key], [value], owner, nbytes)
 
     def put_rows(self, keys: Sequence[Hashable], matrix: np.ndarray) -> None:
         """Row i of `matrix` under keys[i], as views of it."""
         owner = anchor(matrix)
-        for key, row in zip(keys, matrix, strict=True):
-            self.put(key, row, owner, owner.nbytes)
+        self._put(keys, matrix, owner, owner.nbytes)
+
+    def _put(self, keys: Sequence[Hashable], values: Any, owner: object, nbytes: int) -> None:
+        # In bulk: an SMC step puts hundreds of rows of one matrix, on the caller's critical path.
+        if self.max_items <= 0 or nbytes > self.max_bytes:
+            return
+        entries = self._entries
+        for key in keys:
+            if key in entries:
+                self.pop(key)
+        held = self._owners.get(id(owner))  # values keep owner alive: the id stays its own
+        if held is None:
+            held = self._owners[id(owner)] = (nbytes, set())
+            self.nbytes += nbytes
+        for key, value in zip(keys, values, strict=True):
+            entries[key] = (value, id(owner))
+        held[1].update(keys)
+        while len(entries) > self.max_items or self.nbytes > self.max_bytes:
+            self.pop(next(iter(entries)))
 
     def pop(self, key: Hashable) -> Any:
         found = self._entries.pop(key, None)
@@ -71,9 +81,11 @@ class BufferLRU:
 
     def drop_owner(self, owner: object) -> None:
         """Every entry put with `owner` (for `put_rows`, its `anchor`)."""
-        held = self._owners.get(id(owner))
-        for key in list(held[1]) if held else ():
-            self.pop(key)
+        held = self._owners.pop(id(owner), None)
+        if held is not None:
+            for key in held[1]:
+                del self._entries[key]
+            self.nbytes -= held[0]
 
     def clear(self) -> None:
         self._entries.clear()

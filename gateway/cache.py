@@ -75,8 +75,6 @@ Value = bytes | memoryview | np.ndarray
 
 
 class RowStore(ABC):
-    framed = True  # values are bytes (header and row); False: the float32 rows themselves
-
     @abstractmethod
     async def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         """Values in key order; None for a miss. Never raises for store failures."""
@@ -105,8 +103,6 @@ class MemoryStore(RowStore):
     """An in-process LRU bounded by the memory its values keep alive (a buffer that several values
     view counts once, in full, until the last of them goes)."""
 
-    framed = False  # its values never leave the process
-
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._items = BufferLRU(sys.maxsize, max_bytes)
@@ -121,6 +117,12 @@ class MemoryStore(RowStore):
     async def set_many(self, items: Sequence[tuple[str, Value]]) -> None:
         for key, value in items:
             self._items.put(key, value, *_memory_of(value))
+
+    def put_rows(self, keys: Sequence[str], rows: np.ndarray) -> None:
+        """Row i of `rows` under keys[i]: read-only views of it, no copy."""
+        frozen = rows.view()  # nothing can write through the cache's views
+        frozen.flags.writeable = False
+        self._items.put_rows(keys, frozen)
 
     async def delete_many(self, keys: Sequence[str]) -> None:
         for key in keys:
@@ -303,7 +305,7 @@ class DenseRowCache:
         return np.frombuffer(payload, dtype="<f4")
 
     def _row(self, value: Value, width: int) -> np.ndarray | None:
-        if self.store.framed:
+        if not isinstance(self.store, MemoryStore):
             return self.decode(value, width)
         if isinstance(value, np.ndarray) and value.dtype == np.float32 and value.shape == (width,):
             return value
@@ -336,16 +338,13 @@ class DenseRowCache:
 
     async def store_rows(self, keys: Sequence[str], rows: np.ndarray) -> None:
         started = time.perf_counter()
-        values: Sequence[Value]
-        if self.store.framed:
+        if isinstance(self.store, MemoryStore):
+            self.store.put_rows(keys, rows)
+        else:
             # Megabytes of rows to copy and hash: off the event loop (numpy and zlib release the GIL).
             loop = asyncio.get_running_loop()
             values = await loop.run_in_executor(_storer, self.encode_many, rows)
-        else:
-            frozen = rows.view()  # the rows themselves; nothing can write through the cache's views
-            frozen.flags.writeable = False
-            values = list(frozen)
-        await self.store.set_many(list(zip(keys, values, strict=True)))
+            await self.store.set_many(list(zip(keys, values, strict=True)))
         self.metrics.cache_duration.labels("set").observe(time.perf_counter() - started)
 
     def store_in_background(self, keys: Sequence[str], rows: np.ndarray) -> None:

@@ -331,7 +331,7 @@ class AsyncGatewayLM:
         positions: dict[Key, int] = {}
         for key in keys:
             positions.setdefault(key, len(positions))
-        if not any(k in self._cache or k in self._pending for k in positions):
+        if self._cache.isdisjoint(positions) and self._pending.keys().isdisjoint(positions):
             # All new (an SMC step): one request of the distinct rows, and the answer as it is when
             # no row repeats; else one gather of it (particles that resampling duplicated).
             matrix = await self._fetch(model, [row for _, row in positions])

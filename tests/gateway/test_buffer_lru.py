@@ -41,3 +41,17 @@ def test_row_budget_least_recently_used_first_and_oversized_matrices_skipped():
     off = BufferLRU(max_items=0, max_bytes=1 << 20)
     off.put_rows(["a"], matrix(1, 0))
     assert off.get("a") is None
+
+
+def test_dropping_an_owner_removes_exactly_its_rows():
+    cache = BufferLRU(max_items=100, max_bytes=100_000)
+    first, second = matrix(3, 0), matrix(2, 1)
+    cache.put_rows(["a", "b", "c"], first)
+    cache.put_rows(["c", "d"], second)  # "c" moves to the second matrix
+    assert not cache.isdisjoint(["x", "a"]) and cache.isdisjoint(["x", "y"])
+    cache.drop_owner(first)
+    assert {k for k in "abcd" if k in cache} == {"c", "d"} and cache.nbytes == second.nbytes
+    assert np.array_equal(cache.get("c"), second[0])
+    cache.drop_owner(first)  # nothing left of it: no change
+    cache.drop_owner(second)
+    assert len(cache) == 0 and cache.nbytes == 0
