@@ -63,7 +63,7 @@ from gateway.client import AsyncGatewayLM  # noqa: E402
 from gateway.launcher import start_gateway  # noqa: E402
 
 PROMPT = "The old lighthouse keeper climbed the stairs every evening, and tonight, as the storm rolled in, he"
-SHAPES = {  # Llama-3.2-1B's shape with SmolLM2's vocabulary
+SHAPES = {  # Llama-3.2 shapes with SmolLM2's vocabulary
     "llama-1b": dict(
         hidden_size=2048,
         intermediate_size=8192,
@@ -71,6 +71,18 @@ SHAPES = {  # Llama-3.2-1B's shape with SmolLM2's vocabulary
         num_attention_heads=32,
         num_key_value_heads=8,
         head_dim=64,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        vocab_size=49152,
+    ),
+    "llama-3b": dict(  # Llama-3.2-3B's shape: the same call overhead against a longer forward pass
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
         rope_theta=500000.0,
         max_position_embeddings=8192,
         tie_word_embeddings=True,
@@ -143,6 +155,8 @@ def engine_rows(engine: TransformersEngine) -> NextRows:
         for row in rows:
             index.setdefault(tuple(row), len(index))
         out = await engine.next_token_logprobs(list(index))
+        if len(index) == len(rows):  # no particle repeats: the engine's matrix as it is
+            return out
         return out[[index[tuple(r)] for r in rows]]
 
     return next_rows

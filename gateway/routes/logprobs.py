@@ -46,6 +46,7 @@ def _float_row(values: np.ndarray) -> list[float | None]:
 
 @post("/v1/next_token_logprobs", status_code=200, summary="Dense next-token log-probabilities")
 async def next_token_logprobs(request: Request) -> Response:
+    begun = time.perf_counter()
     body = await decode_json(request, NextTokenLogprobsRequest)
     served, adapter = resolve_model(request, body.model)
     engine = served.require_engine()
@@ -81,9 +82,15 @@ async def next_token_logprobs(request: Request) -> Response:
         parts = await asyncio.to_thread(_deliver, rows, body, engine.vocab_size, usage, binary, destination)
     else:
         parts = await asyncio.to_thread(_encode, rows, body, engine.vocab_size, usage, binary)
-    # Where the server's time went (ms), for clients and benches: rows (cache + queue + engine), encode.
-    timing = (
-        f"rows;dur={(computed - started) * 1e3:.2f}, encode;dur={(time.perf_counter() - computed) * 1e3:.2f}"
+    # Where the server's time went (ms), for clients and benches: the request read and checked,
+    # rows (cache + queue + engine), encode (or the copy into shared memory).
+    timing = ", ".join(
+        f"{name};dur={seconds * 1e3:.2f}"
+        for name, seconds in (
+            ("parse", started - begun),
+            ("rows", computed - started),
+            ("encode", time.perf_counter() - computed),
+        )
     )
     encoding = "shared_memory" if destination is not None else "msgpack" if binary else body.encoding_format
     served.metrics.dense_rows.labels(served.name, adapter or "", encoding).inc(len(inputs))
