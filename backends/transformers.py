@@ -136,11 +136,13 @@ def rows_to_host(rows: torch.Tensor) -> np.ndarray:
 
 
 def release_pinned_memory(limit: int) -> bool:
-    """Gives the page-locked blocks that no array uses back when torch holds more than `limit`."""
-    if torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) <= limit:
+    """Gives the page-locked blocks that no array uses back when torch holds more than `limit`
+    (a no-op with a torch that has neither the statistics nor the release)."""
+    stats = getattr(torch.cuda, "host_memory_stats", dict)
+    public = getattr(torch, "accelerator", None)  # empty_host_cache from torch 2.13; private before
+    release = getattr(public, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if release is None or stats().get("allocated_bytes.current", 0) <= limit:
         return False
-    # Public from torch 2.13; the private name before it.
-    release = getattr(torch.accelerator, "empty_host_cache", None) or torch._C._host_emptyCache
     release()
     return True
 

@@ -1,0 +1,142 @@
+"""Where one SMC step's next-token call spends its time: in process, and through the gateway.
+
+    python bench/step_parts.py                                  # SmolLM2-135M, CPU, P=16
+    python bench/step_parts.py --random-model llama-1b --device cuda --dtype bfloat16 --particles 256
+
+Runs bench/smc.py's loop with our engine in process and then through a gateway on this machine
+(default configuration, shared memory), and prints the median ms per step of each part: the
+engine's own call, the gateway call end to end, the server's parts from its Server-Timing header
+(parse, rows, encode: the copy into the client's memory), what is left of the HTTP exchange, and
+the client's own work around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import smc as bench  # noqa: E402
+
+from backends.base import EngineConfig  # noqa: E402
+from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
+from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
+from gateway.client import AsyncGatewayLM  # noqa: E402
+from gateway.launcher import start_gateway  # noqa: E402
+
+
+def timed(record: list[float], call):
+    async def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return await call(*args, **kwargs)
+        finally:
+            record.append(time.perf_counter() - started)
+
+    return wrapper
+
+
+async def run(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
+    device = resolve_device(args.device)
+    if args.random_model:
+        model_dir = bench.random_model_dir(
+            args.random_model, resolve_dtype(args.dtype, device), device, tmp / "model", args.tokenizer
+        )
+    else:
+        model_dir = resolve_model_dir(args.model)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    parts: dict[str, list[float]] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        engine = TransformersEngine.load(
+            EngineConfig(model=str(model_dir), dtype=args.dtype, device=args.device)
+        )
+        stack.push_async_callback(engine.aclose)
+        engine.next_token_logprobs = timed(
+            parts.setdefault("engine: next_token_logprobs", []), engine.next_token_logprobs
+        )
+        config = tmp / "gateway.toml"
+        config.write_text(
+            f'[[models]]\nname = "smc"\nmodel = "{model_dir}"\ndtype = "{args.dtype}"\ndevice = "{args.device}"\n'
+        )
+        gateway = start_gateway(["--config", str(config)], tmp / "gateway.log")
+        stack.callback(gateway.stop)
+        lm = AsyncGatewayLM(gateway.base_url, "smc")
+        stack.push_async_callback(lm.aclose)
+        # The HTTP exchange alone: the client's private transport call, timed from outside.
+        lm._post_dense = timed(parts.setdefault("exchange", []), lm._post_dense)  # type: ignore[method-assign]
+        ways = {"engine": bench.engine_rows(engine), "gateway": bench.batch_rows(lm)}
+        for way, next_rows in ways.items():
+            await bench.smc(next_rows, tokenizer("warm up").input_ids, args.particles, 4, 2, 0)
+            for values in parts.values():
+                values.clear()
+            calls = parts.setdefault(f"{way}: the step's call", [])
+            server = parts.setdefault("server", [])
+
+            async def step(rows: list[list[int]], next_rows=next_rows, calls=calls, server=server) -> object:
+                started = time.perf_counter()
+                out = await next_rows(rows)
+                calls.append(time.perf_counter() - started)
+                if lm.server_timing:
+                    timing = dict(p.strip().split(";dur=") for p in lm.server_timing.split(","))
+                    server.append(timing)  # type: ignore[arg-type]
+                    lm.server_timing = None
+                return out
+
+            for r in range(args.repeats):
+                await bench.smc(step, tokenizer(f"run {r}").input_ids, args.particles, args.steps, 4, r)
+            if way == "engine":
+                engine_parts = {
+                    k: statistics.median(v) * 1e3 for k, v in parts.items() if v and k != "server"
+                }
+        timings = parts.pop("server")
+        medians = {k: statistics.median(v) * 1e3 for k, v in parts.items() if v}
+    server = {
+        name: statistics.median(float(t[name]) for t in timings) for name in ("parse", "rows", "encode")
+    }  # type: ignore[index]
+    return {
+        **engine_parts,
+        "gateway: the step's call": medians["gateway: the step's call"],
+        "server: parse": server["parse"],
+        "server: rows": server["rows"],
+        "server: encode": server["encode"],
+        "HTTP and the rest of the server": medians["exchange"] - sum(server.values()),
+        "client": medians["gateway: the step's call"] - medians["exchange"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--particles", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--random-model", choices=list(bench.SHAPES))
+    parser.add_argument("--tokenizer", type=Path)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        result = asyncio.run(run(args, Path(tmp)))
+    print(f"\n### One {args.particles}-row step, median ms over {args.steps * args.repeats} steps\n")
+    print("| part | ms |\n| --- | ---: |")
+    for name, ms in result.items():
+        print(f"| {name} | {ms:.2f} |")
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()
