@@ -347,13 +347,23 @@ class DenseRowCache:
             await self.store.set_many(list(zip(keys, values, strict=True)))
         self.metrics.cache_duration.labels("set").observe(time.perf_counter() - started)
 
-    def store_in_background(self, keys: Sequence[str], rows: np.ndarray) -> None:
-        """Store `rows` without holding up the response that carries them (megabytes to hash and
-        copy per step); `lookup` of these keys waits for it, and `aclose` lets it finish."""
-        task = asyncio.create_task(self.store_rows(keys, rows))
+    def store_in_background(
+        self, keys: Sequence[str], rows: np.ndarray, after: asyncio.Future[None] | None = None
+    ) -> None:
+        """Store `rows` without holding up the response that carries them, once `after` is done
+        (the response written: storing holds the interpreter lock, which the threads writing
+        the response need); `lookup` of these keys waits for it, and `aclose` lets it finish."""
+        task = asyncio.create_task(self._store_after(keys, rows, after))
         for key in keys:
             self._storing[key] = task
         task.add_done_callback(lambda done: self._stored(keys, done))
+
+    async def _store_after(
+        self, keys: Sequence[str], rows: np.ndarray, after: asyncio.Future[None] | None
+    ) -> None:
+        if after is not None:
+            await asyncio.wait([after])
+        await self.store_rows(keys, rows)
 
     def _stored(self, keys: Sequence[str], task: asyncio.Task[None]) -> None:
         for key in keys:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 
@@ -14,9 +15,14 @@ log = logging.getLogger(__name__)
 
 
 async def dense_rows(
-    served: ServedModel, cache: DenseRowCache | None, rows: Sequence[list[int]], adapter: str | None = None
+    served: ServedModel,
+    cache: DenseRowCache | None,
+    rows: Sequence[list[int]],
+    adapter: str | None = None,
+    store_after: asyncio.Future[None] | None = None,
 ) -> tuple[np.ndarray, int]:
-    """float32 [len(rows), vocab] and how many rows came from the cache (bit-identical to computing them)."""
+    """float32 [len(rows), vocab] and how many rows came from the cache (bit-identical to computing
+    them). Computed rows are cached once `store_after` is done (the response that carries them)."""
     engine = served.require_engine()
     assert served.batcher is not None
     if cache is None:
@@ -27,7 +33,7 @@ async def dense_rows(
     missing = [i for i, row in enumerate(cached) if row is None]
     if len(missing) == len(rows):  # nothing cached (every SMC step): the engine's rows as they are
         computed = await served.batcher.submit(rows, adapter)
-        cache.store_in_background(keys, computed)
+        cache.store_in_background(keys, computed, store_after)
         return computed, 0
     out = np.empty((len(rows), engine.vocab_size), dtype=np.float32)
     for i, row in enumerate(cached):
@@ -36,7 +42,7 @@ async def dense_rows(
     if missing:
         computed = await served.batcher.submit([rows[i] for i in missing], adapter)
         out[missing] = computed
-        cache.store_in_background([keys[i] for i in missing], computed)
+        cache.store_in_background([keys[i] for i in missing], computed, store_after)
     hits = len(rows) - len(missing)
     log.debug("model %s: %d rows, %d from the cache", served.name, len(rows), hits)
     return out, hits

@@ -67,21 +67,31 @@ async def next_token_logprobs(request: Request) -> Response:
     # Checked before any row is computed: a segment too small is the client's error.
     destination = _shared_memory_target(request, body, len(inputs) * engine.vocab_size * ITEMSIZE[body.dtype])
     started = time.perf_counter()
+    # Rows are cached once their response is encoded: storing them holds the interpreter lock,
+    # which the threads writing the response need.
+    encoded: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     try:
-        rows, hits = await dense_rows(served, request.app.state.cache, [i.ids for i in inputs], adapter)
-    except GatewayError:
-        raise
-    except Exception as exc:
-        raise EngineError(f"the engine failed to compute the rows: {type(exc).__name__}: {exc}") from exc
-    binary = wants_msgpack(request)
-    tokens = sum(len(i.ids) for i in inputs)
-    usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens, cache_hits=hits)
-    # Encoding megabytes of floats would stall the event loop: it runs on a worker thread.
-    computed = time.perf_counter()
-    if destination is not None:
-        parts = await asyncio.to_thread(_deliver, rows, body, engine.vocab_size, usage, binary, destination)
-    else:
-        parts = await asyncio.to_thread(_encode, rows, body, engine.vocab_size, usage, binary)
+        try:
+            rows, hits = await dense_rows(
+                served, request.app.state.cache, [i.ids for i in inputs], adapter, encoded
+            )
+        except GatewayError:
+            raise
+        except Exception as exc:
+            raise EngineError(f"the engine failed to compute the rows: {type(exc).__name__}: {exc}") from exc
+        binary = wants_msgpack(request)
+        tokens = sum(len(i.ids) for i in inputs)
+        usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens, cache_hits=hits)
+        # Encoding megabytes of floats would stall the event loop: it runs on a worker thread.
+        computed = time.perf_counter()
+        if destination is not None:
+            parts = await asyncio.to_thread(
+                _deliver, rows, body, engine.vocab_size, usage, binary, destination
+            )
+        else:
+            parts = await asyncio.to_thread(_encode, rows, body, engine.vocab_size, usage, binary)
+    finally:
+        encoded.set_result(None)
     # Where the server's time went (ms), for clients and benches: the request read and checked,
     # rows (cache + queue + engine), encode (or the copy into shared memory).
     timing = ", ".join(

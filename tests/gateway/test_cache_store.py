@@ -134,6 +134,13 @@ async def test_background_stores_are_read_back_and_finished_on_close():
     assert store.size == 0  # not stored yet: the caller's response goes first
     found = await cache.lookup(keys, 1000)  # waits for the store of these keys
     assert all(np.array_equal(f, r) for f, r in zip(found, rows, strict=True))
+    later = cache.key("m", None, [4])
+    written = asyncio.get_running_loop().create_future()
+    cache.store_in_background([later], _row(4)[None], after=written)  # once the response is written
+    await asyncio.sleep(0.05)
+    assert await store.get_many([later]) == [None]
+    written.set_result(None)
+    assert np.array_equal((await cache.lookup([later], 1000))[0], _row(4))
     other = cache.key("m", None, [3])
     cache.store_in_background([other], _row(3)[None])
     await cache.aclose()  # lets the store finish: nothing is lost at shutdown
