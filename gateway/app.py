@@ -48,11 +48,14 @@ ROUTES = [
 ]
 
 
-def create_app(settings: Settings, registry: ModelRegistry | None = None) -> Litestar:
+def create_app(
+    settings: Settings, registry: ModelRegistry | None = None, *, own_process: bool = False
+) -> Litestar:
     """Build the app. Models load in the background after start-up, so /health can say "loading"
-    while they do; requests for a model that is not ready get a 503."""
+    while they do; requests for a model that is not ready get a 503. `own_process`: the app is
+    all this process serves (`logprob-gateway serve`)."""
     metrics = Metrics()
-    registry = registry or ModelRegistry(settings.models, metrics)
+    registry = registry or ModelRegistry(settings.models, metrics, own_process=own_process)
     metrics.registry.register(StateCollector(registry))
     access = Access(KeyRing.from_settings(settings), settings.limits)
     shared_memory = SharedMemoryWriter() if settings.shared_memory and sys.platform == "linux" else None
@@ -94,9 +97,9 @@ def create_app(settings: Settings, registry: ModelRegistry | None = None) -> Lit
     )
 
 
-def serving_app(settings: Settings) -> tuple[Litestar, ASGIApp]:
+def serving_app(settings: Settings, *, own_process: bool = False) -> tuple[Litestar, ASGIApp]:
     """The app, and what the server runs: the app inside the key/limit/disconnect guard, inside
     the metrics wrapper (so refused and unknown requests are counted too)."""
-    app = create_app(settings)
+    app = create_app(settings, own_process=own_process)
     guarded = guard(app, app.state.access, metrics_public=settings.metrics_public)
     return app, instrument(guarded, app.state.metrics)

@@ -66,7 +66,7 @@ def serve(settings: Settings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    _, app = serving_app(settings)
+    _, app = serving_app(settings, own_process=True)
     # SIGTERM: uvicorn stops accepting connections, lets in-flight requests finish for up to the
     # grace period, then cancels what is left and runs the app's shutdown (engines, cache).
     uvicorn.run(

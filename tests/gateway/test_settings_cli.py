@@ -3,6 +3,7 @@ and one-line errors. No server is started and no model is loaded."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import pytest
 
 from backends.base import BACKEND_NAMES
 from gateway import cli
-from gateway.settings import ENV_PREFIX, ConfigError, load_settings
+from gateway.registry import ModelRegistry
+from gateway.settings import ENV_PREFIX, ConfigError, ModelSettings, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -411,3 +413,19 @@ def test_module_entry_point_exits_2_on_missing_config():
     assert result.returncode == 2
     assert result.stderr == "logprob-gateway: config file not found: /nonexistent.toml\n"
     assert result.stdout == ""
+
+
+async def test_a_serving_process_freezes_what_loading_made_and_an_embedded_app_does_not():
+    models = [ModelSettings(backend="mock", name="mock")]
+    before = gc.get_freeze_count()
+    embedded = ModelRegistry(models)
+    await embedded.load_all()
+    assert embedded.models["mock"].engine is not None and gc.get_freeze_count() == before
+    served = ModelRegistry(models, own_process=True)
+    try:
+        await served.load_all()
+        assert served.models["mock"].engine is not None and gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()  # this test process goes on creating and dropping apps
+        await embedded.aclose()
+        await served.aclose()
