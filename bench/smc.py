@@ -63,31 +63,18 @@ from gateway.client import AsyncGatewayLM  # noqa: E402
 from gateway.launcher import start_gateway  # noqa: E402
 
 PROMPT = "The old lighthouse keeper climbed the stairs every evening, and tonight, as the storm rolled in, he"
-SHAPES = {  # Llama-3.2 shapes with SmolLM2's vocabulary
-    "llama-1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        rope_theta=500000.0,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        vocab_size=49152,
-    ),
-    "llama-3b": dict(  # Llama-3.2-3B's shape: the same call overhead against a longer forward pass
-        hidden_size=3072,
-        intermediate_size=8192,
-        num_hidden_layers=28,
-        num_attention_heads=24,
-        num_key_value_heads=8,
-        head_dim=128,
-        rope_theta=500000.0,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        vocab_size=49152,
-    ),
+_LLAMA = dict(  # Llama-3.2's common settings, with SmolLM2's vocabulary
+    intermediate_size=8192,
+    num_key_value_heads=8,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    vocab_size=49152,
+)
+SHAPES = {
+    "llama-1b": dict(_LLAMA, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, head_dim=64),
+    # The same call overhead against a longer forward pass.
+    "llama-3b": dict(_LLAMA, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128),
 }
 MODES = ["engine", "gateway", "gateway-socket", "gateway-particles", "gateway-nocache", "genlm", "decode"]
 GATEWAY_MODES = ("gateway", "gateway-socket", "gateway-particles", "gateway-nocache")
