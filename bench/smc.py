@@ -60,7 +60,7 @@ from backends.transformers import (  # noqa: E402
 )
 from bench.smc_report import load_report, plot, print_tables, save_report  # noqa: E402
 from gateway.client import AsyncGatewayLM  # noqa: E402
-from gateway.launcher import start_gateway  # noqa: E402
+from gateway.launcher import GatewayProcess, start_gateway  # noqa: E402
 
 PROMPT = "The old lighthouse keeper climbed the stairs every evening, and tonight, as the storm rolled in, he"
 _LLAMA = dict(  # Llama-3.2's common settings, with SmolLM2's vocabulary
@@ -211,11 +211,15 @@ def reference_check(model: object, kept: list[tuple[list[int], np.ndarray]]) -> 
     return worst
 
 
-async def gateway_way(
-    mode: str, model_dir: Path, args: argparse.Namespace, tmp: Path, stack: contextlib.AsyncExitStack
-) -> tuple[Callable[[int, int], NextRows], dict[int, list[tuple[float, float]]]]:
-    """A gateway process for `mode`, and its rows per (P, repeat); the second value collects the
-    server's (rows ms, encode ms) per request size from Server-Timing."""
+def start_bench_gateway(
+    mode: str,
+    model_dir: Path,
+    args: argparse.Namespace,
+    tmp: Path,
+    stack: contextlib.ExitStack | contextlib.AsyncExitStack,
+) -> GatewayProcess:
+    """A gateway process serving `model_dir` as "smc" for `mode` (its output cache off for
+    gateway-nocache), stopped with `stack`."""
     toml = tmp / f"{mode}.toml"
     toml.write_text(
         f'[[models]]\nname = "smc"\nmodel = "{model_dir}"\ndtype = "{args.dtype}"\ndevice = "{args.device}"\n'
@@ -223,6 +227,21 @@ async def gateway_way(
     )
     gateway = start_gateway(["--config", str(toml), *args.gateway_arg], tmp / f"{mode}.log")
     stack.callback(gateway.stop)
+    return gateway
+
+
+def server_timing(lm: AsyncGatewayLM) -> dict[str, float]:
+    """The last answer's Server-Timing, ms by part (parse, rows, encode); empty when none."""
+    parts = (p.strip().split(";dur=") for p in (lm.server_timing or "").split(",") if p)
+    return {name: float(ms) for name, ms in parts}
+
+
+async def gateway_way(
+    mode: str, model_dir: Path, args: argparse.Namespace, tmp: Path, stack: contextlib.AsyncExitStack
+) -> tuple[Callable[[int, int], NextRows], dict[int, list[tuple[float, float]]]]:
+    """A gateway process for `mode`, and its rows per (P, repeat); the second value collects the
+    server's (rows ms, encode ms) per request size from Server-Timing."""
+    gateway = start_bench_gateway(mode, model_dir, args, tmp, stack)
     # One client for every run, as a user keeps one: its connection and shared memory segments
     # are set up in the warm-up run, as the engine's memory is. Each run has its own prompt, so
     # no row of its cache is asked again.
@@ -236,9 +255,9 @@ async def gateway_way(
 
         async def next_rows(rows: list[list[int]]) -> np.ndarray:
             out = await inner(rows)
-            parts = dict(p.strip().split(";dur=") for p in (lm.server_timing or "").split(",") if p)
+            parts = server_timing(lm)
             if parts:
-                timings.setdefault(len(rows), []).append((float(parts["rows"]), float(parts["encode"])))
+                timings.setdefault(len(rows), []).append((parts["rows"], parts["encode"]))
             return out
 
         return next_rows

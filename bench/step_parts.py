@@ -32,7 +32,6 @@ from backends.base import EngineConfig  # noqa: E402
 from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
 from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
 from gateway.client import AsyncGatewayLM  # noqa: E402
-from gateway.launcher import start_gateway  # noqa: E402
 
 
 def timed(record: list[float], call):
@@ -66,52 +65,42 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
         engine.next_token_logprobs = timed(
             parts.setdefault("engine: next_token_logprobs", []), engine.next_token_logprobs
         )
-        config = tmp / "gateway.toml"
-        config.write_text(
-            f'[[models]]\nname = "smc"\nmodel = "{model_dir}"\ndtype = "{args.dtype}"\ndevice = "{args.device}"\n'
-        )
-        gateway = start_gateway(["--config", str(config)], tmp / "gateway.log")
-        stack.callback(gateway.stop)
+        gateway = bench.start_bench_gateway("gateway", model_dir, args, tmp, stack)
         lm = AsyncGatewayLM(gateway.base_url, "smc")
         stack.push_async_callback(lm.aclose)
         # The HTTP exchange alone: the client's private transport call, timed from outside.
         lm._post_dense = timed(parts.setdefault("exchange", []), lm._post_dense)  # type: ignore[method-assign]
         ways = {"engine": bench.engine_rows(engine), "gateway": bench.batch_rows(lm)}
+        server: list[dict[str, float]] = []  # the gateway's Server-Timing of each step
         for way, next_rows in ways.items():
             await bench.smc(next_rows, tokenizer("warm up").input_ids, args.particles, 4, 2, 0)
             for values in parts.values():
                 values.clear()
+            server.clear()
             calls = parts.setdefault(f"{way}: the step's call", [])
-            server = parts.setdefault("server", [])
 
-            async def step(rows: list[list[int]], next_rows=next_rows, calls=calls, server=server) -> object:
+            async def step(rows: list[list[int]], next_rows=next_rows, calls=calls) -> object:
                 started = time.perf_counter()
                 out = await next_rows(rows)
                 calls.append(time.perf_counter() - started)
-                if lm.server_timing:
-                    timing = dict(p.strip().split(";dur=") for p in lm.server_timing.split(","))
-                    server.append(timing)  # type: ignore[arg-type]
+                if timing := bench.server_timing(lm):
+                    server.append(timing)
                     lm.server_timing = None
                 return out
 
             for r in range(args.repeats):
                 await bench.smc(step, tokenizer(f"run {r}").input_ids, args.particles, args.steps, 4, r)
             if way == "engine":
-                engine_parts = {
-                    k: statistics.median(v) * 1e3 for k, v in parts.items() if v and k != "server"
-                }
-        timings = parts.pop("server")
+                engine_parts = {k: statistics.median(v) * 1e3 for k, v in parts.items() if v}
         medians = {k: statistics.median(v) * 1e3 for k, v in parts.items() if v}
-    server = {
-        name: statistics.median(float(t[name]) for t in timings) for name in ("parse", "rows", "encode")
-    }  # type: ignore[index]
+    in_server = {name: statistics.median(t[name] for t in server) for name in ("parse", "rows", "encode")}
     return {
         **engine_parts,
         "gateway: the step's call": medians["gateway: the step's call"],
-        "server: parse": server["parse"],
-        "server: rows": server["rows"],
-        "server: encode": server["encode"],
-        "HTTP and the rest of the server": medians["exchange"] - sum(server.values()),
+        "server: parse": in_server["parse"],
+        "server: rows": in_server["rows"],
+        "server: encode": in_server["encode"],
+        "HTTP and the rest of the server": medians["exchange"] - sum(in_server.values()),
         "client": medians["gateway: the step's call"] - medians["exchange"],
     }
 
@@ -129,6 +118,7 @@ def main() -> None:
     parser.add_argument("--random-model", choices=list(bench.SHAPES))
     parser.add_argument("--tokenizer", type=Path)
     args = parser.parse_args()
+    args.gateway_arg = []  # bench.start_bench_gateway's extra `serve` flags: none
     with tempfile.TemporaryDirectory() as tmp:
         result = asyncio.run(run(args, Path(tmp)))
     print(f"\n### One {args.particles}-row step, median ms over {args.steps * args.repeats} steps\n")
