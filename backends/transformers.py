@@ -135,15 +135,19 @@ def rows_to_host(rows: torch.Tensor) -> np.ndarray:
     return torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows).numpy()
 
 
+# Looked up once (the check runs after every dense call): empty_host_cache is public from torch
+# 2.13, private before; a torch with neither the statistics nor the release never releases.
+_host_memory_stats = getattr(torch.cuda, "host_memory_stats", dict)
+_release_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(
+    torch._C, "_host_emptyCache", None
+)
+
+
 def release_pinned_memory(limit: int) -> bool:
-    """Gives the page-locked blocks that no array uses back when torch holds more than `limit`
-    (a no-op with a torch that has neither the statistics nor the release)."""
-    stats = getattr(torch.cuda, "host_memory_stats", dict)
-    public = getattr(torch, "accelerator", None)  # empty_host_cache from torch 2.13; private before
-    release = getattr(public, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
-    if release is None or stats().get("allocated_bytes.current", 0) <= limit:
+    """Gives the page-locked blocks that no array uses back when torch holds more than `limit`."""
+    if _release_host_cache is None or _host_memory_stats().get("allocated_bytes.current", 0) <= limit:
         return False
-    release()
+    _release_host_cache()
     return True
 
 
