@@ -4,10 +4,10 @@
     python bench/step_parts.py --random-model llama-1b --device cuda --dtype bfloat16 --particles 256
 
 Runs bench/smc.py's loop with our engine in process and then through a gateway on this machine
-(default configuration, shared memory), and prints the median ms per step of each part: the
-engine's own call, the gateway call end to end, the server's parts from its Server-Timing header
-(parse, rows, encode: the copy into the client's memory), what is left of the HTTP exchange, and
-the client's own work around it.
+(default configuration, shared memory; --no-cache: its output cache off), and prints the median
+ms per step of each part: the engine's own call, the gateway call end to end, the server's parts
+from its Server-Timing header (parse, rows, encode: the copy into the client's memory), what is
+left of the HTTP exchange, and the client's own work around it.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
         engine.next_token_logprobs = timed(
             parts.setdefault("engine: next_token_logprobs", []), engine.next_token_logprobs
         )
-        gateway = bench.start_bench_gateway("gateway", model_dir, args, tmp, stack)
+        mode = "gateway-nocache" if args.no_cache else "gateway"
+        gateway = bench.start_bench_gateway(mode, model_dir, args, tmp, stack)
         lm = AsyncGatewayLM(gateway.base_url, "smc")
         stack.push_async_callback(lm.aclose)
         # The HTTP exchange alone: the client's private transport call, timed from outside.
@@ -117,6 +118,7 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--random-model", choices=list(bench.SHAPES))
     parser.add_argument("--tokenizer", type=Path)
+    parser.add_argument("--no-cache", action="store_true", help="the gateway's output cache off")
     args = parser.parse_args()
     args.gateway_arg = []  # bench.start_bench_gateway's extra `serve` flags: none
     with tempfile.TemporaryDirectory() as tmp:
