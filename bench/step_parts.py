@@ -7,7 +7,8 @@ Runs bench/smc.py's loop with our engine in process and then through a gateway o
 (default configuration, shared memory; --no-cache: its output cache off), and prints the median
 ms per step of each part: the engine's own call, the gateway call end to end, the server's parts
 from its Server-Timing header (parse, rows, encode: the copy into the client's memory), what is
-left of the HTTP exchange, and the client's own work around it.
+left of the HTTP exchange, and the client's own work around it. Each part is the median over the
+steps whose rows are distinct: those right after a resampling repeat rows and pay a gather of them.
 """
 
 from __future__ import annotations
@@ -34,15 +35,19 @@ from backends.transformers import TransformersEngine, resolve_device, resolve_dt
 from gateway.client import AsyncGatewayLM  # noqa: E402
 
 
-def timed(record: list[float], call):
-    async def wrapper(*args, **kwargs):
+class Stopwatch:
+    """Wraps an async call and keeps the duration of its last run."""
+
+    def __init__(self, call):
+        self.call = call
+        self.last = 0.0
+
+    async def __call__(self, *args, **kwargs):
         started = time.perf_counter()
         try:
-            return await call(*args, **kwargs)
+            return await self.call(*args, **kwargs)
         finally:
-            record.append(time.perf_counter() - started)
-
-    return wrapper
+            self.last = time.perf_counter() - started
 
 
 async def run(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
@@ -56,54 +61,53 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    parts: dict[str, list[float]] = {}
     async with contextlib.AsyncExitStack() as stack:
         engine = TransformersEngine.load(
             EngineConfig(model=str(model_dir), dtype=args.dtype, device=args.device)
         )
         stack.push_async_callback(engine.aclose)
-        engine.next_token_logprobs = timed(
-            parts.setdefault("engine: next_token_logprobs", []), engine.next_token_logprobs
-        )
+        engine.next_token_logprobs = inner_engine = Stopwatch(engine.next_token_logprobs)
         mode = "gateway-nocache" if args.no_cache else "gateway"
         gateway = bench.start_bench_gateway(mode, model_dir, args, tmp, stack)
         lm = AsyncGatewayLM(gateway.base_url, "smc")
         stack.push_async_callback(lm.aclose)
         # The HTTP exchange alone: the client's private transport call, timed from outside.
-        lm._post_dense = timed(parts.setdefault("exchange", []), lm._post_dense)  # type: ignore[method-assign]
-        ways = {"engine": bench.engine_rows(engine), "gateway": bench.batch_rows(lm)}
-        server: list[dict[str, float]] = []  # the gateway's Server-Timing of each step
-        for way, next_rows in ways.items():
-            await bench.smc(next_rows, tokenizer("warm up").input_ids, args.particles, 4, 2, 0)
-            for values in parts.values():
-                values.clear()
-            server.clear()
-            calls = parts.setdefault(f"{way}: the step's call", [])
+        lm._post_dense = exchange = Stopwatch(lm._post_dense)  # type: ignore[method-assign]
+        parts: dict[str, list[float]] = {}  # ms of each part, per step
 
-            async def step(rows: list[list[int]], next_rows=next_rows, calls=calls) -> object:
+        def engine_parts(call: float) -> dict[str, float]:
+            return {"engine: next_token_logprobs": inner_engine.last, "engine: the step's call": call}
+
+        def gateway_parts(call: float) -> dict[str, float]:
+            server = bench.server_timing(lm)
+            server = {f"server: {name}": server[name] / 1e3 for name in ("parse", "rows", "encode")}
+            return {
+                "gateway: the step's call": call,
+                **server,
+                "HTTP and the rest of the server": exchange.last - sum(server.values()),
+                "client": call - exchange.last,
+            }
+
+        ways = {
+            "engine": (bench.engine_rows(engine), engine_parts),
+            "gateway": (bench.batch_rows(lm), gateway_parts),
+        }
+        for next_rows, parts_of in ways.values():
+            await bench.smc(next_rows, tokenizer("warm up").input_ids, args.particles, 4, 2, 0)
+
+            async def step(rows: list[list[int]], next_rows=next_rows, parts_of=parts_of) -> object:
                 started = time.perf_counter()
                 out = await next_rows(rows)
-                calls.append(time.perf_counter() - started)
-                if timing := bench.server_timing(lm):
-                    server.append(timing)
-                    lm.server_timing = None
+                call = time.perf_counter() - started
+                # Steps right after a resampling repeat rows and pay a gather: timed apart, not here.
+                if len(set(map(tuple, rows))) == len(rows):
+                    for name, seconds in parts_of(call).items():
+                        parts.setdefault(name, []).append(seconds * 1e3)
                 return out
 
             for r in range(args.repeats):
                 await bench.smc(step, tokenizer(f"run {r}").input_ids, args.particles, args.steps, 4, r)
-            if way == "engine":
-                engine_parts = {k: statistics.median(v) * 1e3 for k, v in parts.items() if v}
-        medians = {k: statistics.median(v) * 1e3 for k, v in parts.items() if v}
-    in_server = {name: statistics.median(t[name] for t in server) for name in ("parse", "rows", "encode")}
-    return {
-        **engine_parts,
-        "gateway: the step's call": medians["gateway: the step's call"],
-        "server: parse": in_server["parse"],
-        "server: rows": in_server["rows"],
-        "server: encode": in_server["encode"],
-        "HTTP and the rest of the server": medians["exchange"] - sum(in_server.values()),
-        "client": medians["gateway: the step's call"] - medians["exchange"],
-    }
+    return {name: statistics.median(values) for name, values in parts.items()}
 
 
 def main() -> None:
@@ -123,7 +127,7 @@ def main() -> None:
     args.gateway_arg = []  # bench.start_bench_gateway's extra `serve` flags: none
     with tempfile.TemporaryDirectory() as tmp:
         result = asyncio.run(run(args, Path(tmp)))
-    print(f"\n### One {args.particles}-row step, median ms over {args.steps * args.repeats} steps\n")
+    print(f"\n### One {args.particles}-row step of distinct rows, median ms per part\n")
     print("| part | ms |\n| --- | ---: |")
     for name, ms in result.items():
         print(f"| {name} | {ms:.2f} |")
