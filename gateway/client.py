@@ -45,39 +45,13 @@ from gateway.client_wire import (
     read_into_buffer,
 )
 from gateway.encoding import ITEMSIZE, Dtype
+from gateway.row_key import RowKey
 from gateway.socket_http import SocketHTTPClient, UnsupportedResponse, usable_for
 
 __all__ = ["AsyncGatewayLM", "GatewayClientError"]
 
 MSGPACK = "application/msgpack"
 _HAS_TORCH = importlib.util.find_spec("torch") is not None
-
-
-class Key:
-    """A row's (model name, token ids), hashed once. An SMC step's keys are each hashed about eight
-    times (merging, the cache and pending checks, storing, evicting), each hash a pass over
-    hundreds of ids: hashing once halves the client's own time per step."""
-
-    __slots__ = ("model", "ids", "_hash")
-
-    def __init__(self, model: str, ids: tuple[int, ...]) -> None:
-        self.model = model
-        self.ids = ids
-        self._hash = hash((model, ids))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, Key)
-            and self._hash == other._hash
-            and self.ids == other.ids
-            and self.model == other.model
-        )
-
-    def __repr__(self) -> str:
-        return f"Key({self.model!r}, {self.ids!r})"
 
 
 def _genlm_tokens(byte_vocab: list[bytes]) -> list[bytes]:
@@ -132,7 +106,7 @@ class AsyncGatewayLM:
         self._socket_usable = usable_for(self.base_url)
         # Rows seen, by (model, ids); sized in rows and in the bytes of the matrices they keep alive.
         self._cache = BufferLRU(cache_size, cache_bytes)
-        self._pending: dict[Key, asyncio.Future[np.ndarray]] = {}
+        self._pending: dict[RowKey, asyncio.Future[np.ndarray]] = {}
         self._flusher: asyncio.Task[None] | None = None
         self.requests_sent = 0  # dense-row HTTP requests, for diagnostics
         self.server_timing: str | None = None  # the last dense answer's Server-Timing header
@@ -308,9 +282,9 @@ class AsyncGatewayLM:
 
     async def next_token_logprobs(self, token_ids: Sequence[int], lora_name: str | None = None) -> Any:
         """log_softmax over the whole vocabulary after `token_ids`; concurrent calls share one request."""
-        return _as_output(await self._row(Key(self._model_for(lora_name), tuple(token_ids))))
+        return _as_output(await self._row(RowKey(self._model_for(lora_name), tuple(token_ids))))
 
-    async def _row(self, key: Key) -> np.ndarray:
+    async def _row(self, key: RowKey) -> np.ndarray:
         cached = self._cache.get(key)
         if cached is not None:
             return cached
@@ -328,14 +302,16 @@ class AsyncGatewayLM:
             await asyncio.sleep(0)
         while self._pending:
             pending, self._pending = self._pending, {}
-            by_model: dict[str, list[Key]] = {}
+            by_model: dict[str, list[RowKey]] = {}
             for key in pending:
-                by_model.setdefault(key.model, []).append(key)
+                by_model.setdefault(key.scope, []).append(key)
             await asyncio.gather(*(self._fetch_into(keys, pending) for keys in by_model.values()))
 
-    async def _fetch_into(self, keys: list[Key], futures: dict[Key, asyncio.Future[np.ndarray]]) -> None:
+    async def _fetch_into(
+        self, keys: list[RowKey], futures: dict[RowKey, asyncio.Future[np.ndarray]]
+    ) -> None:
         try:
-            values = await self._fetch(keys[0].model, [key.ids for key in keys])
+            values = await self._fetch(keys[0].scope, [key.ids for key in keys])
         except Exception as exc:
             for key in keys:
                 if not futures[key].done():
@@ -353,8 +329,8 @@ class AsyncGatewayLM:
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> Any:
         model = self._model_for(lora_name)
-        keys = [Key(model, tuple(t)) for t in token_ids_list]
-        positions: dict[Key, int] = {}
+        keys = [RowKey(model, tuple(t)) for t in token_ids_list]
+        positions: dict[RowKey, int] = {}
         for key in keys:
             positions.setdefault(key, len(positions))
         if self._cache.isdisjoint(positions) and self._pending.keys().isdisjoint(positions):
@@ -372,7 +348,7 @@ class AsyncGatewayLM:
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> Any:
         model = self._model_for(lora_name)
-        keys = [Key(model, tuple(t)) for t in token_ids_list]
+        keys = [RowKey(model, tuple(t)) for t in token_ids_list]
         # Rows taken from the cache before fetching: storing the fetched ones may evict them.
         found = {k: row for k in dict.fromkeys(keys) if (row := self._cache.get(k)) is not None}
         missing = [k for k in dict.fromkeys(keys) if k not in found]
@@ -405,7 +381,7 @@ class AsyncGatewayLM:
         model = self._model_for(lora_name)
         generated: list[int] = []
         for _ in range(max_tokens):
-            logprobs = await self._row(Key(model, tuple(prompt_token_ids) + tuple(generated)))
+            logprobs = await self._row(RowKey(model, tuple(prompt_token_ids) + tuple(generated)))
             scaled = logprobs.astype(np.float64) / temperature
             probs = np.exp(scaled - scaled.max())
             token = int(rng.choice(probs.shape[0], p=probs / probs.sum()))

@@ -28,7 +28,7 @@ async def dense_rows(
     if cache is None:
         return await served.batcher.submit(rows, adapter), 0
     adapter_id = None if adapter is None else f"{adapter}:{served.adapters[adapter].fingerprint}"
-    keys = [cache.key(served.fingerprint, adapter_id, row) for row in rows]
+    keys = cache.keys(served.fingerprint, adapter_id, rows)
     cached = await cache.lookup(keys, engine.vocab_size)
     missing = [i for i, row in enumerate(cached) if row is None]
     if len(missing) == len(rows):  # nothing cached (every SMC step): the engine's rows as they are

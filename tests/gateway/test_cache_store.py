@@ -51,6 +51,26 @@ def test_keys_separate_models_adapters_and_prefixes():
     assert cache.key("model-a", "lora_1", ids) == f"lpg:v{FORMAT}:row:{digest.hexdigest()}"
 
 
+def test_in_process_keys_separate_what_digests_separate():
+    cache = DenseRowCache(MemoryStore(10**6))
+    inputs = [
+        ("model-a", None, [1, 2, 3]),
+        ("model-b", None, [1, 2, 3]),
+        ("model-a", "lora_1", [1, 2, 3]),
+        ("model-a", None, [1, 2]),
+        ("model-a", None, [1, 2, 3, 0]),
+    ]
+    keys = [cache.keys(fingerprint, adapter, [ids])[0] for fingerprint, adapter, ids in inputs]
+    assert len(set(keys)) == len(inputs)
+    again = cache.keys("model-a", "lora_1", [(1, 2, 3)])[0]  # a new object of the same inputs
+    assert again is not keys[2] and again == keys[2] and hash(again) == hash(keys[2])
+    assert again != ("model-a", "lora_1", (1, 2, 3))  # a key is no tuple, and no digest
+    redis = DenseRowCache(
+        RedisStore("redis://127.0.0.1:1/0", ttl_s=60, timeout_s=0.1, retry_after_s=1, stats=CacheStats())
+    )
+    assert redis.keys("model-a", None, [[1, 2, 3]]) == [redis.key("model-a", None, [1, 2, 3])]
+
+
 def test_weights_fingerprint_follows_config_and_weights(model_dir, tmp_path):
     base = weights_fingerprint(model_dir, "transformers", "float32")
     assert base == weights_fingerprint(model_dir, "transformers", "float32")

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.client import AsyncGatewayLM, GatewayClientError, Key
+from gateway.client import AsyncGatewayLM, GatewayClientError
+from gateway.row_key import RowKey
 from tests.conftest import MODEL
 
 pytestmark = pytest.mark.slow
@@ -112,7 +113,7 @@ def test_a_batch_is_one_request_of_its_distinct_rows_read_without_copies(lm, ref
     for got, ids in zip(with_duplicates, particles, strict=True):
         assert np.max(np.abs(got.numpy() - reference.logprobs(ids)[-1])) <= 1e-4
     # distinct rows: the answer's own buffer, shared with the client's cache, no copy anywhere
-    assert np.shares_memory(distinct.numpy(), lm._cache.get(Key(MODEL, tuple(rows[3]))))
+    assert np.shares_memory(distinct.numpy(), lm._cache.get(RowKey(MODEL, tuple(rows[3]))))
     assert np.max(np.abs(distinct[1].numpy() - reference.logprobs(rows[3] + [11])[-1])) <= 1e-4
     assert lm.server_timing is not None and "rows;dur=" in lm.server_timing
 
