@@ -217,13 +217,17 @@ def start_bench_gateway(
     args: argparse.Namespace,
     tmp: Path,
     stack: contextlib.ExitStack | contextlib.AsyncExitStack,
+    cache_bytes: int | None = None,
 ) -> GatewayProcess:
     """A gateway process serving `model_dir` as "smc" for `mode` (its output cache off for
-    gateway-nocache), stopped with `stack`."""
+    gateway-nocache, else of `cache_bytes` when given), stopped with `stack`."""
     toml = tmp / f"{mode}.toml"
+    cache = (
+        "enabled = false" if mode == "gateway-nocache" else cache_bytes and f"memory_bytes = {cache_bytes}"
+    )
     toml.write_text(
         f'[[models]]\nname = "smc"\nmodel = "{model_dir}"\ndtype = "{args.dtype}"\ndevice = "{args.device}"\n'
-        + ("[cache]\nenabled = false\n" if mode == "gateway-nocache" else "")
+        + (f"[cache]\n{cache}\n" if cache else "")
     )
     gateway = start_gateway(["--config", str(toml), *args.gateway_arg], tmp / f"{mode}.log")
     stack.callback(gateway.stop)

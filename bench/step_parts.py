@@ -50,7 +50,8 @@ class Stopwatch:
             self.last = time.perf_counter() - started
 
 
-async def run(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
+async def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, float], int]:
+    """The median ms of each part, and over how many steps of the gateway way."""
     device = resolve_device(args.device)
     if args.random_model:
         model_dir = bench.random_model_dir(
@@ -68,7 +69,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
         stack.push_async_callback(engine.aclose)
         engine.next_token_logprobs = inner_engine = Stopwatch(engine.next_token_logprobs)
         mode = "gateway-nocache" if args.no_cache else "gateway"
-        gateway = bench.start_bench_gateway(mode, model_dir, args, tmp, stack)
+        gateway = bench.start_bench_gateway(mode, model_dir, args, tmp, stack, args.cache_bytes)
         lm = AsyncGatewayLM(gateway.base_url, "smc")
         stack.push_async_callback(lm.aclose)
         # The HTTP exchange alone: the client's private transport call, timed from outside.
@@ -107,7 +108,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
 
             for r in range(args.repeats):
                 await bench.smc(step, tokenizer(f"run {r}").input_ids, args.particles, args.steps, 4, r)
-    return {name: statistics.median(values) for name, values in parts.items()}
+    medians = {name: statistics.median(values) for name, values in parts.items()}
+    return medians, len(parts.get("client", []))
 
 
 def main() -> None:
@@ -123,11 +125,12 @@ def main() -> None:
     parser.add_argument("--random-model", choices=list(bench.SHAPES))
     parser.add_argument("--tokenizer", type=Path)
     parser.add_argument("--no-cache", action="store_true", help="the gateway's output cache off")
+    parser.add_argument("--cache-bytes", type=int, help="the size of the gateway's in-process output cache")
     args = parser.parse_args()
     args.gateway_arg = []  # bench.start_bench_gateway's extra `serve` flags: none
     with tempfile.TemporaryDirectory() as tmp:
-        result = asyncio.run(run(args, Path(tmp)))
-    print(f"\n### One {args.particles}-row step of distinct rows, median ms per part\n")
+        result, steps = asyncio.run(run(args, Path(tmp)))
+    print(f"\n### One {args.particles}-row step of distinct rows, median ms per part over {steps} steps\n")
     print("| part | ms |\n| --- | ---: |")
     for name, ms in result.items():
         print(f"| {name} | {ms:.2f} |")
