@@ -3,7 +3,7 @@
     python bench/step_parts.py                                  # SmolLM2-135M, CPU, P=16
     python bench/step_parts.py --random-model llama-1b --device cuda --dtype bfloat16 --particles 256
 
-Runs bench/smc.py's loop with our engine in process and then through a gateway on this machine
+Runs bench/smc.py's loop with our engine in process and through a gateway on this machine, in turns
 (default configuration, shared memory; --no-cache: its output cache off), and prints the median
 ms per step of each part: the engine's own call, the gateway call end to end, the server's parts
 from its Server-Timing header (parse, rows, encode: the copy into the client's memory), what is
@@ -93,10 +93,11 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, float], in
             "engine": (bench.engine_rows(engine), engine_parts),
             "gateway": (bench.batch_rows(lm), gateway_parts),
         }
-        for next_rows, parts_of in ways.values():
+        for next_rows, _ in ways.values():
             await bench.smc(next_rows, tokenizer("warm up").input_ids, args.particles, 4, 2, 0)
 
-            async def step(rows: list[list[int]], next_rows=next_rows, parts_of=parts_of) -> object:
+        def timed_step(next_rows, parts_of):
+            async def step(rows: list[list[int]]) -> object:
                 started = time.perf_counter()
                 out = await next_rows(rows)
                 call = time.perf_counter() - started
@@ -106,8 +107,13 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, float], in
                         parts.setdefault(name, []).append(seconds * 1e3)
                 return out
 
-            for r in range(args.repeats):
-                await bench.smc(step, tokenizer(f"run {r}").input_ids, args.particles, args.steps, 4, r)
+            return step
+
+        # The ways take turns, so a slow spell of the machine falls on both alike.
+        for r in range(args.repeats):
+            for way, (next_rows, parts_of) in ways.items():
+                prompt = tokenizer(f"{way} run {r}").input_ids
+                await bench.smc(timed_step(next_rows, parts_of), prompt, args.particles, args.steps, 4, r)
     medians = {name: statistics.median(values) for name, values in parts.items()}
     return medians, len(parts.get("client", []))
 
