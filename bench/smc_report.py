@@ -2,7 +2,8 @@
 
 A report: results[(P, way)] = rows/s of each repeat (the whole loop, sampling included);
 calls[(P, way)] = ms per step spent in the next-token call; server[(P, way)] = the gateway's
-median (rows, encode) ms per step from Server-Timing; checks[(P, way)] = the largest difference
+median (rows, encode) ms per step from Server-Timing; "caller ms/step" is the rest of each step
+(sampling, resampling: the caller's own work, the same for every way); checks[(P, way)] = the largest difference
 from an uncached forward pass. "vs engine" (and decode, genlm) is the median over repeats of each
 run's ratio to that way's run of the same repeat: the ways take turns within a repeat.
 """
@@ -41,18 +42,23 @@ def print_tables(args: argparse.Namespace, report: dict) -> None:
     )
     print(
         "| particles | way | rows/s | min-max | vs engine | vs decode | vs genlm | call ms/step "
-        "| server rows + encode ms | max abs diff vs uncached |"
+        "| caller ms/step | server rows + encode ms | max abs diff vs uncached |"
     )
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for (particles, mode), values in sorted(results.items(), key=lambda item: item[0][0]):
         ratio = {m: _paired(results, particles, mode, m) for m in ("engine", "decode", "genlm")}
-        call = f"{statistics.median(calls[particles, mode]):.1f}" if (particles, mode) in calls else "-"
+        call = caller = "-"
+        if (particles, mode) in calls:
+            per_step = calls[particles, mode]
+            call = f"{statistics.median(per_step):.1f}"
+            rest = [particles / rate * 1e3 - ms for rate, ms in zip(values, per_step, strict=True)]
+            caller = f"{statistics.median(rest):.1f}"
         timing = server.get((particles, mode))
         on_server = f"{timing[0]:.1f} + {timing[1]:.1f}" if timing else "-"
         check = f"{checks[particles, mode]:.1e}" if (particles, mode) in checks else "-"
         print(
             f"| {particles} | {mode} | {median[particles, mode]:.1f} | {min(values):.1f}-{max(values):.1f} | "
-            f"{ratio['engine']} | {ratio['decode']} | {ratio['genlm']} | {call} | {on_server} | {check} |"
+            f"{ratio['engine']} | {ratio['decode']} | {ratio['genlm']} | {call} | {caller} | {on_server} | {check} |"
         )
 
 
