@@ -9,7 +9,7 @@ garbage) reads as a miss, and the rows are computed as if there were no cache.
     DenseRowCache             keys, value framing and checks, over one RowStore
 
 Keys in Redis: `{namespace}:v{FORMAT}:row:{sha256(model fingerprint, adapter, dtype, token ids)}`;
-in process, the same inputs as a `RowKey`, which costs a tenth of the digest (1 ms per 256 rows).
+in process, the same inputs as a `RowKey`: 0.25 ms per 256 rows where the digests took 0.93 ms.
 Values bound for Redis are framed: a 16-byte header (magic + version, row length, CRC-32 of the
 payload) and the raw little-endian float32 row. A value whose header, length or checksum is off is
 a miss and is deleted. The values of one engine step are views of one buffer, filled by one copy
