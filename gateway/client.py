@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import operator
 import tempfile
 from collections.abc import Iterable, Sequence
 from functools import cached_property
@@ -52,6 +53,24 @@ __all__ = ["AsyncGatewayLM", "GatewayClientError"]
 
 MSGPACK = "application/msgpack"
 _HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def _as_int(value: Any) -> int:
+    """Integers of other libraries (numpy's, a 0-d torch tensor) in a token-id list, as ints."""
+    if hasattr(value, "__index__"):
+        return operator.index(value)
+    raise TypeError(f"token ids must be integers, not {type(value).__name__}")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_as_int)
+
+
+def _token_tuple(token_ids: Sequence[int]) -> tuple[int, ...]:
+    """The ids as a tuple: lists and tuples as they are; numpy arrays and torch tensors through
+    `tolist()`, whose ints hash and compare like the list's (a tensor's elements would not)."""
+    if not isinstance(token_ids, list | tuple) and hasattr(token_ids, "tolist"):
+        token_ids = token_ids.tolist()
+    return tuple(token_ids)
 
 
 def _genlm_tokens(byte_vocab: list[bytes]) -> list[bytes]:
@@ -173,7 +192,6 @@ class AsyncGatewayLM:
 
     def _request(self, model: str, rows: list[tuple[int, ...]]) -> tuple[bytes, Segment | None]:
         """The request's body, and the segment it asks the gateway to write the answer into."""
-        self.requests_sent += 1
         body: dict[str, Any] = {
             "model": model,
             "input": rows,  # tuples: MessagePack arrays, as lists would be
@@ -185,7 +203,14 @@ class AsyncGatewayLM:
             segment = self._segments.lease(self._answer_bytes(len(rows)))
             if segment is not None:
                 body["shared_memory"] = segment.target()
-        return msgspec.msgpack.encode(body), segment
+        try:
+            encoded = _ENCODER.encode(body)
+        except BaseException:  # ids that are no integers: nothing was sent, the segment is free
+            if segment is not None and self._segments is not None:
+                self._segments.release(segment)
+            raise
+        self.requests_sent += 1
+        return encoded, segment
 
     def _matrix(
         self, content: bytes | bytearray | memoryview, count: int, segment: Segment | None
@@ -282,7 +307,7 @@ class AsyncGatewayLM:
 
     async def next_token_logprobs(self, token_ids: Sequence[int], lora_name: str | None = None) -> Any:
         """log_softmax over the whole vocabulary after `token_ids`; concurrent calls share one request."""
-        return _as_output(await self._row(RowKey(self._model_for(lora_name), tuple(token_ids))))
+        return _as_output(await self._row(RowKey(self._model_for(lora_name), _token_tuple(token_ids))))
 
     async def _row(self, key: RowKey) -> np.ndarray:
         cached = self._cache.get(key)
@@ -329,7 +354,7 @@ class AsyncGatewayLM:
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> Any:
         model = self._model_for(lora_name)
-        keys = [RowKey(model, tuple(t)) for t in token_ids_list]
+        keys = [RowKey(model, _token_tuple(t)) for t in token_ids_list]
         positions: dict[RowKey, int] = {}
         for key in keys:
             positions.setdefault(key, len(positions))
@@ -348,7 +373,7 @@ class AsyncGatewayLM:
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> Any:
         model = self._model_for(lora_name)
-        keys = [RowKey(model, tuple(t)) for t in token_ids_list]
+        keys = [RowKey(model, _token_tuple(t)) for t in token_ids_list]
         # Rows taken from the cache before fetching: storing the fetched ones may evict them.
         found = {k: row for k in dict.fromkeys(keys) if (row := self._cache.get(k)) is not None}
         missing = [k for k in dict.fromkeys(keys) if k not in found]
@@ -381,7 +406,7 @@ class AsyncGatewayLM:
         model = self._model_for(lora_name)
         generated: list[int] = []
         for _ in range(max_tokens):
-            logprobs = await self._row(RowKey(model, tuple(prompt_token_ids) + tuple(generated)))
+            logprobs = await self._row(RowKey(model, _token_tuple(prompt_token_ids) + tuple(generated)))
             scaled = logprobs.astype(np.float64) / temperature
             probs = np.exp(scaled - scaled.max())
             token = int(rng.choice(probs.shape[0], p=probs / probs.sum()))

@@ -64,6 +64,31 @@ def test_sync_batch_cache_and_clear(lm, reference):
     assert torch.max(torch.abs(async_batch - batch)) <= 1e-4
 
 
+def test_numpy_and_torch_token_ids_are_the_lists_rows(lm, reference):
+    ids = reference.tokenizer(PREFIXES[0]).input_ids
+    expected = lm.next_token_logprobs_sync(ids)
+    sent = lm.requests_sent
+    for same in (np.array(ids), torch.tensor(ids), [np.int64(i) for i in ids], tuple(ids)):
+        assert torch.equal(lm.next_token_logprobs_sync(same), expected)
+    assert lm.requests_sent == sent  # one key whatever the ids came in: the client's cache
+    lm.clear_cache()
+
+    async def run():
+        return await lm.batch_next_token_logprobs([np.array(ids[:-1]), [np.int32(i) for i in ids[:-2]]])
+
+    shorter, shortest = asyncio.run(run())  # sent: numpy's ints are encoded as ints
+    assert lm.requests_sent == sent + 1
+    assert np.max(np.abs(shorter.numpy() - reference.logprobs(ids[:-1])[-1])) <= 1e-4
+    assert np.max(np.abs(shortest.numpy() - reference.logprobs(ids[:-2])[-1])) <= 1e-4
+    for _ in range(3):  # nothing is sent, and the segment leased for the answer is free again
+        with pytest.raises(TypeError, match="token ids must be integers, not float32"):
+            lm.batch_next_token_logprobs_sync([[np.float32(i)] for i in range(8)])  # 1.5 MB: a segment
+    assert lm.requests_sent == sent + 1 and lm._segments.created == 1
+    extended = lm.batch_next_token_logprobs_sync([ids + [i] for i in range(8)])
+    assert lm.requests_sent == sent + 2 and lm.shared_memory_answers == 1 and lm._segments.created == 1
+    assert np.max(np.abs(extended[5].numpy() - reference.logprobs(ids + [5])[-1])) <= 1e-4
+
+
 def test_sample_is_seeded_and_stops_before_eos(lm, reference):
     prompt = reference.tokenizer("The capital of France is").input_ids
 
