@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,18 @@ class PromptLogprobs:
     top_logprobs: np.ndarray  # [T-1, k] float32
 
 
+@dataclass
+class RowsTarget:
+    """Where the caller copies the rows next: float32 [rows, vocab_size] of a client's shared
+    memory, registered with the GPU's driver. An engine that can write the rows there straight
+    from the device does, sets `written`, and sets `ready` when the rows it returns (its own copy,
+    for the output cache) are still landing: they may be read once `ready()` has returned."""
+
+    rows: np.ndarray
+    written: bool = False
+    ready: Callable[[], None] | None = None
+
+
 class Engine(ABC):
     """One loaded model. Token ids given to an engine are already validated (0 <= id < vocab_size)."""
 
@@ -103,6 +115,13 @@ class Engine(ABC):
 
         `adapters[i]` names the LoRA adapter for row i (None: the base model); one call may mix them.
         """
+
+    async def next_token_logprobs_into(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], target: RowsTarget
+    ) -> np.ndarray:
+        """`next_token_logprobs`, also written into `target` where the engine can do that without
+        a copy through host memory (see RowsTarget); by default it cannot, and the caller copies."""
+        return await self.next_token_logprobs(rows, adapters)
 
     @abstractmethod
     async def prompt_logprobs(

@@ -19,7 +19,15 @@ from collections.abc import AsyncIterator, Sequence
 import numpy as np
 from transformers import AutoTokenizer
 
-from backends.base import AdapterError, Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
+from backends.base import (
+    AdapterError,
+    Engine,
+    EngineConfig,
+    PromptLogprobs,
+    RowsTarget,
+    SamplingParams,
+    TokenStep,
+)
 from backends.builtin_models import resolve_model_dir
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
 
@@ -43,6 +51,7 @@ class MockEngine(Engine):
         self.dtype = "float32"
         self.adapters: dict[str, str] = {}
         self.calls = 0  # engine invocations, for tests of batching
+        self.targets_written = 0  # answers written into a client's memory by the engine itself
         options = options or {}
         self.delay_s = float(options.get("delay_s", 0.0))
         self.fail_token = options.get("fail_token")
@@ -87,6 +96,16 @@ class MockEngine(Engine):
         await asyncio.sleep(self.delay_s)
         adapters = adapters or [None] * len(rows)
         return np.stack([self.logits(row, a) for row, a in zip(rows, adapters, strict=True)])
+
+    async def next_token_logprobs_into(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], target: RowsTarget
+    ) -> np.ndarray:
+        """Writes the rows into `target` itself, as a GPU engine does (for the gateway's tests)."""
+        out = await self.next_token_logprobs(rows, adapters)
+        target.rows[...] = out
+        self.targets_written += 1
+        target.written, target.ready = True, lambda: None
+        return out
 
     def is_healthy(self) -> bool:
         return not self.dead

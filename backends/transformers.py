@@ -14,6 +14,8 @@ On CUDA, rows reach the host through page-locked memory, which the gateway's in-
 cache then keeps (no copy). torch keeps every page-locked block it made for reuse, per
 power-of-two size, so a mix of request sizes can leave a cache's worth of blocks per size behind:
 past `options = {pinned_host_bytes = N}` (1 GiB) page-locked, the blocks in no use are released.
+Where the gateway hands a request's rows a target in a client's registered memory (RowsTarget),
+they are copied from the GPU straight there (backends/host_copy.py).
 """
 
 from __future__ import annotations
@@ -28,8 +30,17 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, DynamicLayer
 
-from backends.base import AdapterError, Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
+from backends.base import (
+    AdapterError,
+    Engine,
+    EngineConfig,
+    PromptLogprobs,
+    RowsTarget,
+    SamplingParams,
+    TokenStep,
+)
 from backends.builtin_models import resolve_model_dir
+from backends.host_copy import release_pinned_memory, rows_to_host, write_target
 from backends.prefix_cache import PrefixCache
 from backends.sampling import sample_tokens
 
@@ -124,31 +135,6 @@ def _left_padded(
     mask = np.arange(total) >= (total - lengths)[:, None]
     positions = np.maximum(np.arange(width) + (lengths - width)[:, None], 0)
     return torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64)), torch.from_numpy(positions)
-
-
-def rows_to_host(rows: torch.Tensor) -> np.ndarray:
-    """Rows as numpy. From a GPU, one copy into page-locked memory (pageable memory goes through a
-    staging buffer at a fraction of the speed: 36 ms against 1 ms for 50 MB on an H100); the array
-    keeps that memory until it is dropped, then torch's host allocator reuses it."""
-    if rows.device.type == "cpu":
-        return rows.numpy()
-    return torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows).numpy()
-
-
-# Looked up once (the check runs after every dense call): empty_host_cache is public from torch
-# 2.13, private before; a torch with neither the statistics nor the release never releases.
-_host_memory_stats = getattr(torch.cuda, "host_memory_stats", dict)
-_release_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(
-    torch._C, "_host_emptyCache", None
-)
-
-
-def release_pinned_memory(limit: int) -> bool:
-    """Gives the page-locked blocks that no array uses back when torch holds more than `limit`."""
-    if _release_host_cache is None or _host_memory_stats().get("allocated_bytes.current", 0) <= limit:
-        return False
-    _release_host_cache()
-    return True
 
 
 def _mask_if_padded(mask: torch.Tensor, device: torch.device) -> torch.Tensor | None:
@@ -279,9 +265,14 @@ class TransformersEngine(Engine):
     ) -> np.ndarray:
         return await self._run(self._next_token_logprobs, rows, adapters or [None] * len(rows))
 
+    async def next_token_logprobs_into(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], target: RowsTarget
+    ) -> np.ndarray:
+        return await self._run(self._next_token_logprobs, rows, adapters, target)
+
     @torch.inference_mode()
     def _next_token_logprobs(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], target: RowsTarget | None = None
     ) -> np.ndarray:
         cache = self.prefix_cache
         matches = [cache.match(a, r) if cache else (None, 0) for a, r in zip(adapters, rows, strict=True)]
@@ -302,7 +293,10 @@ class TransformersEngine(Engine):
                     out = logprobs.new_empty((len(rows), self.vocab_size))
                 out[torch.tensor(group, device=self.device)] = logprobs
         assert out is not None
-        host = rows_to_host(out)
+        if target is not None and self.device.type == "cuda":
+            host = write_target(out, target)
+        else:
+            host = rows_to_host(out)
         if self.device.type == "cuda" and release_pinned_memory(self.pinned_host_bytes):
             log.info("released unused page-locked memory (over %d bytes)", self.pinned_host_bytes)
         return host

@@ -52,12 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.base import EngineConfig  # noqa: E402
 from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
-from backends.transformers import (  # noqa: E402
-    TransformersEngine,
-    resolve_device,
-    resolve_dtype,
-    rows_to_host,
-)
+from backends.host_copy import rows_to_host  # noqa: E402
+from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
 from bench.smc_report import load_report, plot, print_tables, save_report  # noqa: E402
 from gateway.client import AsyncGatewayLM  # noqa: E402
 from gateway.launcher import GatewayProcess, start_gateway  # noqa: E402

@@ -16,6 +16,7 @@ from gateway.access import Access, KeyRing
 from gateway.cache import build_cache
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.guard import guard
+from gateway.host_memory import CudaPinner
 from gateway.metrics import Metrics, StateCollector, instrument
 from gateway.registry import ModelRegistry
 from gateway.routes.admin import load_lora_adapter, unload_lora_adapter
@@ -58,7 +59,11 @@ def create_app(
     registry = registry or ModelRegistry(settings.models, metrics, own_process=own_process)
     metrics.registry.register(StateCollector(registry))
     access = Access(KeyRing.from_settings(settings), settings.limits)
-    shared_memory = SharedMemoryWriter() if settings.shared_memory and sys.platform == "linux" else None
+    shared_memory = (
+        SharedMemoryWriter(pinner=CudaPinner())
+        if settings.shared_memory and sys.platform == "linux"
+        else None
+    )
     state = State(
         {
             "settings": settings,

@@ -7,6 +7,9 @@ while traffic is concurrent (the last engine call served several requests): a lo
 as an SMC loop that sends one request per step and waits for it, would pay the window every step. Rows of
 different adapters share an engine call: the engine applies each row's adapter.
 
+A request alone in its engine call, its rows distinct, may carry a target (a client's shared
+memory, see backends.base.RowsTarget): the engine then writes the rows there itself if it can.
+
 Requests whose clients have gone (their futures cancelled) are dropped before each engine call.
 When an engine call fails, its requests are retried one by one, so only the request that causes
 the failure gets the error.
@@ -22,16 +25,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from backends.base import RowsTarget
+
 log = logging.getLogger(__name__)
 
 Row = tuple[str | None, tuple[int, ...]]  # (adapter, token ids)
 EngineCall = Callable[[Sequence[Sequence[int]], Sequence[str | None]], Awaitable[np.ndarray]]
+EngineCallInto = Callable[[Sequence[Sequence[int]], Sequence[str | None], RowsTarget], Awaitable[np.ndarray]]
 
 
 @dataclass
 class _Request:
     rows: list[Row]
     future: asyncio.Future[np.ndarray]
+    target: RowsTarget | None = None
     enqueued: float = field(default_factory=lambda: asyncio.get_running_loop().time())
 
 
@@ -53,8 +60,10 @@ class RowBatcher:
         window_s: float = 0.002,
         on_batch: Callable[[int], None] | None = None,
         on_wait: Callable[[float], None] | None = None,
+        engine_call_into: EngineCallInto | None = None,
     ) -> None:
         self._engine_call = engine_call
+        self._engine_call_into = engine_call_into
         self._on_batch = on_batch or (lambda rows: None)  # distinct rows of each engine call
         self._on_wait = on_wait or (lambda seconds: None)  # queueing time of each request
         self.max_batch_rows = max_batch_rows
@@ -64,11 +73,16 @@ class RowBatcher:
         self._worker: asyncio.Task[None] | None = None
         self._concurrent = False  # the last engine call served more than one request
 
-    async def submit(self, rows: Sequence[Sequence[int]], adapter: str | None = None) -> np.ndarray:
-        """float32 [len(rows), vocab]: each row equal to what the engine computes for it alone."""
+    async def submit(
+        self, rows: Sequence[Sequence[int]], adapter: str | None = None, target: RowsTarget | None = None
+    ) -> np.ndarray:
+        """float32 [len(rows), vocab]: each row equal to what the engine computes for it alone;
+        also in `target` when `target.written` says so afterwards."""
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run(), name="row-batcher")
-        request = _Request([(adapter, tuple(r)) for r in rows], asyncio.get_running_loop().create_future())
+        request = _Request(
+            [(adapter, tuple(r)) for r in rows], asyncio.get_running_loop().create_future(), target
+        )
         self.stats.requests += 1
         self.stats.rows += len(rows)
         await self._queue.put(request)
@@ -131,7 +145,16 @@ class RowBatcher:
                 self.stats.batches += 1
                 self.stats.largest_batch = max(self.stats.largest_batch, len(chunk))
                 self._on_batch(len(chunk))
-                parts.append(await self._engine_call([ids for _, ids in chunk], [a for a, _ in chunk]))
+                ids, adapters = [ids for _, ids in chunk], [a for a, _ in chunk]
+                target = batch[0].target if len(batch) == 1 else None
+                if (
+                    target is not None
+                    and self._engine_call_into is not None
+                    and len(unique) == len(batch[0].rows) <= self.max_batch_rows
+                ):  # the engine's rows are the answer as they are
+                    parts.append(await self._engine_call_into(ids, adapters, target))
+                else:
+                    parts.append(await self._engine_call(ids, adapters))
             self.stats.engine_rows += len(unique)
             results = parts[0] if len(parts) == 1 else np.concatenate(parts)
         except Exception as exc:

@@ -358,21 +358,32 @@ class DenseRowCache:
         self.metrics.cache_duration.labels("set").observe(time.perf_counter() - started)
 
     def store_in_background(
-        self, keys: Sequence[Key], rows: np.ndarray, after: asyncio.Future[None] | None = None
+        self,
+        keys: Sequence[Key],
+        rows: np.ndarray,
+        after: asyncio.Future[None] | None = None,
+        ready: Callable[[], None] | None = None,
     ) -> None:
         """Store `rows` without holding up the response that carries them, once `after` is done
         (the response written: storing holds the interpreter lock, which the threads writing
-        the response need); `lookup` of these keys waits for it, and `aclose` lets it finish."""
-        task = asyncio.create_task(self._store_after(keys, rows, after))
+        the response need) and `ready()` has returned (rows still landing from a GPU); `lookup`
+        of these keys waits for it, and `aclose` lets it finish."""
+        task = asyncio.create_task(self._store_after(keys, rows, after, ready))
         for key in keys:
             self._storing[key] = task
         task.add_done_callback(lambda done: self._stored(keys, done))
 
     async def _store_after(
-        self, keys: Sequence[Key], rows: np.ndarray, after: asyncio.Future[None] | None
+        self,
+        keys: Sequence[Key],
+        rows: np.ndarray,
+        after: asyncio.Future[None] | None,
+        ready: Callable[[], None] | None,
     ) -> None:
         if after is not None:
             await asyncio.wait([after])
+        if ready is not None:
+            await asyncio.to_thread(ready)
         await self.store_rows(keys, rows)
 
     def _stored(self, keys: Sequence[Key], task: asyncio.Task[None]) -> None:

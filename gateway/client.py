@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import operator
 import tempfile
 from collections.abc import Iterable, Sequence
 from functools import cached_property
@@ -41,9 +40,11 @@ from gateway.client_wire import (
     GatewayClientError,
     body_matrix,
     decode_dense_answer,
+    encode_request,
     error_from,
     raise_for_error,
     read_into_buffer,
+    token_tuple,
 )
 from gateway.encoding import ITEMSIZE, Dtype
 from gateway.row_key import RowKey
@@ -53,24 +54,6 @@ __all__ = ["AsyncGatewayLM", "GatewayClientError"]
 
 MSGPACK = "application/msgpack"
 _HAS_TORCH = importlib.util.find_spec("torch") is not None
-
-
-def _as_int(value: Any) -> int:
-    """Integers of other libraries (numpy's, a 0-d torch tensor) in a token-id list, as ints."""
-    if hasattr(value, "__index__"):
-        return operator.index(value)
-    raise TypeError(f"token ids must be integers, not {type(value).__name__}")
-
-
-_ENCODER = msgspec.msgpack.Encoder(enc_hook=_as_int)
-
-
-def _token_tuple(token_ids: Sequence[int]) -> tuple[int, ...]:
-    """The ids as a tuple: lists and tuples as they are; numpy arrays and torch tensors through
-    `tolist()`, whose ints hash and compare like the list's (a tensor's elements would not)."""
-    if not isinstance(token_ids, list | tuple) and hasattr(token_ids, "tolist"):
-        token_ids = token_ids.tolist()
-    return tuple(token_ids)
 
 
 def _genlm_tokens(byte_vocab: list[bytes]) -> list[bytes]:
@@ -204,7 +187,7 @@ class AsyncGatewayLM:
             if segment is not None:
                 body["shared_memory"] = segment.target()
         try:
-            encoded = _ENCODER.encode(body)
+            encoded = encode_request(body)
         except BaseException:  # ids that are no integers: nothing was sent, the segment is free
             if segment is not None and self._segments is not None:
                 self._segments.release(segment)
@@ -307,7 +290,7 @@ class AsyncGatewayLM:
 
     async def next_token_logprobs(self, token_ids: Sequence[int], lora_name: str | None = None) -> Any:
         """log_softmax over the whole vocabulary after `token_ids`; concurrent calls share one request."""
-        return _as_output(await self._row(RowKey(self._model_for(lora_name), _token_tuple(token_ids))))
+        return _as_output(await self._row(RowKey(self._model_for(lora_name), token_tuple(token_ids))))
 
     async def _row(self, key: RowKey) -> np.ndarray:
         cached = self._cache.get(key)
@@ -354,7 +337,7 @@ class AsyncGatewayLM:
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> Any:
         model = self._model_for(lora_name)
-        keys = [RowKey(model, _token_tuple(t)) for t in token_ids_list]
+        keys = [RowKey(model, token_tuple(t)) for t in token_ids_list]
         positions: dict[RowKey, int] = {}
         for key in keys:
             positions.setdefault(key, len(positions))
@@ -373,7 +356,7 @@ class AsyncGatewayLM:
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> Any:
         model = self._model_for(lora_name)
-        keys = [RowKey(model, _token_tuple(t)) for t in token_ids_list]
+        keys = [RowKey(model, token_tuple(t)) for t in token_ids_list]
         # Rows taken from the cache before fetching: storing the fetched ones may evict them.
         found = {k: row for k in dict.fromkeys(keys) if (row := self._cache.get(k)) is not None}
         missing = [k for k in dict.fromkeys(keys) if k not in found]
@@ -406,7 +389,7 @@ class AsyncGatewayLM:
         model = self._model_for(lora_name)
         generated: list[int] = []
         for _ in range(max_tokens):
-            logprobs = await self._row(RowKey(model, _token_tuple(prompt_token_ids) + tuple(generated)))
+            logprobs = await self._row(RowKey(model, token_tuple(prompt_token_ids) + tuple(generated)))
             scaled = logprobs.astype(np.float64) / temperature
             probs = np.exp(scaled - scaled.max())
             token = int(rng.choice(probs.shape[0], p=probs / probs.sum()))

@@ -1,15 +1,42 @@
-"""What the client reads off the wire: dense responses as arrays, error answers as exceptions.
+"""What the client puts on and reads off the wire: token ids as requests carry them, dense
+responses as arrays, error answers as exceptions.
 
 Needs only msgspec, numpy and httpx.
 """
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+from typing import Any
+
 import httpx
 import msgspec
 import numpy as np
 
 from gateway.encoding import ITEMSIZE, Dtype, decode_row
+
+
+def _as_int(value: Any) -> int:
+    """Integers of other libraries (numpy's, a 0-d torch tensor) in a token-id list, as ints."""
+    if hasattr(value, "__index__"):
+        return operator.index(value)
+    raise TypeError(f"token ids must be integers, not {type(value).__name__}")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_as_int)
+
+
+def encode_request(body: dict[str, Any]) -> bytes:
+    return _ENCODER.encode(body)
+
+
+def token_tuple(token_ids: Sequence[int]) -> tuple[int, ...]:
+    """The ids as a tuple: lists and tuples as they are; numpy arrays and torch tensors through
+    `tolist()`, whose ints hash and compare like the list's (a tensor's elements would not)."""
+    if not isinstance(token_ids, list | tuple) and hasattr(token_ids, "tolist"):
+        token_ids = token_ids.tolist()
+    return tuple(token_ids)
 
 
 class GatewayClientError(RuntimeError):

@@ -162,6 +162,7 @@ class ModelRegistry:
                 window_s=served.settings.batch_window_ms / 1000,
                 on_batch=self.metrics.batch_rows.labels(served.name).observe,
                 on_wait=self.metrics.batch_queue_wait.labels(served.name).observe,
+                engine_call_into=engine.next_token_logprobs_into,
             )
             served.engine = engine
             for name, path in served.settings.adapters.items():

@@ -14,6 +14,11 @@ and the file opened must be a memfd with the random name the request gave, so on
 client created for this is ever written. A target the gateway cannot open (a client on another
 host or in another PID namespace, another user's process) is not an error: the matrix is sent in
 the body, as without the field, and the client stops asking. Linux only.
+
+With a `pinner` (a GPU engine's driver, gateway/host_memory.py) a mapping is registered for
+direct copies from the device when it is made, so an engine can write the rows there itself
+(`pinned`). It is unregistered before it is unmapped, and only once no view handed out for it is
+alive: a copy may still be writing through one.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import contextlib
 import fcntl
 import mmap
 import os
+import weakref
 from collections import OrderedDict
+from typing import Protocol
 
 import numpy as np
 
@@ -38,21 +45,50 @@ def _names_segment(path: str, name: str) -> bool:
         return False
 
 
+class Pinner(Protocol):
+    def register(self, address: int, size: int) -> bool: ...
+
+    def unregister(self, address: int) -> None: ...
+
+
+Key = tuple[int, int, str]  # (pid, fd, name)
+
+
+def _address(segment: mmap.mmap) -> int:
+    view = np.frombuffer(segment, dtype=np.uint8, count=1)
+    try:
+        return view.ctypes.data
+    finally:
+        del view  # the export would keep the mapping from closing
+
+
 class SharedMemoryWriter:
     """Maps clients' segments on first use and keeps the most recent mappings, bounded in count
     and bytes; a mapping whose client closed the segment is dropped when another is mapped."""
 
-    def __init__(self, max_segments: int = 64, max_bytes: int = 8 << 30) -> None:
+    def __init__(
+        self, max_segments: int = 64, max_bytes: int = 8 << 30, pinner: Pinner | None = None
+    ) -> None:
         self.max_segments = max_segments
         self.max_bytes = max_bytes
-        self._segments: OrderedDict[tuple[int, int, str], mmap.mmap] = OrderedDict()
+        self.pinner = pinner
+        self._segments: OrderedDict[Key, mmap.mmap] = OrderedDict()
         self._bytes = 0
+        self._pinned: dict[Key, int] = {}  # registered mappings: their address
+        self._views: dict[Key, list[weakref.ref[np.ndarray]]] = {}  # handed out, of pinned mappings
+        self._retiring: list[tuple[mmap.mmap, int, list[weakref.ref[np.ndarray]]]] = []
+
+    def pinned(self, target: SharedMemoryTarget) -> bool:
+        """Whether the segment's mapping is registered for copies straight from a GPU."""
+        return (target.pid, target.fd, target.name) in self._pinned
 
     def target(self, target: SharedMemoryTarget, nbytes: int) -> np.ndarray | None:
         """`nbytes` of the client's segment at its offset, as a uint8 array to copy the matrix
         into; None when the segment is not visible from here. A segment that is visible but
         cannot hold the matrix, or is not sealed against shrinking, is the client's error (400)."""
         key = (target.pid, target.fd, target.name)
+        if self._retiring:
+            self._retire()
         segment = self._segments.get(key)
         if segment is None:
             segment = self._map(target)
@@ -66,7 +102,12 @@ class SharedMemoryWriter:
                 f"from offset {target.offset}",
                 param="shared_memory",
             )
-        return np.frombuffer(segment, dtype=np.uint8, count=nbytes, offset=target.offset)
+        view = np.frombuffer(segment, dtype=np.uint8, count=nbytes, offset=target.offset)
+        if key in self._pinned:
+            views = self._views[key]
+            views[:] = [ref for ref in views if ref() is not None]
+            views.append(weakref.ref(view))
+        return view
 
     def _map(self, target: SharedMemoryTarget) -> mmap.mmap | None:
         path = f"/proc/{target.pid}/fd/{target.fd}"
@@ -93,8 +134,11 @@ class SharedMemoryWriter:
         finally:
             os.close(fd)  # the mapping keeps the file
         self._drop_closed()
-        self._segments[target.pid, target.fd, target.name] = segment
+        self._retire()
+        key = (target.pid, target.fd, target.name)
+        self._segments[key] = segment
         self._bytes += len(segment)
+        self._pin(key, segment)
         # The oldest go first, never the one just mapped: this request writes into it.
         while len(self._segments) > 1 and (
             len(self._segments) > self.max_segments or self._bytes > self.max_bytes
@@ -109,13 +153,38 @@ class SharedMemoryWriter:
             if not _names_segment(f"/proc/{pid}/fd/{fd}", name):
                 self._forget(key)
 
-    def _forget(self, key: tuple[int, int, str]) -> None:
+    def _pin(self, key: Key, segment: mmap.mmap) -> None:
+        if self.pinner is None:
+            return
+        address = _address(segment)
+        if self.pinner.register(address, len(segment)):
+            self._pinned[key] = address
+            self._views[key] = []
+
+    def _forget(self, key: Key) -> None:
         segment = self._segments.pop(key)
         self._bytes -= len(segment)
+        address = self._pinned.pop(key, None)
+        if address is not None:  # unregistered, then unmapped, once no copy can be writing
+            self._retiring.append((segment, address, self._views.pop(key)))
+            self._retire()
+            return
         # A copy still writing through it holds a buffer export: then it closes when that ends.
         with contextlib.suppress(BufferError):
             segment.close()
 
+    def _retire(self) -> None:
+        assert self.pinner is not None or not self._retiring
+        for retiring in list(self._retiring):
+            segment, address, views = retiring
+            if any(ref() is not None for ref in views):
+                continue
+            self.pinner.unregister(address)  # type: ignore[union-attr]
+            with contextlib.suppress(BufferError):
+                segment.close()
+            self._retiring.remove(retiring)
+
     def close(self) -> None:
         while self._segments:
             self._forget(next(iter(self._segments)))
+        self._retire()

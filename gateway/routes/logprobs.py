@@ -10,6 +10,7 @@ import msgspec
 import numpy as np
 from litestar import Request, Response, get, post
 
+from backends.base import RowsTarget
 from gateway.dense import dense_rows
 from gateway.encoding import ITEMSIZE, matrix_view, msgpack_bin_header, row_base64, row_views
 from gateway.errors import ContextLengthError, EngineError, GatewayError, InvalidRequestError
@@ -66,6 +67,7 @@ async def next_token_logprobs(request: Request) -> Response:
         )
     # Checked before any row is computed: a segment too small is the client's error.
     destination = _shared_memory_target(request, body, len(inputs) * engine.vocab_size * ITEMSIZE[body.dtype])
+    target = _rows_target(request, body, destination, engine.vocab_size)
     started = time.perf_counter()
     # Rows are cached once their response is encoded: storing them holds the interpreter lock,
     # which the threads writing the response need.
@@ -73,7 +75,7 @@ async def next_token_logprobs(request: Request) -> Response:
     try:
         try:
             rows, hits = await dense_rows(
-                served, request.app.state.cache, [i.ids for i in inputs], adapter, encoded
+                served, request.app.state.cache, [i.ids for i in inputs], adapter, encoded, target
             )
         except GatewayError:
             raise
@@ -85,8 +87,9 @@ async def next_token_logprobs(request: Request) -> Response:
         # Encoding megabytes of floats would stall the event loop: it runs on a worker thread.
         computed = time.perf_counter()
         if destination is not None:
+            written = target is not None and target.written
             parts = await asyncio.to_thread(
-                _deliver, rows, body, engine.vocab_size, usage, binary, destination
+                _deliver, rows, body, engine.vocab_size, usage, binary, destination, written
             )
         else:
             parts = await asyncio.to_thread(_encode, rows, body, engine.vocab_size, usage, binary)
@@ -123,6 +126,20 @@ def _shared_memory_target(request: Request, body: NextTokenLogprobsRequest, nbyt
     return None if writer is None else writer.target(body.shared_memory, nbytes)
 
 
+def _rows_target(
+    request: Request, body: NextTokenLogprobsRequest, destination: np.ndarray | None, vocab_size: int
+) -> RowsTarget | None:
+    """The client's segment as float32 rows, for an engine to write into from its GPU: when the
+    gateway's mapping of it is registered for that and the answer is float32 (as computed)."""
+    if destination is None or body.dtype != "float32" or body.shared_memory is None:
+        return None
+    if destination.ctypes.data % ITEMSIZE["float32"]:  # an offset that splits a float
+        return None
+    if not request.app.state.shared_memory.pinned(body.shared_memory):
+        return None
+    return RowsTarget(destination.view(np.float32).reshape(-1, vocab_size))
+
+
 def _deliver(
     rows: np.ndarray,
     body: NextTokenLogprobsRequest,
@@ -130,9 +147,12 @@ def _deliver(
     usage: NextTokenLogprobsUsage,
     binary: bool,
     destination: np.ndarray,
+    written: bool,
 ) -> list[bytes | memoryview]:
-    """The matrix copied into the client's segment; the body says where it lies."""
-    copy_into(destination, np.frombuffer(matrix_view(rows, body.dtype), dtype=np.uint8))
+    """The matrix copied into the client's segment, unless the engine wrote it there itself; the
+    body says where it lies."""
+    if not written:
+        copy_into(destination, np.frombuffer(matrix_view(rows, body.dtype), dtype=np.uint8))
     assert body.shared_memory is not None
     document = NextTokenLogprobsSharedMemoryResponse(
         model=body.model,

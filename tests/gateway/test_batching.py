@@ -7,6 +7,7 @@ import asyncio
 
 import numpy as np
 
+from backends.base import RowsTarget
 from gateway.batching import RowBatcher
 
 
@@ -57,4 +58,25 @@ async def test_the_window_is_waited_only_under_concurrent_traffic():
     calls = len(engine.outputs)
     await asyncio.gather(batcher.submit([[3]]), late([[4]], 0.1))  # the late one still joins
     assert len(engine.outputs) == calls + 1 and len(engine.outputs[-1]) == 2
+    await batcher.aclose()
+
+
+async def test_a_target_reaches_the_engine_only_for_a_request_alone_with_distinct_rows():
+    engine = RecordingEngine()
+    targets = []
+
+    async def into(rows, adapters, target):
+        targets.append(target)
+        return await engine(rows, adapters)
+
+    batcher = RowBatcher(engine, window_s=0.05, engine_call_into=into)
+    target = RowsTarget(np.zeros((3, 3), np.float32))
+    alone = await batcher.submit([[1, 2], [3], [4, 5, 6]], None, target)
+    assert targets == [target] and alone[:, 0].tolist() == [3, 3, 15]
+    await batcher.submit([[1], [1]], None, RowsTarget(np.zeros((2, 3), np.float32)))  # a row twice
+    await asyncio.gather(batcher.submit([[7]]), batcher.submit([[8]]))  # concurrent: window on
+    await asyncio.gather(
+        batcher.submit([[9]], None, RowsTarget(np.zeros((1, 3), np.float32))), batcher.submit([[10]])
+    )  # shares its engine call
+    assert targets == [target] and len(engine.outputs) == 4
     await batcher.aclose()

@@ -167,6 +167,22 @@ async def test_background_stores_are_read_back_and_finished_on_close():
     assert np.array_equal((await store.get_many([other]))[0], _row(3))
 
 
+async def test_rows_still_landing_are_stored_and_found_only_once_ready():
+    cache = DenseRowCache(MemoryStore(10**7))
+    keys = cache.keys("m", None, [[5]])
+    landing = np.zeros((1, 1000), np.float32)  # an engine's own copy, still arriving from a GPU
+    events = []
+
+    def ready() -> None:  # blocks, as a CUDA event's synchronize does: off the event loop
+        time.sleep(0.1)
+        landing[0] = _row(5)
+        events.append("ready")
+
+    cache.store_in_background(keys, landing, ready=ready)
+    found = await cache.lookup(keys, 1000)  # waits for the store, which waits for the rows
+    assert events == ["ready"] and np.array_equal(found[0], _row(5))
+
+
 async def test_in_process_values_are_the_engine_rows_read_only_and_counted_once():
     store = MemoryStore(3 * 4 * 4000)  # room for three steps of four rows
     cache = DenseRowCache(store)
