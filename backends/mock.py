@@ -19,15 +19,8 @@ from collections.abc import AsyncIterator, Sequence
 import numpy as np
 from transformers import AutoTokenizer
 
-from backends.base import (
-    AdapterError,
-    Engine,
-    EngineConfig,
-    PromptLogprobs,
-    RowsTarget,
-    SamplingParams,
-    TokenStep,
-)
+from backends import base
+from backends.base import AdapterError, Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
 from backends.builtin_models import resolve_model_dir
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
 
@@ -98,7 +91,7 @@ class MockEngine(Engine):
         return np.stack([self.logits(row, a) for row, a in zip(rows, adapters, strict=True)])
 
     async def next_token_logprobs_into(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], target: RowsTarget
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], target: base.RowsTarget
     ) -> np.ndarray:
         """Writes the rows into `target` itself, as a GPU engine does (for the gateway's tests)."""
         out = await self.next_token_logprobs(rows, adapters)
