@@ -133,8 +133,7 @@ class SharedMemoryWriter:
             return None
         finally:
             os.close(fd)  # the mapping keeps the file
-        self._drop_closed()
-        self._retire()
+        self._drop_closed()  # retires what it forgets; `target` retired the rest just before
         key = (target.pid, target.fd, target.name)
         self._segments[key] = segment
         self._bytes += len(segment)
@@ -187,4 +186,3 @@ class SharedMemoryWriter:
     def close(self) -> None:
         while self._segments:
             self._forget(next(iter(self._segments)))
-        self._retire()
