@@ -85,9 +85,11 @@ class RowsTarget:
     """Where the caller copies the rows next: float32 [rows, vocab_size] of a client's shared
     memory, registered with the GPU's driver. An engine that can write the rows there straight
     from the device does, sets `written`, and sets `ready` when the rows it returns (its own copy,
-    for the output cache) are still landing: they may be read once `ready()` has returned."""
+    for the output cache) are still landing: they may be read once `ready()` has returned. With
+    `keep` false nothing reads what it returns beyond the call (no output cache): `rows` will do."""
 
     rows: np.ndarray
+    keep: bool = True
     written: bool = False
     ready: Callable[[], None] | None = None
 

@@ -77,7 +77,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        app.state.cache = build_cache(settings.cache, metrics)
+        app.state.cache = build_cache(settings.cache, metrics, registry.quiet)
         loading = asyncio.create_task(registry.load_all())
         try:
             yield

@@ -47,6 +47,7 @@ import numpy as np
 
 from gateway.buffer_lru import BufferLRU, anchor
 from gateway.metrics import Metrics
+from gateway.quiet_time import QuietTime
 from gateway.row_key import RowKey
 from gateway.settings import CacheSettings
 
@@ -264,8 +265,10 @@ class DenseRowCache:
         namespace: str = "lpg",
         stats: CacheStats | None = None,
         metrics: Metrics | None = None,
+        quiet: QuietTime | None = None,
     ) -> None:
         self.store = store
+        self.quiet = quiet  # stores wait for it: see gateway/quiet_time.py
         self.namespace = namespace
         self.stats = stats or CacheStats()
         self.metrics = metrics or Metrics()
@@ -325,6 +328,8 @@ class DenseRowCache:
         started = time.perf_counter()
         storing = {self._storing[key] for key in keys if key in self._storing}
         if storing:  # read-your-writes within the process: a row being stored is found
+            if self.quiet is not None:
+                self.quiet.now()
             await asyncio.wait(storing)
         values = await self.store.get_many(keys)
         self.metrics.cache_duration.labels("get").observe(time.perf_counter() - started)
@@ -366,8 +371,8 @@ class DenseRowCache:
     ) -> None:
         """Store `rows` without holding up the response that carries them, once `after` is done
         (the response written: storing holds the interpreter lock, which the threads writing
-        the response need) and `ready()` has returned (rows still landing from a GPU); `lookup`
-        of these keys waits for it, and `aclose` lets it finish."""
+        the response need), `ready()` has returned (rows still landing from a GPU) and `quiet`
+        says engines compute; `lookup` of these keys waits for it, and `aclose` lets it finish."""
         task = asyncio.create_task(self._store_after(keys, rows, after, ready))
         for key in keys:
             self._storing[key] = task
@@ -382,6 +387,8 @@ class DenseRowCache:
     ) -> None:
         if after is not None:
             await asyncio.wait([after])
+        if self.quiet is not None:
+            await self.quiet.wait()
         if ready is not None:
             await asyncio.to_thread(ready)
         await self.store_rows(keys, rows)
@@ -395,11 +402,15 @@ class DenseRowCache:
 
     async def aclose(self) -> None:
         if self._storing:
+            if self.quiet is not None:
+                self.quiet.now()
             await asyncio.wait(set(self._storing.values()), timeout=30)
         await self.store.aclose()
 
 
-def build_cache(settings: CacheSettings, metrics: Metrics) -> DenseRowCache | None:
+def build_cache(
+    settings: CacheSettings, metrics: Metrics, quiet: QuietTime | None = None
+) -> DenseRowCache | None:
     if not settings.enabled:
         return None
     stats = CacheStats()
@@ -415,4 +426,4 @@ def build_cache(settings: CacheSettings, metrics: Metrics) -> DenseRowCache | No
         )
     else:
         store = MemoryStore(settings.memory_bytes)
-    return DenseRowCache(store, namespace=settings.namespace, stats=stats, metrics=metrics)
+    return DenseRowCache(store, namespace=settings.namespace, stats=stats, metrics=metrics, quiet=quiet)

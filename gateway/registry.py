@@ -18,6 +18,7 @@ from gateway.batching import RowBatcher
 from gateway.cache import weights_fingerprint
 from gateway.errors import InvalidRequestError, ModelNotFoundError, ModelNotReadyError
 from gateway.metrics import Metrics
+from gateway.quiet_time import QuietTime
 from gateway.settings import ModelSettings
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,7 @@ class ModelRegistry:
         self.metrics = metrics or Metrics()
         self.own_process = own_process  # the process serves these models and nothing else
         self.models = {m.served_name: ServedModel(m, metrics=self.metrics) for m in models}
+        self.quiet = QuietTime()  # begins with every engine call of dense rows
 
     async def load_all(self) -> None:
         """Load every model, one after another (they share the machine); failures are recorded."""
@@ -156,11 +158,17 @@ class ModelRegistry:
                 engine.dtype,
                 str(engine.vocab_size),
             )
+            observe_rows = self.metrics.batch_rows.labels(served.name).observe
+
+            def on_batch(rows: int) -> None:
+                observe_rows(rows)
+                self.quiet.now()
+
             served.batcher = RowBatcher(
                 engine.next_token_logprobs,
                 max_batch_rows=served.settings.max_batch_rows,
                 window_s=served.settings.batch_window_ms / 1000,
-                on_batch=self.metrics.batch_rows.labels(served.name).observe,
+                on_batch=on_batch,
                 on_wait=self.metrics.batch_queue_wait.labels(served.name).observe,
                 engine_call_into=engine.next_token_logprobs_into,
             )

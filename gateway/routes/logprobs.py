@@ -86,10 +86,12 @@ async def next_token_logprobs(request: Request) -> Response:
         usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens, cache_hits=hits)
         # Encoding megabytes of floats would stall the event loop: it runs on a worker thread.
         computed = time.perf_counter()
-        if destination is not None:
-            written = target is not None and target.written
+        if target is not None and target.written:  # a few hundred bytes to say so: no thread hop
+            assert destination is not None
+            parts = _deliver(rows, body, engine.vocab_size, usage, binary, destination, True)
+        elif destination is not None:
             parts = await asyncio.to_thread(
-                _deliver, rows, body, engine.vocab_size, usage, binary, destination, written
+                _deliver, rows, body, engine.vocab_size, usage, binary, destination, False
             )
         else:
             parts = await asyncio.to_thread(_encode, rows, body, engine.vocab_size, usage, binary)
@@ -130,14 +132,16 @@ def _rows_target(
     request: Request, body: NextTokenLogprobsRequest, destination: np.ndarray | None, vocab_size: int
 ) -> RowsTarget | None:
     """The client's segment as float32 rows, for an engine to write into from its GPU: when the
-    gateway's mapping of it is registered for that and the answer is float32 (as computed)."""
+    gateway's mapping of it is registered for that and the answer is float32 (as computed). The
+    engine keeps a copy of its own only for the output cache."""
     if destination is None or body.dtype != "float32" or body.shared_memory is None:
         return None
     if destination.ctypes.data % ITEMSIZE["float32"]:  # an offset that splits a float
         return None
     if not request.app.state.shared_memory.pinned(body.shared_memory):
         return None
-    return RowsTarget(destination.view(np.float32).reshape(-1, vocab_size))
+    rows = destination.view(np.float32).reshape(-1, vocab_size)
+    return RowsTarget(rows, keep=request.app.state.cache is not None)
 
 
 def _deliver(

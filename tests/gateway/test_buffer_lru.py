@@ -28,14 +28,20 @@ def test_rows_are_views_and_a_matrix_counts_until_its_last_row_goes():
     assert len(cache) == 7
 
 
-def test_row_budget_least_recently_used_first_and_oversized_matrices_skipped():
-    cache = BufferLRU(max_items=3, max_bytes=1 << 20)
-    cache.put_rows(["a", "b", "c"], matrix(3, 0))
-    cache.get("a")  # used: "b" is now the oldest
-    cache.put_rows(["d"], matrix(1, 1))
-    assert "b" not in cache and {"a", "c", "d"} == {k for k in "abcd" if k in cache}
+def test_row_budget_least_recently_used_matrix_first_and_oversized_matrices_skipped():
+    cache = BufferLRU(max_items=4, max_bytes=1 << 20)
+    cache.put_rows(["a", "b"], matrix(2, 0))
+    cache.put_rows(["c"], matrix(1, 1))
+    cache.get("a")  # used: the matrix of "c" is now the oldest
+    cache.put_rows(["d", "e"], matrix(2, 2))  # five rows: one matrix goes, whole
+    assert {k for k in "abcde" if k in cache} == {"a", "b", "d", "e"} and cache.nbytes == 4000
+    cache.put_rows(list("vwxyz"), five := matrix(5, 3))  # more rows than the budget: its last ones stay
+    assert [k for k in "abcdevwxyz" if k in cache] == list("wxyz")
+    assert np.array_equal(cache.get("w"), five[1]) and cache.nbytes == five.nbytes
+    cache.clear()
+    cache.put_rows(["a", "b"], matrix(2, 4))
     cache.put_rows(["big"], matrix(1, 2, width=300_000))  # 1.2 MB > max_bytes: not cached at all
-    assert "big" not in cache and len(cache) == 3
+    assert "big" not in cache and len(cache) == 2
     cache.clear()
     assert len(cache) == 0 and cache.nbytes == 0
     off = BufferLRU(max_items=0, max_bytes=1 << 20)

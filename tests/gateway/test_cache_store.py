@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from gateway.cache import FORMAT, CacheStats, DenseRowCache, MemoryStore, RedisStore, weights_fingerprint
+from gateway.quiet_time import QuietTime
 
 
 def _row(seed: int, width: int = 1000) -> np.ndarray:
@@ -181,6 +182,38 @@ async def test_rows_still_landing_are_stored_and_found_only_once_ready():
     cache.store_in_background(keys, landing, ready=ready)
     found = await cache.lookup(keys, 1000)  # waits for the store, which waits for the rows
     assert events == ["ready"] and np.array_equal(found[0], _row(5))
+
+
+async def test_stores_wait_for_the_next_engine_call_unless_a_lookup_needs_them():
+    quiet = QuietTime(timeout_s=30)  # no store may happen by the timeout in this test
+    store = MemoryStore(10**7)
+    cache = DenseRowCache(store, quiet=quiet)
+    first, second = cache.keys("m", None, [[1], [2]])
+    cache.store_in_background([first], _row(1)[None])
+    cache.store_in_background([second], _row(2)[None])
+    await asyncio.sleep(0.05)
+    assert await store.get_many([first, second]) == [None, None]  # a client may be sampling now
+    quiet.now()  # an engine call begins
+    await asyncio.sleep(0.01)
+    assert [r.tobytes() for r in await store.get_many([first, second])] == [
+        _row(1).tobytes(),
+        _row(2).tobytes(),
+    ]
+    third = cache.keys("m", None, [[3]])
+    cache.store_in_background(third, _row(3)[None])
+    found = await asyncio.wait_for(cache.lookup(third, 1000), 5)  # read-your-writes: stored now
+    assert found[0].tobytes() == _row(3).tobytes()
+
+
+async def test_a_deferred_store_happens_after_the_timeout_without_engine_calls():
+    store = MemoryStore(10**7)
+    cache = DenseRowCache(store, quiet=QuietTime(timeout_s=0.05))
+    keys = cache.keys("m", None, [[4]])
+    cache.store_in_background(keys, _row(4)[None])
+    await asyncio.sleep(0.01)
+    assert await store.get_many(keys) == [None]
+    await asyncio.sleep(0.2)
+    assert (await store.get_many(keys))[0].tobytes() == _row(4).tobytes()
 
 
 async def test_in_process_values_are_the_engine_rows_read_only_and_counted_once():

@@ -17,7 +17,7 @@ from litestar.testing import TestClient
 from gateway import client_shm
 from gateway.app import serving_app
 from gateway.schemas.logprobs import SharedMemoryTarget
-from gateway.settings import ModelSettings, Settings
+from gateway.settings import CacheSettings, ModelSettings, Settings
 from gateway.shared_memory import SharedMemoryWriter
 
 pytestmark = pytest.mark.skipif(not client_shm.supported(), reason="memfd is Linux only")
@@ -131,5 +131,38 @@ def test_the_engine_writes_a_pinned_segment_itself_and_the_route_does_not_copy(p
         # An offset that splits a float: no target for the engine, the route copies.
         ask(client, [[7, 8]], {"pid": os.getpid(), "fd": fd, "name": name, "offset": 2})
         assert engine.targets_written == written + 1 and len(copies) == 2
+    finally:
+        os.close(fd)
+
+
+def test_without_an_output_cache_the_engine_keeps_no_copy_of_what_it_wrote(monkeypatch):
+    settings = Settings(
+        models=[ModelSettings(name="mock", backend="mock")], cache=CacheSettings(enabled=False)
+    )
+    litestar_app, served = serving_app(settings)
+    litestar_app.state.shared_memory.pinner = FakePinner()
+    copies = []
+    monkeypatch.setattr("gateway.routes.logprobs.copy_into", lambda *args: copies.append(args))
+    rows = [[1, 2, 3], [4, 5]]
+    fd, name = memfd(len(rows) * VOCAB * 4)
+    try:
+        with TestClient(served) as client:
+            deadline = time.monotonic() + 120
+            while client.get("/health").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            engine = litestar_app.state.registry.models["mock"].engine
+            into, kept = engine.next_token_logprobs_into, []
+
+            async def recording(rows, adapters, target):
+                kept.append(target.keep)
+                return await into(rows, adapters, target)
+
+            litestar_app.state.registry.models["mock"].batcher._engine_call_into = recording
+            document = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name})
+        assert document["object"] == "next_token_logprobs.shared_memory"
+        assert kept == [False] and engine.targets_written == 1 and copies == []
+        got = np.frombuffer(os.pread(fd, len(rows) * VOCAB * 4, 0), "<f4").reshape(len(rows), VOCAB)
+        assert np.array_equal(got, np.stack([engine.logits(r) for r in rows]))
     finally:
         os.close(fd)
