@@ -26,9 +26,10 @@ way runs the same algorithm:
 Sampling is the same for every way: inverse CDF in float32 on the CPU with torch (all cores),
 seeded. Besides rows/s of the whole loop, the bench times the next-token call of each step alone.
 
-Prints a Markdown table of rows/s per particle count (median over --repeats runs, each with its own prompt so no
-cache carries over; the ways take turns within each repeat, and ratios pair the runs of a repeat), checks rows of `engine` and `gateway` against an uncached forward pass of the
-same weights, and writes a bar chart (matplotlib). --random-model builds randomly initialised
+Prints a Markdown table of rows/s per particle count (median over --repeats runs, each with its
+own prompt so no cache carries over; within a repeat the ways run in lockstep, a step of each in
+turn, and ratios pair the runs of a repeat), checks rows of `engine` and `gateway` against an
+uncached forward pass of the same weights, and writes a bar chart (matplotlib). --random-model builds randomly initialised
 weights of a named shape (SmolLM2's tokenizer, vocab 49152) in a temporary directory.
 """
 
@@ -42,7 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
@@ -104,22 +105,25 @@ def sample(logprobs: torch.Tensor, generator: torch.Generator) -> np.ndarray:
     return torch.searchsorted(cdf, u).clamp_(max=cdf.shape[1] - 1)[:, 0].numpy()
 
 
-async def smc(
-    next_rows: NextRows, prompt: list[int], particles: int, steps: int, resample_every: int, seed: int
-) -> tuple[float, float, list[tuple[list[int], np.ndarray]]]:
-    """Seconds taken in all, seconds in the next-token calls, and (row, logprobs) of the first and
-    last particle at a few steps."""
+async def smc_steps(
+    next_rows: NextRows,
+    prompt: list[int],
+    particles: int,
+    steps: int,
+    resample_every: int,
+    seed: int,
+    kept: list[tuple[list[int], np.ndarray]],
+) -> AsyncIterator[tuple[float, float]]:
+    """The loop, a step at a time: yields each step's seconds in all and in its next-token call;
+    adds (row, logprobs) of the first and last particle at a few steps to `kept`."""
     rng = np.random.default_rng(seed)
     generator = torch.Generator().manual_seed(seed)
     rows = [list(prompt) for _ in range(particles)]
     weights = np.zeros(particles)
-    kept = []
-    in_calls = 0.0
-    started = time.perf_counter()
     for step in range(steps):
-        called = time.perf_counter()
+        started = time.perf_counter()
         logprobs = torch.as_tensor(await next_rows(rows))
-        in_calls += time.perf_counter() - called
+        called = time.perf_counter() - started
         if step in (0, steps // 2, steps - 1):
             kept += [(list(rows[i]), logprobs[i].numpy().copy()) for i in (0, particles - 1)]
         tokens = sample(logprobs, generator)
@@ -129,7 +133,39 @@ async def smc(
             w = np.exp(weights - weights.max())
             rows = [list(rows[i]) for i in rng.choice(particles, particles, p=w / w.sum())]
             weights[:] = 0
-    return time.perf_counter() - started, in_calls, kept
+        yield time.perf_counter() - started, called
+
+
+async def smc(
+    next_rows: NextRows, prompt: list[int], particles: int, steps: int, resample_every: int, seed: int
+) -> tuple[float, float, list[tuple[list[int], np.ndarray]]]:
+    """Seconds taken in all, seconds in the next-token calls, and (row, logprobs) of the first and
+    last particle at a few steps."""
+    kept: list[tuple[list[int], np.ndarray]] = []
+    seconds = in_calls = 0.0
+    async for step, call in smc_steps(next_rows, prompt, particles, steps, resample_every, seed, kept):
+        seconds += step
+        in_calls += call
+    return seconds, in_calls, kept
+
+
+async def lockstep(runs: dict[str, AsyncIterator[tuple[float, float]]]) -> dict[str, tuple[float, float]]:
+    """Every run's (seconds in all, seconds in calls), its steps taken in turn with the others'
+    (the order rotating every step): a slow spell of the machine, seconds long on the lent GPU
+    machines, falls on all of them alike, and no run's state is cold when it goes next."""
+    totals = dict.fromkeys(runs, (0.0, 0.0))
+    names = list(runs)
+    step = 0
+    while names:
+        for name in names[step % len(names) :] + names[: step % len(names)]:
+            try:
+                seconds, call = await anext(runs[name])
+            except StopAsyncIteration:
+                names.remove(name)
+                continue
+            totals[name] = (totals[name][0] + seconds, totals[name][1] + call)
+        step += 1
+    return totals
 
 
 def engine_rows(engine: TransformersEngine) -> NextRows:
@@ -314,17 +350,22 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
         for p in args.particles:
             for make in ways.values():  # a warm-up run of each way, on a prompt of its own
                 await smc(make(p, args.repeats), prompt(p, args.repeats), p, 2, 2, args.seed)
-            # The ways take turns within each repeat, so a slow spell of the machine (lent machines
-            # have them) falls on all of them alike; "vs engine" pairs each run with the engine's.
+            # The ways run in lockstep within each repeat, a step of each in turn; "vs engine" pairs
+            # each run with the engine's run of the same repeat.
             for r in range(args.repeats):
-                for mode, make in ways.items():
-                    seconds, in_calls, kept = await smc(
-                        make(p, r), prompt(p, r), p, args.steps, args.resample_every, args.seed + 1000 * p + r
+                seed = args.seed + 1000 * p + r
+                kept: dict[str, list[tuple[list[int], np.ndarray]]] = {mode: [] for mode in ways}
+                runs = {
+                    mode: smc_steps(
+                        make(p, r), prompt(p, r), p, args.steps, args.resample_every, seed, kept[mode]
                     )
+                    for mode, make in ways.items()
+                }
+                for mode, (seconds, in_calls) in (await lockstep(runs)).items():
                     report["results"].setdefault((p, mode), []).append(p * args.steps / seconds)
                     report["calls"].setdefault((p, mode), []).append(in_calls / args.steps * 1e3)
                     if mode.startswith(("engine", "gateway")):
-                        check = reference_check(model, kept)
+                        check = reference_check(model, kept[mode])
                         report["checks"][p, mode] = max(report["checks"].get((p, mode), 0.0), check)
             for mode in ways:
                 rates = ", ".join(f"{v:.1f}" for v in report["results"][p, mode])

@@ -16,7 +16,7 @@ import contextlib
 
 
 class QuietTime:
-    def __init__(self, timeout_s: float = 0.1) -> None:
+    def __init__(self, timeout_s: float = 1.0) -> None:
         self.timeout_s = timeout_s
         self._next = asyncio.Event()
 
