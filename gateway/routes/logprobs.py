@@ -84,11 +84,11 @@ async def next_token_logprobs(request: Request) -> Response:
         binary = wants_msgpack(request)
         tokens = sum(len(i.ids) for i in inputs)
         usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens, cache_hits=hits)
-        # Encoding megabytes of floats would stall the event loop: it runs on a worker thread.
         computed = time.perf_counter()
         if target is not None and target.written:  # a few hundred bytes to say so: no thread hop
             assert destination is not None
             parts = _deliver(rows, body, engine.vocab_size, usage, binary, destination, True)
+        # Copying or encoding megabytes of floats would stall the event loop: a worker thread does.
         elif destination is not None:
             parts = await asyncio.to_thread(
                 _deliver, rows, body, engine.vocab_size, usage, binary, destination, False
