@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -84,14 +84,24 @@ class PromptLogprobs:
 class RowsTarget:
     """Where the caller copies the rows next: float32 [rows, vocab_size] of a client's shared
     memory, registered with the GPU's driver. An engine that can write the rows there straight
-    from the device does, sets `written`, and sets `ready` when the rows it returns (its own copy,
-    for the output cache) are still landing: they may be read once `ready()` has returned. With
+    from the device does, sets `written`, and sets `landing` when the rows it returns (its own
+    copy, for the output cache) are still arriving: they may be read once it has landed. With
     `keep` false nothing reads what it returns beyond the call (no output cache): `rows` will do."""
 
     rows: np.ndarray
     keep: bool = True
     written: bool = False
-    ready: Callable[[], None] | None = None
+    landing: Landing | None = None
+
+
+class Landing(Protocol):
+    """Rows still arriving in host memory (a CUDA event recorded after their copy is one)."""
+
+    def query(self) -> bool:
+        """Whether they have landed, without waiting."""
+
+    def synchronize(self) -> None:
+        """Blocks until they have landed."""
 
 
 class Engine(ABC):

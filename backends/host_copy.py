@@ -44,7 +44,7 @@ def write_target(rows: torch.Tensor, target: RowsTarget) -> np.ndarray:
     landed = torch.cuda.Event()
     landed.record(stream)
     written.synchronize()
-    target.written, target.ready = True, landed.synchronize
+    target.written, target.landing = True, landed
     return own.numpy()
 
 

@@ -25,6 +25,16 @@ from backends.builtin_models import resolve_model_dir
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
 
 
+class Landed:
+    """Rows already in place, reported as a GPU engine reports rows still arriving."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
 class MockEngine(Engine):
     def __init__(
         self,
@@ -97,7 +107,7 @@ class MockEngine(Engine):
         out = await self.next_token_logprobs(rows, adapters)
         target.rows[...] = out
         self.targets_written += 1
-        target.written, target.ready = True, lambda: None
+        target.written, target.landing = True, Landed()
         return out if target.keep else target.rows
 
     def is_healthy(self) -> bool:

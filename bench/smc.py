@@ -348,8 +348,18 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
         if "decode" in args.modes:
             ways["decode"] = lambda p, r: PlainDecode(model)
         for p in args.particles:
-            for make in ways.values():  # a warm-up run of each way, on a prompt of its own
-                await smc(make(p, args.repeats), prompt(p, args.repeats), p, 2, 2, args.seed)
+            # A warm-up run of each way, on a prompt of its own, long enough for a gateway's output
+            # cache to fill and evict and its page-locked blocks (one per size) to be allocated:
+            # a served gateway's steady state (a new 64 MB block took 26 ms on the H100 host).
+            for make in ways.values():
+                await smc(
+                    make(p, args.repeats),
+                    prompt(p, args.repeats),
+                    p,
+                    args.warmup_steps,
+                    args.resample_every,
+                    args.seed,
+                )
             # The ways run in lockstep within each repeat, a step of each in turn; "vs engine" pairs
             # each run with the engine's run of the same repeat.
             for r in range(args.repeats):
@@ -387,6 +397,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--resample-every", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup-steps", type=int, default=8, help="steps of each way's warm-up run")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a Hugging Face directory or a built-in name")

@@ -36,8 +36,8 @@ async def dense_rows(
     missing = [i for i, row in enumerate(cached) if row is None]
     if len(missing) == len(rows):  # nothing cached (every SMC step): the engine's rows as they are
         computed = await served.batcher.submit(rows, adapter, target)
-        ready = target.ready if target is not None else None
-        cache.store_in_background(keys, computed, store_after, ready)
+        landing = target.landing if target is not None else None
+        cache.store_in_background(keys, computed, store_after, landing)
         return computed, 0
     out = np.empty((len(rows), engine.vocab_size), dtype=np.float32)
     for i, row in enumerate(cached):

@@ -23,6 +23,8 @@ from gateway.settings import ModelSettings
 
 log = logging.getLogger(__name__)
 
+SERVING_GC_THRESHOLD = 50_000  # allocations between young-generation collections, from 700
+
 
 def _tokenizer_files(tokenizer: object) -> dict[str, str]:
     """The files from which a client rebuilds the exact tokenizer (tokenizer.json, config, template)."""
@@ -137,6 +139,10 @@ class ModelRegistry:
             # event loop). Frozen, full passes walk only what came later.
             gc.collect()
             gc.freeze()
+            # A request makes thousands of containers (decoded rows, keys, futures) that die with
+            # it: collected every 700 allocations, the collector walked them while still alive,
+            # 0.5-1 ms of each 256-row request on the H100 host. Now they are freed before it runs.
+            gc.set_threshold(SERVING_GC_THRESHOLD, *gc.get_threshold()[1:])
 
     async def _load(self, served: ServedModel) -> None:
         started = time.perf_counter()

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import threading
 import time
 
 import numpy as np
@@ -168,20 +169,45 @@ async def test_background_stores_are_read_back_and_finished_on_close():
     assert np.array_equal((await store.get_many([other]))[0], _row(3))
 
 
-async def test_rows_still_landing_are_stored_and_found_only_once_ready():
+class _Landing:
+    """Rows of `landing` arriving from a GPU after `delay_s`, as a CUDA event reports them."""
+
+    def __init__(self, landing: np.ndarray, row: np.ndarray, delay_s: float) -> None:
+        self.landing, self.row, self.delay_s = landing, row, delay_s
+        self.waited_in: list[str] = []  # the threads that blocked until they landed
+
+    def query(self) -> bool:
+        return self.delay_s == 0 and self._land()
+
+    def synchronize(self) -> None:  # blocks, as a CUDA event's does: off the event loop
+        self.waited_in.append(threading.current_thread().name)
+        time.sleep(self.delay_s)
+        self._land()
+
+    def _land(self) -> bool:
+        self.landing[0] = self.row
+        return True
+
+
+async def test_rows_still_landing_are_stored_and_found_only_once_landed():
     cache = DenseRowCache(MemoryStore(10**7))
     keys = cache.keys("m", None, [[5]])
     landing = np.zeros((1, 1000), np.float32)  # an engine's own copy, still arriving from a GPU
-    events = []
-
-    def ready() -> None:  # blocks, as a CUDA event's synchronize does: off the event loop
-        time.sleep(0.1)
-        landing[0] = _row(5)
-        events.append("ready")
-
-    cache.store_in_background(keys, landing, ready=ready)
+    arriving = _Landing(landing, _row(5), delay_s=0.1)
+    cache.store_in_background(keys, landing, landing=arriving)
     found = await cache.lookup(keys, 1000)  # waits for the store, which waits for the rows
-    assert events == ["ready"] and np.array_equal(found[0], _row(5))
+    assert np.array_equal(found[0], _row(5))
+    assert len(arriving.waited_in) == 1 and arriving.waited_in[0] != threading.current_thread().name
+
+
+async def test_rows_that_have_landed_are_stored_without_waiting_in_a_thread():
+    cache = DenseRowCache(MemoryStore(10**7))
+    keys = cache.keys("m", None, [[6]])
+    landing = np.zeros((1, 1000), np.float32)
+    landed = _Landing(landing, _row(6), delay_s=0)
+    cache.store_in_background(keys, landing, landing=landed)
+    found = await cache.lookup(keys, 1000)
+    assert np.array_equal(found[0], _row(6)) and landed.waited_in == []
 
 
 async def test_stores_wait_for_the_next_engine_call_unless_a_lookup_needs_them():

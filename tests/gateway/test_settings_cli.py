@@ -13,7 +13,7 @@ import pytest
 
 from backends.base import BACKEND_NAMES
 from gateway import cli
-from gateway.registry import ModelRegistry
+from gateway.registry import SERVING_GC_THRESHOLD, ModelRegistry
 from gateway.settings import ENV_PREFIX, ConfigError, ModelSettings, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -415,17 +415,21 @@ def test_module_entry_point_exits_2_on_missing_config():
     assert result.stdout == ""
 
 
-async def test_a_serving_process_freezes_what_loading_made_and_an_embedded_app_does_not():
+async def test_a_serving_process_freezes_what_loading_made_and_collects_less_often_an_embedded_app_does_neither():
     models = [ModelSettings(backend="mock", name="mock")]
-    before = gc.get_freeze_count()
+    before, threshold = gc.get_freeze_count(), gc.get_threshold()
+    assert threshold[0] < SERVING_GC_THRESHOLD
     embedded = ModelRegistry(models)
     await embedded.load_all()
     assert embedded.models["mock"].engine is not None and gc.get_freeze_count() == before
+    assert gc.get_threshold() == threshold
     served = ModelRegistry(models, own_process=True)
     try:
         await served.load_all()
         assert served.models["mock"].engine is not None and gc.get_freeze_count() > before
+        assert gc.get_threshold() == (SERVING_GC_THRESHOLD, *threshold[1:])
     finally:
         gc.unfreeze()  # this test process goes on creating and dropping apps
+        gc.set_threshold(*threshold)
         await embedded.aclose()
         await served.aclose()
