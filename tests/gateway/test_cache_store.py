@@ -11,8 +11,9 @@ import time
 
 import numpy as np
 
-from gateway.cache import FORMAT, CacheStats, DenseRowCache, MemoryStore, RedisStore, weights_fingerprint
+from gateway.cache import FORMAT, DenseRowCache, weights_fingerprint
 from gateway.quiet_time import QuietTime
+from gateway.row_stores import CacheStats, MemoryStore, RedisStore
 
 
 def _row(seed: int, width: int = 1000) -> np.ndarray:
@@ -129,7 +130,7 @@ async def test_redis_outage_is_a_miss_logged_once_and_recovers(redis_server, cap
     cache = DenseRowCache(store, namespace="test-outage", stats=stats)
     key = cache.key("m", None, [1])
     await cache.store_rows([key], _row(1)[None])
-    caplog.set_level(logging.WARNING, logger="gateway.cache")
+    caplog.set_level(logging.WARNING, logger="gateway.row_stores")
     redis_server.stop()
     try:
         started = time.monotonic()
