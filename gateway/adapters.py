@@ -1,31 +1,47 @@
 """LoRA adapters: where they may be loaded from, what a valid one looks like, and its identity.
 
 A shared service must not load arbitrary files: adapters loaded at run time must lie inside the
-model's `adapters_root` (after resolving symlinks), be PEFT LoRA adapters with safetensors
-weights (never pickles) and a rank within `max_lora_rank`.
+model's `adapters_root` (after resolving symlinks), and so must every file in their directory (a
+symlinked `adapter_model.safetensors` pointing elsewhere is refused); they must be PEFT LoRA
+adapters with safetensors weights (never pickles) and a rank within `max_lora_rank`. A path the
+filesystem itself rejects (a NUL byte, a name too long, a symlink loop, no permission) is the
+caller's error, never the server's.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import re
 import struct
 from pathlib import Path
 
 from gateway.errors import ForbiddenError, InvalidRequestError
 
-ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 WEIGHTS = "adapter_model.safetensors"
 
 
 def check_adapter_name(name: str) -> str:
-    if not ADAPTER_NAME.match(name):
+    if not ADAPTER_NAME.fullmatch(name):
         raise InvalidRequestError(
             f"adapter name {name!r} must be 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit",
             param="lora_name",
         )
     return name
+
+
+def _unusable_path(exc: Exception) -> InvalidRequestError:
+    """The filesystem's reason, without the path (which may be kilobytes long)."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        reason = os.strerror(exc.errno)
+    elif isinstance(exc, RuntimeError):  # pathlib's report of a symlink loop
+        reason = os.strerror(errno.ELOOP)
+    else:
+        reason = str(exc)
+    return InvalidRequestError(f"lora_path is not a usable path: {reason}", param="lora_path")
 
 
 def confine(root: str | None, given: str) -> Path:
@@ -35,14 +51,44 @@ def confine(root: str | None, given: str) -> Path:
             "loading adapters at run time is disabled for this model (no adapters_root)", param="lora_path"
         )
     base = Path(root).resolve()
-    candidate = (base / given).resolve()
+    try:
+        candidate = (base / given).resolve()
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise _unusable_path(exc) from None
     if not candidate.is_relative_to(base):
         raise ForbiddenError("lora_path must lie inside the adapters root of this model", param="lora_path")
     return candidate
 
 
-def check_adapter_dir(path: Path, max_rank: int) -> dict:
-    """The adapter's config, after checking it is a loadable PEFT LoRA adapter within limits."""
+def check_adapter_dir(path: Path, max_rank: int, root: str | None = None) -> dict:
+    """The adapter's config, after checking it is a loadable PEFT LoRA adapter within limits and,
+    with a `root`, that every file of its directory resolves inside it."""
+    try:
+        if root is not None:
+            _confine_files(path, root)
+        return _check_adapter_files(path, max_rank)
+    except OSError as exc:
+        raise _unusable_path(exc) from None
+
+
+def _confine_files(path: Path, root: str) -> None:
+    """Engines read files of the directory by name (PEFT, vLLM and MLX do not all read the same
+    ones), so no entry of it may lead outside the root, whatever its name."""
+    if not path.is_dir():  # nothing to read here: the checks that follow say what is missing
+        return
+    base = Path(root).resolve()
+    for entry in path.iterdir():
+        try:
+            inside = entry.resolve().is_relative_to(base)
+        except RuntimeError:  # a symlink loop
+            inside = False
+        if not inside:
+            raise ForbiddenError(
+                f"{entry.name!r} in the adapter directory leads outside the adapters root", param="lora_path"
+            )
+
+
+def _check_adapter_files(path: Path, max_rank: int) -> dict:
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
         raise InvalidRequestError(
@@ -68,8 +114,14 @@ def check_adapter_dir(path: Path, max_rank: int) -> dict:
 
 def adapter_fingerprint(path: Path) -> str:
     """Identity of the adapter's weights for cache keys: its config and safetensors header."""
-    digest = hashlib.sha256((path / "adapter_config.json").read_bytes())
-    with (path / WEIGHTS).open("rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        digest.update(f.read(min(size, 100_000_000)))
+    try:
+        digest = hashlib.sha256((path / "adapter_config.json").read_bytes())
+        with (path / WEIGHTS).open("rb") as f:
+            header = f.read(8)
+            if len(header) < 8:
+                raise InvalidRequestError(f"{WEIGHTS} is not a safetensors file", param="lora_path")
+            (size,) = struct.unpack("<Q", header)
+            digest.update(f.read(min(size, 100_000_000)))
+    except OSError as exc:
+        raise _unusable_path(exc) from None
     return digest.hexdigest()

@@ -85,8 +85,9 @@ class ServedModel:
             raise ModelNotReadyError(f"model {self.name!r} {reason}")
         return self.engine
 
-    async def add_adapter(self, name: str, path: Path) -> AdapterInfo:
-        """Validate and load a LoRA adapter; on any failure the model is left as it was."""
+    async def add_adapter(self, name: str, path: Path, confined_to: str | None = None) -> AdapterInfo:
+        """Validate and load a LoRA adapter; on any failure the model is left as it was. Loads at
+        run time are `confined_to` the adapters root: every file of the adapter must resolve inside."""
         check_adapter_name(name)
         engine = self.require_engine()
         async with self._adapter_lock:
@@ -94,7 +95,7 @@ class ServedModel:
                 raise InvalidRequestError(
                     f"adapter {name!r} is already loaded on {self.name!r}", param="lora_name"
                 )
-            await asyncio.to_thread(check_adapter_dir, path, self.settings.max_lora_rank)
+            await asyncio.to_thread(check_adapter_dir, path, self.settings.max_lora_rank, confined_to)
             fingerprint = await asyncio.to_thread(adapter_fingerprint, path)
             try:
                 await engine.load_adapter(name, str(path))

@@ -36,8 +36,8 @@ async def load_lora_adapter(request: Request) -> Response:
     require_admin(request)
     body = await decode_json(request, LoadLoraAdapterRequest)
     served = _base_model(request, body.model)
-    path = confine(served.settings.adapters_root, body.lora_path)
-    await served.add_adapter(body.lora_name, path)
+    root = served.settings.adapters_root
+    await served.add_adapter(body.lora_name, confine(root, body.lora_path), confined_to=root)
     return json_response(AdapterStatus(id=f"{served.name}:{body.lora_name}", status="loaded"))
 
 

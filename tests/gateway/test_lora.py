@@ -35,6 +35,12 @@ def adapters(model_dir, tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside")
     make_lora_adapter(model_dir, outside / "evil", 6)
     (root / "link").symlink_to(outside / "evil")
+    (root / "loop").symlink_to(root / "loop")
+    # Adapter directories inside the root whose files lead outside it.
+    for leaked in ("adapter_model.safetensors", "adapter_config.json"):
+        leaky = make_lora_adapter(model_dir, root / f"leaky-{leaked}", 7)
+        (leaky / leaked).unlink()
+        (leaky / leaked).symlink_to(outside / "evil" / leaked)
     return root, paths, outside
 
 
@@ -190,6 +196,15 @@ def test_adapters_never_share_cache_entries(lora_gateway, reference):
         ({"lora_name": "c", "lora_path": "missing"}, ADMIN, 400, "adapter_config.json"),
         ({"lora_name": "a", "lora_path": "b"}, ADMIN, 400, "already loaded"),
         ({"lora_name": "bad name!", "lora_path": "b"}, ADMIN, 400, "adapter name"),
+        ({"lora_name": "c\n", "lora_path": "b"}, ADMIN, 400, "adapter name"),
+        # paths the filesystem itself rejects
+        ({"lora_name": "c", "lora_path": "b\x00"}, ADMIN, 400, "not a usable path"),
+        ({"lora_name": "c", "lora_path": "x" * 300}, ADMIN, 400, "File name too long"),
+        ({"lora_name": "c", "lora_path": "a/" * 2500}, ADMIN, 400, "File name too long"),
+        ({"lora_name": "c", "lora_path": "loop"}, ADMIN, 400, "symbolic links"),
+        # files of an adapter inside the root that lead outside it
+        ({"lora_name": "c", "lora_path": "leaky-adapter_model.safetensors"}, ADMIN, 403, "outside"),
+        ({"lora_name": "c", "lora_path": "leaky-adapter_config.json"}, ADMIN, 403, "outside"),
     ],
 )
 def test_bad_admin_requests_leave_the_service_unchanged(lora_gateway, body, headers, status, needle):
@@ -199,6 +214,16 @@ def test_bad_admin_requests_leave_the_service_unchanged(lora_gateway, body, head
     assert needle in r.json()["error"]["message"]
     assert httpx.get(lora_gateway.base_url + "/v1/models").json()["data"] == before
     assert httpx.get(lora_gateway.base_url + "/health").status_code == 200
+
+
+def test_a_path_through_another_process_root_is_refused(lora_gateway):
+    """/proc/1/root is unreadable in some containers even to root (PermissionError while
+    resolving) and leads to "/" elsewhere (outside the root): refused either way."""
+    before = httpx.get(lora_gateway.base_url + "/v1/models").json()["data"]
+    r = admin(lora_gateway, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": "/proc/1/root/etc"})
+    assert r.status_code in (400, 403), r.text
+    assert r.json()["error"]["param"] == "lora_path"
+    assert httpx.get(lora_gateway.base_url + "/v1/models").json()["data"] == before
 
 
 def test_admin_endpoints_are_off_without_an_admin_key(http):
