@@ -168,11 +168,18 @@ def test_open_streams_are_limited_and_given_back(secured):
 def test_keys_never_reach_logs_or_metrics(secured):
     call(secured, "GET", "/v1/models", WRONG)
     call(secured, "GET", "/v1/models", ALICE)
+    # Wherever a client puts a key: the query string (refused, and beside a good header), a body.
+    body = {"model": "mock", "prompt": "Hi", "max_tokens": 1}
+    assert call(secured, "POST", f"/v1/completions?api_key={BOB}", json=body).status_code == 401
+    assert call(secured, "GET", f"/v1/models?key={WRONG}&x=1").status_code == 401
+    assert call(secured, "POST", f"/v1/completions?api_key={BOB}", ALICE, json=body).status_code == 200
+    assert call(secured, "POST", "/v1/load_lora_adapter", ADMIN, json={"api_key": BOB}).status_code == 400
     metrics = call(secured, "GET", "/metrics", ALICE).text
     log = secured.log_path.read_text()
     for secret in (ALICE, BOB, ADMIN, WRONG):
         assert secret not in log and secret not in metrics
     assert 'status="401"' in metrics  # refused requests are counted, without their keys
+    assert '"POST /v1/completions?[query string not logged] HTTP/1.1" 401' in log  # still an access line
 
 
 def test_hash_key_reads_the_key_from_stdin():
