@@ -2,9 +2,10 @@
 
 The gateway's side, and why it is safe, is gateway/shared_memory.py. Here: every large answer
 gets a segment of its own (a memfd named `logprob-gateway-<random>`, sealed so its size never
-changes, mapped read-write), and the matrix handed to the caller is a view of it, so the 50 MB of
-a 256-row step are written once, by the gateway, and read in place. A segment is used again once
-nothing views its last answer any more.
+changes, mapped read-write, its last 16 bytes a random key that every request naming it carries:
+the gateway writes only for requests holding it), and the matrix handed to the caller is a view of
+it, so the 50 MB of a 256-row step are written once, by the gateway, and read in place. A segment
+is used again once nothing views its last answer any more.
 
 Segments are few and used again on purpose: shared memory gets no huge pages, so the first
 write and the first read of each fresh page fault one 4 KiB page at a time (12 ms for 50 MB on
@@ -36,6 +37,7 @@ from gateway.encoding import ITEMSIZE, Dtype, decode_row
 
 MIN_BYTES = 1 << 20  # smaller answers come in the body: a segment per row would cost more than it saves
 _GRAIN = 1 << 20  # segment sizes are rounded up to this, so steps of similar size share segments
+KEY_BYTES = 16  # a segment's last bytes: its key, which proves to the gateway a request is its owner's
 
 
 def supported() -> bool:
@@ -48,15 +50,21 @@ class Segment:
     fd: int
     size: int
     mapping: mmap.mmap
+    key: bytes
     busy: bool = True  # leased, or an answer in it is still viewed
     leased: int = 0  # lease order: the oldest answer is recycled first
     answer: Callable[[], object] = field(
         default=lambda: None
     )  # weakly, the array all views of the answer keep alive
 
+    @property
+    def room(self) -> int:
+        """The bytes an answer may take: all but the key."""
+        return self.size - KEY_BYTES
+
     def target(self) -> dict[str, object]:
         """The request's `shared_memory` field."""
-        return {"pid": os.getpid(), "fd": self.fd, "name": self.name, "offset": 0}
+        return {"pid": os.getpid(), "fd": self.fd, "name": self.name, "key": self.key.hex(), "offset": 0}
 
 
 class SharedSegments:
@@ -95,11 +103,11 @@ class SharedSegments:
             return segment
 
     def _idle(self, nbytes: int) -> Segment | None:
-        fits = [s for s in self._segments if not s.busy and s.size >= nbytes]
+        fits = [s for s in self._segments if not s.busy and s.room >= nbytes]
         return min(fits, key=lambda s: s.size) if fits else None
 
     def _grow(self, nbytes: int) -> Segment | None:
-        size = -(-nbytes // _GRAIN) * _GRAIN
+        size = -(-(nbytes + KEY_BYTES) // _GRAIN) * _GRAIN
         for idle in sorted((s for s in self._segments if not s.busy), key=lambda s: s.size):
             if self._room_for(size):
                 break
@@ -127,7 +135,7 @@ class SharedSegments:
             del answer
             if segment.busy:  # the caller still holds rows of it
                 continue
-            if segment.size >= nbytes:
+            if segment.room >= nbytes:
                 return segment
             self._close(segment)
             grown = self._grow(nbytes)
@@ -184,13 +192,15 @@ class SharedSegments:
 
 def _create(size: int) -> Segment:
     name = f"logprob-gateway-{secrets.token_hex(16)}"
+    key = secrets.token_bytes(KEY_BYTES)
     fd = os.memfd_create(name, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
         # The gateway maps it only if it can never shrink; nothing may change its size afterwards.
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping[size - KEY_BYTES :] = key
     except BaseException:
         os.close(fd)
         raise
-    return Segment(name, fd, size, mapping)
+    return Segment(name, fd, size, mapping, key)

@@ -3,17 +3,31 @@
 A 256-row step of a 49152-token vocabulary is 50 MB of float32; through a loopback socket the
 kernel copies it twice and the client faults fresh pages in, 10-20 ms a step. A client on the
 same machine can instead name a segment of its own memory in the request (`shared_memory`): a
-memfd (`memfd_create`) called `logprob-gateway-<32 hex digits>`, sealed against shrinking. The
-gateway opens it through /proc/<pid>/fd/<fd>, maps it once, and copies the `[rows, vocab]` matrix
-there; the answer is a small document saying where it lies.
+memfd (`memfd_create`) called `logprob-gateway-<32 hex digits>`, sealed against shrinking, whose
+last 16 bytes hold a random key that the request carries too (`key`, in hex). The gateway opens it
+through /proc/<pid>/fd/<fd>, checks the key, maps it once, and copies the `[rows, vocab]` matrix
+there from `offset`, never into the key; the answer is a small document saying where it lies.
+
+Whose memory is written: a name, pid and fd are no secret (they can be guessed, or read in a
+process listing or a log), so the gateway writes only for a request holding the segment's key,
+compared in constant time on every request, mappings it already holds included. The key lies in
+the segment and in the request bodies of its client, nowhere else: whoever holds it could already
+read that memory, so it is memory of the requester's own process (or of one it shares the segment
+with) or of a process it may inspect, which it could write through /proc/<pid>/mem anyway. Until
+the key matches, nothing about the segment is told: a wrong key, a segment that does not exist or
+cannot be opened, one too small to hold a key or not sealed all get the matrix in the body, as a
+client on another host does; only its owner hears (400) that its segment is too small or not
+sealed. Not covered: a request body seen by someone else (a proxy logging bodies, a capture of
+the loopback interface) gives the key away, and how long an answer takes may tell whether a named
+descriptor exists; the key is compared in constant time, nothing before it is.
 
 Why this is safe for the gateway: the shrink seal means the file can never become shorter than
 the gateway's mapping (writing into a truncated mapping would kill the process with SIGBUS);
 opening another process's descriptor needs the right to inspect it (the same user, or root);
-and the file opened must be a memfd with the random name the request gave, so only a segment its
-client created for this is ever written. A target the gateway cannot open (a client on another
-host or in another PID namespace, another user's process) is not an error: the matrix is sent in
-the body, as without the field, and the client stops asking. Linux only.
+and the file opened must be a memfd with the random name the request gave, so nothing else is
+ever opened. A target the gateway cannot open (a client on another host or in another PID
+namespace, another user's process) is not an error: the matrix is sent in the body, as without
+the field, and the client stops asking. Linux only.
 
 With a `pinner` (a GPU engine's driver, gateway/host_memory.py) a mapping is registered for
 direct copies from the device when it is made, so an engine can write the rows there itself
@@ -25,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hmac
 import mmap
 import os
 import weakref
@@ -33,6 +48,7 @@ from typing import Protocol
 
 import numpy as np
 
+from gateway.client_shm import KEY_BYTES
 from gateway.errors import InvalidRequestError
 from gateway.schemas.logprobs import SharedMemoryTarget
 
@@ -45,13 +61,18 @@ def _names_segment(path: str, name: str) -> bool:
         return False
 
 
+def _holds_key(tail: bytes, key: str) -> bool:
+    """Whether `tail`, a segment's last bytes, is the key (hex) the request gave."""
+    return len(tail) == KEY_BYTES and hmac.compare_digest(tail.hex().encode(), key.encode())
+
+
 class Pinner(Protocol):
     def register(self, address: int, size: int) -> bool: ...
 
     def unregister(self, address: int) -> None: ...
 
 
-Key = tuple[int, int, str]  # (pid, fd, name)
+SegmentId = tuple[int, int, str]  # (pid, fd, name)
 
 
 def _address(segment: mmap.mmap) -> int:
@@ -72,10 +93,10 @@ class SharedMemoryWriter:
         self.max_segments = max_segments
         self.max_bytes = max_bytes
         self.pinner = pinner
-        self._segments: OrderedDict[Key, mmap.mmap] = OrderedDict()
+        self._segments: OrderedDict[SegmentId, mmap.mmap] = OrderedDict()
         self._bytes = 0
-        self._pinned: dict[Key, int] = {}  # registered mappings: their address
-        self._views: dict[Key, list[weakref.ref[np.ndarray]]] = {}  # handed out, of pinned mappings
+        self._pinned: dict[SegmentId, int] = {}  # registered mappings: their address
+        self._views: dict[SegmentId, list[weakref.ref[np.ndarray]]] = {}  # handed out, of pinned mappings
         self._retiring: list[tuple[mmap.mmap, int, list[weakref.ref[np.ndarray]]]] = []
 
     def pinned(self, target: SharedMemoryTarget) -> bool:
@@ -84,27 +105,31 @@ class SharedMemoryWriter:
 
     def target(self, target: SharedMemoryTarget, nbytes: int) -> np.ndarray | None:
         """`nbytes` of the client's segment at its offset, as a uint8 array to copy the matrix
-        into; None when the segment is not visible from here. A segment that is visible but
-        cannot hold the matrix, or is not sealed against shrinking, is the client's error (400)."""
-        key = (target.pid, target.fd, target.name)
+        into; None when the segment is not visible from here or the request does not hold its key.
+        A segment whose key matched but that cannot hold the matrix before the key, or is not
+        sealed against shrinking, is the client's error (400)."""
+        segment_id = (target.pid, target.fd, target.name)
         if self._retiring:
             self._retire()
-        segment = self._segments.get(key)
+        segment = self._segments.get(segment_id)
         if segment is None:
             segment = self._map(target)
             if segment is None:
                 return None
+        elif not _holds_key(segment[-KEY_BYTES:], target.key):  # another may name a segment in use
+            return None
         else:
-            self._segments.move_to_end(key)
-        if target.offset + nbytes > len(segment):
+            self._segments.move_to_end(segment_id)
+        room = len(segment) - KEY_BYTES
+        if target.offset + nbytes > room:
             raise InvalidRequestError(
-                f"the shared memory segment has {len(segment)} bytes; the answer needs {nbytes} "
+                f"the shared memory segment has {room} bytes before its key; the answer needs {nbytes} "
                 f"from offset {target.offset}",
                 param="shared_memory",
             )
         view = np.frombuffer(segment, dtype=np.uint8, count=nbytes, offset=target.offset)
-        if key in self._pinned:
-            views = self._views[key]
+        if segment_id in self._pinned:
+            views = self._views[segment_id]
             views[:] = [ref for ref in views if ref() is not None]
             views.append(weakref.ref(view))
         return view
@@ -120,24 +145,26 @@ class SharedMemoryWriter:
         try:
             if not _names_segment(f"/proc/self/fd/{fd}", target.name):  # replaced between the two looks
                 return None
+            size = os.fstat(fd).st_size
+            if size < KEY_BYTES or not _holds_key(os.pread(fd, KEY_BYTES, size - KEY_BYTES), target.key):
+                return None  # not proven to be the requester's: nothing about it may be told
             if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
                 raise InvalidRequestError(
                     "the shared memory segment must be sealed against shrinking (F_SEAL_SHRINK)",
                     param="shared_memory",
                 )
-            size = os.fstat(fd).st_size
-            if size == 0:
-                raise InvalidRequestError("the shared memory segment is empty", param="shared_memory")
+            if os.fstat(fd).st_size < size:  # shrunk before it was sealed: a mapping of `size` would fault
+                return None
             segment = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             return None
         finally:
             os.close(fd)  # the mapping keeps the file
         self._drop_closed()  # retires what it forgets; `target` retired the rest just before
-        key = (target.pid, target.fd, target.name)
-        self._segments[key] = segment
+        segment_id = (target.pid, target.fd, target.name)
+        self._segments[segment_id] = segment
         self._bytes += len(segment)
-        self._pin(key, segment)
+        self._pin(segment_id, segment)
         # The oldest go first, never the one just mapped: this request writes into it.
         while len(self._segments) > 1 and (
             len(self._segments) > self.max_segments or self._bytes > self.max_bytes
@@ -147,25 +174,25 @@ class SharedMemoryWriter:
 
     def _drop_closed(self) -> None:
         """Mappings of segments their client closed (or exited) would keep that memory alive."""
-        for key in list(self._segments):
-            pid, fd, name = key
+        for segment_id in list(self._segments):
+            pid, fd, name = segment_id
             if not _names_segment(f"/proc/{pid}/fd/{fd}", name):
-                self._forget(key)
+                self._forget(segment_id)
 
-    def _pin(self, key: Key, segment: mmap.mmap) -> None:
+    def _pin(self, segment_id: SegmentId, segment: mmap.mmap) -> None:
         if self.pinner is None:
             return
         address = _address(segment)
         if self.pinner.register(address, len(segment)):
-            self._pinned[key] = address
-            self._views[key] = []
+            self._pinned[segment_id] = address
+            self._views[segment_id] = []
 
-    def _forget(self, key: Key) -> None:
-        segment = self._segments.pop(key)
+    def _forget(self, segment_id: SegmentId) -> None:
+        segment = self._segments.pop(segment_id)
         self._bytes -= len(segment)
-        address = self._pinned.pop(key, None)
+        address = self._pinned.pop(segment_id, None)
         if address is not None:  # unregistered, then unmapped, once no copy can be writing
-            self._retiring.append((segment, address, self._views.pop(key)))
+            self._retiring.append((segment, address, self._views.pop(segment_id)))
             self._retire()
             return
         # A copy still writing through it holds a buffer export: then it closes when that ends.

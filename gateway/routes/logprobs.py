@@ -119,7 +119,7 @@ async def next_token_logprobs(request: Request) -> Response:
 
 def _shared_memory_target(request: Request, body: NextTokenLogprobsRequest, nbytes: int) -> np.ndarray | None:
     """Where in the client's segment the matrix goes; None: in the body (no segment named, the
-    feature off, or a segment this host cannot see)."""
+    feature off, a segment this host cannot see, or a key that is not the segment's)."""
     if body.shared_memory is None:
         return None
     if body.layout != "matrix":

@@ -16,11 +16,14 @@ Input = str | list[str | TokenId | list[TokenId]]
 
 class SharedMemoryTarget(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A memfd of a client on the gateway's host to write the matrix into (gateway/shared_memory.py):
-    created by `memfd_create(name)`, sealed with F_SEAL_SHRINK, open as `fd` in process `pid`."""
+    created by `memfd_create(name)`, sealed with F_SEAL_SHRINK, open as `fd` in process `pid`, its
+    last 16 bytes the random `key` (hex) that proves the request is its owner's."""
 
     pid: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
     fd: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
-    name: Annotated[str, msgspec.Meta(pattern="^logprob-gateway-[0-9a-f]{32}$")]
+    # The lengths refuse what `$` lets through: a final newline.
+    name: Annotated[str, msgspec.Meta(pattern="^logprob-gateway-[0-9a-f]{32}$", max_length=48)]
+    key: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$", max_length=32)]
     offset: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
 
 

@@ -16,6 +16,7 @@ from litestar.testing import TestClient
 
 from gateway import client_shm
 from gateway.app import serving_app
+from gateway.client_shm import KEY_BYTES
 from gateway.schemas.logprobs import SharedMemoryTarget
 from gateway.settings import CacheSettings, ModelSettings, Settings
 from gateway.shared_memory import SharedMemoryWriter
@@ -36,31 +37,34 @@ class FakePinner:
         self.calls.append(("unregister", address))
 
 
-def memfd(size: int) -> tuple[int, str]:
+def memfd(room: int) -> tuple[int, str, str]:
+    """A segment with `room` bytes for answers before its key: (fd, name, key)."""
     name = f"logprob-gateway-{secrets.token_hex(16)}"
+    key = secrets.token_bytes(KEY_BYTES)
     fd = os.memfd_create(name, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
-    os.ftruncate(fd, size)
+    os.ftruncate(fd, room + KEY_BYTES)
+    os.pwrite(fd, key, room)
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
-    return fd, name
+    return fd, name, key.hex()
 
 
 def test_a_pinned_mapping_is_unregistered_before_it_is_unmapped_and_never_while_viewed():
     pinner = FakePinner()
     writer = SharedMemoryWriter(max_segments=1, pinner=pinner)
-    (a, a_name), (b, b_name) = memfd(8192), memfd(8192)
+    (a, a_name, a_key), (b, b_name, b_key) = memfd(8192), memfd(8192)
     try:
-        first = SharedMemoryTarget(pid=os.getpid(), fd=a, name=a_name)
+        first = SharedMemoryTarget(pid=os.getpid(), fd=a, name=a_name, key=a_key)
         view = writer.target(first, 4096)
         address = view.ctypes.data
         assert writer.pinned(first) and pinner.calls == [("register", address)]
         mapping = writer._segments[os.getpid(), a, a_name]
-        writer.target(SharedMemoryTarget(pid=os.getpid(), fd=b, name=b_name), 4096)  # pushes a out
+        writer.target(SharedMemoryTarget(pid=os.getpid(), fd=b, name=b_name, key=b_key), 4096)  # pushes a out
         assert not writer.pinned(first)
         assert [call for call in pinner.calls if call[0] == "unregister"] == []  # a view still writes
         assert not mapping.closed
         view[:] = 5  # the mapping is still there to write into
         del view
-        writer.target(SharedMemoryTarget(pid=os.getpid(), fd=b, name=b_name), 4096)
+        writer.target(SharedMemoryTarget(pid=os.getpid(), fd=b, name=b_name, key=b_key), 4096)
         assert pinner.calls[-1] == ("unregister", address) and mapping.closed
         assert os.pread(a, 2, 4095) == b"\x05\x00"
         writer.close()
@@ -72,9 +76,9 @@ def test_a_pinned_mapping_is_unregistered_before_it_is_unmapped_and_never_while_
 
 def test_unpinned_writers_never_call_a_pinner():
     writer = SharedMemoryWriter()
-    fd, name = memfd(4096)
+    fd, name, key = memfd(4096)
     try:
-        target = SharedMemoryTarget(pid=os.getpid(), fd=fd, name=name)
+        target = SharedMemoryTarget(pid=os.getpid(), fd=fd, name=name, key=key)
         writer.target(target, 4096)[:] = 1
         assert not writer.pinned(target)
         writer.close()
@@ -113,10 +117,10 @@ def test_the_engine_writes_a_pinned_segment_itself_and_the_route_does_not_copy(p
     copies = []
     monkeypatch.setattr("gateway.routes.logprobs.copy_into", lambda *args: copies.append(args))
     rows = [[1, 2, 3], [4, 5], [6]]
-    fd, name = memfd(len(rows) * VOCAB * 4 + 4)
+    fd, name, key = memfd(len(rows) * VOCAB * 4 + 4)
     try:
         written = engine.targets_written
-        document = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name})
+        document = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
         assert document["object"] == "next_token_logprobs.shared_memory"
         assert engine.targets_written == written + 1 and copies == []  # the engine's own write
         assert pinner.calls and pinner.calls[-1][0] == "register"
@@ -125,11 +129,11 @@ def test_the_engine_writes_a_pinned_segment_itself_and_the_route_does_not_copy(p
         assert np.array_equal(got, expected)
         # From the output cache this time (stored once the engine's own copy was ready): the
         # engine is not asked, and the route copies the cached rows.
-        again = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name})
+        again = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
         assert again["usage"]["cache_hits"] == len(rows) and engine.targets_written == written + 1
         assert len(copies) == 1
         # An offset that splits a float: no target for the engine, the route copies.
-        ask(client, [[7, 8]], {"pid": os.getpid(), "fd": fd, "name": name, "offset": 2})
+        ask(client, [[7, 8]], {"pid": os.getpid(), "fd": fd, "name": name, "key": key, "offset": 2})
         assert engine.targets_written == written + 1 and len(copies) == 2
     finally:
         os.close(fd)
@@ -144,7 +148,7 @@ def test_without_an_output_cache_the_engine_keeps_no_copy_of_what_it_wrote(monke
     copies = []
     monkeypatch.setattr("gateway.routes.logprobs.copy_into", lambda *args: copies.append(args))
     rows = [[1, 2, 3], [4, 5]]
-    fd, name = memfd(len(rows) * VOCAB * 4)
+    fd, name, key = memfd(len(rows) * VOCAB * 4)
     try:
         with TestClient(served) as client:
             deadline = time.monotonic() + 120
@@ -159,7 +163,7 @@ def test_without_an_output_cache_the_engine_keeps_no_copy_of_what_it_wrote(monke
                 return await into(rows, adapters, target)
 
             litestar_app.state.registry.models["mock"].batcher._engine_call_into = recording
-            document = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name})
+            document = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
         assert document["object"] == "next_token_logprobs.shared_memory"
         assert kept == [False] and engine.targets_written == 1 and copies == []
         got = np.frombuffer(os.pread(fd, len(rows) * VOCAB * 4, 0), "<f4").reshape(len(rows), VOCAB)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import fcntl
+import json
 import os
 import secrets
 import subprocess
@@ -18,6 +19,8 @@ import torch
 
 from gateway import client_shm
 from gateway.client import AsyncGatewayLM, GatewayClientError
+from gateway.client_shm import KEY_BYTES
+from gateway.errors import InvalidRequestError
 from gateway.launcher import start_gateway
 from gateway.parallel_copy import copy_into
 from gateway.schemas.logprobs import SharedMemoryTarget
@@ -32,14 +35,17 @@ VOCAB = 49152
 ROWS = [[504, 3575, 282, 4649, 314], [410, 2251, 30], [9690, 2114], [28, 253, 6217, 30]]
 
 
-def memfd(size: int, *, seal: bool = True, name: str | None = None) -> tuple[int, str]:
-    """A segment as a client makes one by hand: (fd, name)."""
-    name = name or f"logprob-gateway-{secrets.token_hex(16)}"
+def memfd(room: int, *, seal: bool = True) -> tuple[int, str, str]:
+    """A segment as a client makes one by hand, with `room` bytes for answers before its key:
+    (fd, name, key)."""
+    name = f"logprob-gateway-{secrets.token_hex(16)}"
+    key = secrets.token_bytes(KEY_BYTES)
     fd = os.memfd_create(name, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
-    os.ftruncate(fd, size)
+    os.ftruncate(fd, room + KEY_BYTES)
+    os.pwrite(fd, key, room)
     if seal:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
-    return fd, name
+    return fd, name, key.hex()
 
 
 def dense(http: httpx.Client, rows, **fields) -> httpx.Response:
@@ -54,27 +60,29 @@ def body_matrix_bytes(http: httpx.Client, rows, dtype: str) -> bytes:
     return base64.b64decode(response.json()["logprobs"])
 
 
-def target(fd: int, name: str, **extra) -> dict:
-    return {"pid": os.getpid(), "fd": fd, "name": name, **extra}
+def target(fd: int, name: str, key: str, **extra) -> dict:
+    return {"pid": os.getpid(), "fd": fd, "name": name, "key": key, **extra}
 
 
 @pytest.mark.parametrize(("dtype", "itemsize", "offset"), [("float32", 4, 0), ("bfloat16", 2, 4096)])
 def test_the_matrix_is_written_into_the_segment_and_equals_the_body(http, reference, dtype, itemsize, offset):
     nbytes = len(ROWS) * VOCAB * itemsize
-    fd, name = memfd(offset + nbytes + 4096)
+    fd, name, key = memfd(offset + nbytes + 4096)
     try:
-        response = dense(http, ROWS, dtype=dtype, shared_memory=target(fd, name, offset=offset))
+        response = dense(http, ROWS, dtype=dtype, shared_memory=target(fd, name, key, offset=offset))
         assert response.status_code == 200, response.text
         document = response.json()
         assert document["object"] == "next_token_logprobs.shared_memory"
         assert (document["rows"], document["vocab_size"], document["dtype"]) == (len(ROWS), VOCAB, dtype)
         assert (document["offset"], document["nbytes"]) == (offset, nbytes)
         assert "logprobs" not in document
-        written = os.pread(fd, offset + nbytes + 4096, 0)
+        written = os.pread(fd, offset + nbytes + 4096 + KEY_BYTES, 0)
     finally:
         os.close(fd)
-    # Only the region named was written.
-    assert written[:offset] == bytes(offset) and written[offset + nbytes :] == bytes(4096)
+    # Only the region named was written, and the key is still there.
+    assert written[:offset] == bytes(offset) and written[offset + nbytes :] == bytes(4096) + bytes.fromhex(
+        key
+    )
     # The same rows in the body (from the output cache: bit for bit what was computed).
     assert written[offset : offset + nbytes] == body_matrix_bytes(http, ROWS, dtype)
     if dtype == "float32":
@@ -90,17 +98,20 @@ def _exited_pid() -> int:
     return int(child.stdout)
 
 
-@pytest.mark.parametrize("case", ["another name", "no such process", "no such descriptor", "a regular file"])
+@pytest.mark.parametrize(
+    "case", ["another name", "another key", "no such process", "no such descriptor", "a regular file"]
+)
 def test_targets_the_gateway_cannot_open_get_the_matrix_in_the_body(http, tmp_path, case):
     """What a client on another host (or in another PID namespace) would send: the answer comes
     in the body, and nothing is written anywhere."""
-    fd, name = memfd(len(ROWS) * VOCAB * 4)
+    fd, name, key = memfd(len(ROWS) * VOCAB * 4)
     plain = os.open(tmp_path / "plain", os.O_RDWR | os.O_CREAT)
     named = {
-        "another name": target(fd, f"logprob-gateway-{secrets.token_hex(16)}"),
-        "no such process": {**target(fd, name), "pid": _exited_pid()},
-        "no such descriptor": target(4_000_000, name),
-        "a regular file": target(plain, name),
+        "another name": target(fd, f"logprob-gateway-{secrets.token_hex(16)}", key),
+        "another key": target(fd, name, secrets.token_hex(16)),
+        "no such process": {**target(fd, name, key), "pid": _exited_pid()},
+        "no such descriptor": target(4_000_000, name, key),
+        "a regular file": target(plain, name, key),
     }[case]
     try:
         response = dense(http, ROWS, encoding_format="base64", shared_memory=named)
@@ -120,23 +131,35 @@ def test_targets_the_gateway_cannot_open_get_the_matrix_in_the_body(http, tmp_pa
     [
         ("too small", "shared_memory", "needs"),
         ("offset past the end", "shared_memory", "needs"),
+        ("one byte into the key", "shared_memory", "needs"),
         ("not sealed", "shared_memory", "F_SEAL_SHRINK"),
         ("rows layout", "shared_memory", "layout"),
         ("bad name", "shared_memory.name", "logprob-gateway-"),
+        ("name with a final newline", "shared_memory.name", "length"),
+        ("key with a final newline", "shared_memory.key", "length"),
+        ("key in capitals", "shared_memory.key", "[0-9a-f]"),
+        ("no key", "shared_memory", "key"),
         ("bad pid", "shared_memory.pid", ">= 1"),
         ("unknown field", "shared_memory", "path"),
     ],
 )
 def test_segments_a_client_got_wrong_are_a_400(http, case, param, words):
-    fd, name = memfd(len(ROWS) * VOCAB * 4, seal=case != "not sealed")
+    """Told only to the segment's owner (its key matched) or about the request itself."""
+    room = len(ROWS) * VOCAB * 4 - (1 if case == "one byte into the key" else 0)
+    fd, name, key = memfd(room, seal=case != "not sealed")
     fields = {
-        "too small": {"shared_memory": target(fd, name), "dtype": "float32", "input": ROWS * 2},
-        "offset past the end": {"shared_memory": target(fd, name, offset=len(ROWS) * VOCAB * 4 - 8)},
-        "not sealed": {"shared_memory": target(fd, name)},
-        "rows layout": {"shared_memory": target(fd, name), "layout": "rows"},
-        "bad name": {"shared_memory": target(fd, "memfd:anything")},
-        "bad pid": {"shared_memory": {**target(fd, name), "pid": 0}},
-        "unknown field": {"shared_memory": {**target(fd, name), "path": "/etc/passwd"}},
+        "too small": {"shared_memory": target(fd, name, key), "dtype": "float32", "input": ROWS * 2},
+        "offset past the end": {"shared_memory": target(fd, name, key, offset=len(ROWS) * VOCAB * 4 - 8)},
+        "one byte into the key": {"shared_memory": target(fd, name, key)},
+        "not sealed": {"shared_memory": target(fd, name, key)},
+        "rows layout": {"shared_memory": target(fd, name, key), "layout": "rows"},
+        "bad name": {"shared_memory": target(fd, "memfd:anything", key)},
+        "name with a final newline": {"shared_memory": target(fd, name + "\n", key)},
+        "key with a final newline": {"shared_memory": target(fd, name, key + "\n")},
+        "key in capitals": {"shared_memory": target(fd, name, "F" * 32)},
+        "no key": {"shared_memory": {"pid": os.getpid(), "fd": fd, "name": name}},
+        "bad pid": {"shared_memory": {**target(fd, name, key), "pid": 0}},
+        "unknown field": {"shared_memory": {**target(fd, name, key), "path": "/etc/passwd"}},
     }[case]
     try:
         response = http.post(
@@ -146,9 +169,167 @@ def test_segments_a_client_got_wrong_are_a_400(http, case, param, words):
         error = response.json()["error"]
         assert error["type"] == "invalid_request_error" and error["param"] == param
         assert words in error["message"]
-        assert os.pread(fd, 64, 0) == bytes(64)  # nothing written
+        assert os.pread(fd, room + KEY_BYTES, 0) == bytes(room) + bytes.fromhex(key)  # nothing written
     finally:
         os.close(fd)
+
+
+# -- other processes' segments ---------------------------------------------------------------
+
+# Another process on the host: a segment filled with random bytes (the last 16 are its key), driven
+# over stdin. It never sends a request unless told to ("ask", with its own key).
+VICTIM = """
+import fcntl, hashlib, json, os, secrets, sys
+import httpx
+
+size, sealed, base_url, model = int(sys.argv[1]), sys.argv[2] == "sealed", sys.argv[3], sys.argv[4]
+rows = json.loads(sys.argv[5])
+name = f"logprob-gateway-{secrets.token_hex(16)}"
+fd = os.memfd_create(name, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+os.ftruncate(fd, size)
+os.pwrite(fd, secrets.token_bytes(size), 0)
+if sealed:
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+print(json.dumps({"pid": os.getpid(), "fd": fd, "name": name}), flush=True)
+for command in sys.stdin:
+    if command == "hash\\n":
+        print(hashlib.sha256(os.pread(fd, size, 0)).hexdigest(), flush=True)
+    elif command == "refill\\n":
+        os.pwrite(fd, secrets.token_bytes(size - 16), 0)
+        print("refilled", flush=True)
+    elif command == "ask\\n":
+        key = os.pread(fd, 16, size - 16).hex()
+        shared_memory = {"pid": os.getpid(), "fd": fd, "name": name, "key": key}
+        body = {"model": model, "input": rows, "layout": "matrix", "shared_memory": shared_memory}
+        response = httpx.post(base_url + "/v1/next_token_logprobs", json=body, timeout=120)
+        document = response.json()
+        print(response.status_code, document.get("object") or document["error"]["message"], flush=True)
+"""
+
+
+class Victim:
+    def __init__(self, base_url: str, size: int, sealed: bool) -> None:
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                VICTIM,
+                str(size),
+                "sealed" if sealed else "unsealed",
+                base_url,
+                MODEL,
+                json.dumps(ROWS),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.segment = json.loads(self._line())
+
+    def _line(self) -> str:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        assert line, "the victim process exited"
+        return line.strip()
+
+    def say(self, command: str) -> str:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self._line()
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        assert self.process.stdout is not None
+        self.process.stdout.close()
+
+
+@pytest.fixture()
+def victims(gateway):
+    started: list[Victim] = []
+
+    def start(size: int, *, sealed: bool = True) -> Victim:
+        started.append(Victim(gateway.base_url, size, sealed))
+        return started[-1]
+
+    yield start
+    for victim in started:
+        victim.close()
+
+
+def assert_answered_as_if_absent(http: httpx.Client, shared_memory: dict) -> None:
+    """The answer to a request naming `shared_memory` is the one for a segment that does not
+    exist: the matrix in the body, same status, same bytes."""
+    body_matrix_bytes(http, ROWS, "float32")  # both answers from the output cache alike
+    absent = dense(
+        http, ROWS, encoding_format="base64", shared_memory={**shared_memory, "pid": _exited_pid()}
+    )
+    response = dense(http, ROWS, encoding_format="base64", shared_memory=shared_memory)
+    assert response.status_code == absent.status_code == 200, response.text
+    assert response.headers["content-type"] == absent.headers["content-type"]
+    assert response.json()["object"] == "next_token_logprobs.matrix"
+    assert response.content == absent.content
+
+
+def test_naming_another_processs_segment_writes_nothing_there_and_tells_nothing(http, victims):
+    room = len(ROWS) * VOCAB * 4
+    victim = victims(room + KEY_BYTES)
+    before = victim.say("hash")
+    own_fd, _, own_key = memfd(room)  # a key of the right format, though not this segment's
+    try:
+        for key in (secrets.token_hex(16), own_key):
+            assert_answered_as_if_absent(http, {**victim.segment, "key": key})
+    finally:
+        os.close(own_fd)
+    assert victim.say("hash") == before
+    # The gateway could see the segment all along: its owner's own request is written there.
+    assert victim.say("ask") == "200 next_token_logprobs.shared_memory"
+    assert victim.say("hash") != before
+
+
+@pytest.mark.parametrize(
+    ("case", "size", "sealed", "owner_hears"),
+    [
+        ("too small for the answer", 4096, True, "needs"),
+        ("too small to hold a key", 8, True, None),
+        ("not sealed", len(ROWS) * VOCAB * 4 + KEY_BYTES, False, "F_SEAL_SHRINK"),
+    ],
+)
+def test_what_only_a_segments_owner_is_told_is_hidden_from_others(
+    http, victims, case, size, sealed, owner_hears
+):
+    """Its size and its seals: a 400 for its owner, the body answer for anyone else."""
+    victim = victims(size, sealed=sealed)
+    before = victim.say("hash")
+    assert_answered_as_if_absent(http, {**victim.segment, "key": secrets.token_hex(16)})
+    assert victim.say("hash") == before
+    if owner_hears is not None:
+        status, message = victim.say("ask").split(" ", 1)
+        assert status == "400" and owner_hears in message
+
+
+def test_a_segment_the_gateway_already_maps_is_written_only_for_its_key(http, victims):
+    """Its owner used it, so the gateway holds a mapping of it; another process naming it then
+    gets no further than with a segment never mapped."""
+    victim = victims(len(ROWS) * VOCAB * 4 + KEY_BYTES)
+    assert victim.say("ask") == "200 next_token_logprobs.shared_memory"
+    assert victim.say("refill") == "refilled"  # so that a write of the same rows would show
+    before = victim.say("hash")
+    own_fd, _, own_key = memfd(0)
+    try:
+        for key in (secrets.token_hex(16), own_key):
+            assert_answered_as_if_absent(http, {**victim.segment, "key": key})
+    finally:
+        os.close(own_fd)
+    assert victim.say("hash") == before
+    assert victim.say("ask") == "200 next_token_logprobs.shared_memory"  # still its owner's to use
+    assert victim.say("hash") != before
 
 
 # -- the client ---------------------------------------------------------------------------------
@@ -275,10 +456,10 @@ def test_a_gateway_with_shared_memory_off_answers_in_the_body(model_dir, tmp_pat
     gateway = start_gateway(
         ["--model", MODEL, "--dtype", "float32", "--no-shared-memory"], tmp_path / "gateway.log"
     )
-    fd, name = memfd(len(ROWS) * VOCAB * 4)
+    fd, name, key = memfd(len(ROWS) * VOCAB * 4)
     try:
         with httpx.Client(base_url=gateway.base_url, timeout=120) as http:
-            response = dense(http, ROWS, encoding_format="base64", shared_memory=target(fd, name))
+            response = dense(http, ROWS, encoding_format="base64", shared_memory=target(fd, name, key))
             assert response.json()["object"] == "next_token_logprobs.matrix"
             assert os.pread(fd, 64, 0) == bytes(64)
         with (
@@ -298,8 +479,9 @@ def test_the_gateway_forgets_mappings_of_closed_segments_and_keeps_few():
     writer = SharedMemoryWriter(max_segments=2)
     a, b, c, d = (memfd(8192) for _ in range(4))
 
-    def place(segment: tuple[int, str], value: int) -> None:
-        writer.target(SharedMemoryTarget(pid=os.getpid(), fd=segment[0], name=segment[1]), 4096)[:] = value
+    def place(segment: tuple[int, str, str], value: int) -> None:
+        fd, name, key = segment
+        writer.target(SharedMemoryTarget(pid=os.getpid(), fd=fd, name=name, key=key), 4096)[:] = value
 
     place(a, 7)
     assert os.pread(a[0], 4097, 0) == b"\x07" * 4096 + b"\x00"
@@ -312,7 +494,7 @@ def test_the_gateway_forgets_mappings_of_closed_segments_and_keeps_few():
     assert {name for _, _, name in writer._segments} == {b[1], d[1]}
     assert os.pread(c[0], 1, 0) == b"\x09" and os.pread(b[0], 1, 0) == b"\x0a"
     writer.close()
-    for fd, _ in (b, c, d):
+    for fd, _, _ in (b, c, d):
         os.close(fd)
 
 
@@ -327,11 +509,30 @@ def test_a_segment_over_the_gateways_bound_is_still_written_and_pushes_out_the_o
     writer = SharedMemoryWriter(max_bytes=4096)
     big, other = memfd(8192), memfd(8192)
     try:
-        for value, (fd, name) in ((3, big), (4, other)):
-            writer.target(SharedMemoryTarget(pid=os.getpid(), fd=fd, name=name), 8192)[:] = value
+        for value, (fd, name, key) in ((3, big), (4, other)):
+            writer.target(SharedMemoryTarget(pid=os.getpid(), fd=fd, name=name, key=key), 8192)[:] = value
             assert os.pread(fd, 8192, 0) == bytes([value]) * 8192
-            assert [key[2] for key in writer._segments] == [name]  # only the one being written
+            assert [segment_id[2] for segment_id in writer._segments] == [name]  # only the one being written
     finally:
         writer.close()
-        for fd, _ in (big, other):
+        for fd, _, _ in (big, other):
             os.close(fd)
+
+
+def test_the_writer_maps_and_writes_only_for_the_segments_key():
+    writer = SharedMemoryWriter()
+    fd, name, key = memfd(4096)
+
+    def named(key: str) -> SharedMemoryTarget:
+        return SharedMemoryTarget(pid=os.getpid(), fd=fd, name=name, key=key)
+
+    try:
+        assert writer.target(named(secrets.token_hex(16)), 4096) is None and not writer._segments
+        writer.target(named(key), 4096)[:] = 1
+        assert writer.target(named(secrets.token_hex(16)), 16) is None  # mapped: proven again each time
+        with pytest.raises(InvalidRequestError, match="4096 bytes before its key"):
+            writer.target(named(key), 4097)
+        assert os.pread(fd, 4096 + KEY_BYTES, 0) == b"\x01" * 4096 + bytes.fromhex(key)
+    finally:
+        writer.close()
+        os.close(fd)
