@@ -44,6 +44,16 @@ class EngineConfig:
     options: Mapping[str, Any] = field(default_factory=dict)  # backend-specific
 
 
+def resolve_auto_dtype(dtype: str, on_gpu: bool) -> str:
+    """The dtype an engine computes in for the `dtype` setting, the same rule for every engine:
+    `auto` is float32 on a CPU (exact numbers) and bfloat16 on a GPU (fast); others are themselves."""
+    if dtype == "auto":
+        return "bfloat16" if on_gpu else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return dtype
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16

@@ -5,7 +5,8 @@ included, runs on this engine's one worker thread. Dense rows of different lengt
 forward pass: left padding with mlx-lm's BatchKVCache, which gives each row its own rotary
 positions and masks the padding. When the model runs in bfloat16/float16, the final projection
 of dense rows runs in float32 (a float32 copy of the output head is kept), so rows are not
-quantised to bfloat16's 8-bit mantissa.
+quantised to bfloat16's 8-bit mantissa. `auto` (backends/base.py `resolve_auto_dtype`) is float32
+on the CPU and bfloat16 on Apple silicon's GPU, whatever dtype the checkpoint was saved in.
 
 Generation reuses KV state across requests: prompts are prefilled from the longest cached prefix
 of the same adapter (mlx-lm's LRUPromptCache, bounded by the `prompt_cache_bytes` option,
@@ -26,11 +27,19 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.models.cache import BatchKVCache, LRUPromptCache, make_prompt_cache, trim_prompt_cache
 from transformers import AutoTokenizer
 
-from backends.base import Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
+from backends.base import (
+    Engine,
+    EngineConfig,
+    PromptLogprobs,
+    SamplingParams,
+    TokenStep,
+    resolve_auto_dtype,
+)
 from backends.builtin_models import resolve_model_dir
 from backends.mlx_lora import AdapterSet
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
@@ -103,12 +112,13 @@ class MlxEngine(Engine):
 
     @staticmethod
     def _load_model(path: str, dtype: str) -> tuple[Any, str]:
-        log.info("loading %s with mlx-lm on %s", path, mx.default_device())
+        device = mx.default_device()
+        log.info("loading %s with mlx-lm on %s", path, device)
         model, _ = mlx_load(path)
-        if dtype != "auto":
-            model.set_dtype(_DTYPES[dtype])
-        weights_dtype = str(next(iter(model.parameters()["model"]["embed_tokens"].values())).dtype)
-        return model, weights_dtype.removeprefix("mlx.core.")
+        # set_dtype casts floating parameters only, so quantized (integer) weights stay packed.
+        model.set_dtype(_DTYPES[resolve_auto_dtype(dtype, on_gpu=device.type == mx.gpu)])
+        floating = (v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+        return model, str(next(floating).dtype).removeprefix("mlx.core.")
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

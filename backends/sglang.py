@@ -8,6 +8,7 @@ Modes (`EngineConfig.options["mode"]`), one request format (GenerateReqInput fie
   CLI options; `server_command`: another command taking the same options; `startup_timeout_s`;
   `log_path`).
 - "url": an external server at `url`; start it with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (see below).
+  The `dtype` setting is not sent there: it states what that server computes in.
 Other options: `request_timeout_s`, `max_connections`, `vocab_size`, and in "engine" mode any
 `ServerArgs` field (e.g. `mem_fraction_static`).
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import logging
 import os
@@ -48,6 +50,7 @@ from backends.base import (
     RequestRejectedError,
     SamplingParams,
     TokenStep,
+    resolve_auto_dtype,
 )
 from backends.builtin_models import resolve_model_dir
 from backends.sglang_transport import EngineTransport, HttpTransport, ManagedServer, Transport
@@ -134,6 +137,8 @@ class SglangEngine(Engine):
     @classmethod
     def load(cls, config: EngineConfig) -> SglangEngine:
         path = resolve_model_dir(config.model)
+        # SGLang runs on CUDA only; the resolved dtype is passed explicitly, never SGLang's own auto.
+        config = dataclasses.replace(config, dtype=resolve_auto_dtype(config.dtype, on_gpu=True))
         options = dict(config.options)
         vocab_size = options.pop("vocab_size", None)
         mode = options.pop("mode", "url" if "url" in options else "engine")

@@ -38,6 +38,7 @@ from backends.base import (
     RowsTarget,
     SamplingParams,
     TokenStep,
+    resolve_auto_dtype,
 )
 from backends.builtin_models import resolve_model_dir
 from backends.host_copy import release_pinned_memory, rows_to_host, write_target
@@ -61,12 +62,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":  # exact float32 on CPU; bfloat16 where it is fast
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {dtype!r}") from None
+    return _DTYPES[resolve_auto_dtype(dtype, on_gpu=device.type == "cuda")]
 
 
 def _positive_int(options: Any, name: str, default: int, minimum: int = 1) -> int:

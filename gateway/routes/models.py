@@ -20,6 +20,7 @@ def _card(served: ServedModel) -> ModelCard:
         root=engine.model_path if engine else served.settings.model,
         max_model_len=engine.max_model_len if engine else None,
         vocab_size=engine.vocab_size if engine else None,
+        dtype=engine.dtype if engine else None,
         backend=served.settings.backend,
         ready=served.ready,
     )

@@ -16,6 +16,7 @@ class ModelCard(msgspec.Struct, kw_only=True):
     parent: str | None = None
     max_model_len: int | None = None
     vocab_size: int | None = None
+    dtype: str | None = None  # the engine's compute dtype, e.g. "float32"; None while loading
     backend: str
     ready: bool
 

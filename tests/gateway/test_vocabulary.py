@@ -75,6 +75,11 @@ def detokenize(http, tokens: list[int], path: str = "/v1/detokenize") -> str:
     return response.json()["prompt"]
 
 
+def test_the_model_card_reports_the_compute_dtype(http):
+    card = http.get(f"/v1/models/{MODEL}").json()
+    assert card["dtype"] == "float32" and card["vocab_size"] == VOCAB
+
+
 def test_vocabulary_json_and_msgpack_agree(http, vocabulary, table, reference):
     assert vocabulary["object"] == "vocabulary"
     assert vocabulary["model"] == MODEL
