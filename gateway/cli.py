@@ -62,6 +62,7 @@ def serve(settings: Settings) -> None:
     import uvicorn
 
     from gateway.app import serving_app
+    from gateway.server_logging import uvicorn_log_config
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -74,7 +75,9 @@ def serve(settings: Settings) -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        log_config=uvicorn_log_config(),
         timeout_graceful_shutdown=settings.shutdown_grace_s,
+        http="gateway.server_protocol:GatewayHTTPProtocol",  # malformed HTTP answered in the error shape
     )
 
 

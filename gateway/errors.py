@@ -164,7 +164,8 @@ def _handle_decode_error(request: Request, exc: msgspec.DecodeError) -> Response
 def _handle_http_exception(_: Request, exc: HTTPException) -> Response:
     status = exc.status_code
     error_type = _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
-    return error_response(status, exc.detail, error_type, None, None)
+    # Litestar says what it needs to in headers too: a 405's Allow, for one
+    return error_response(status, exc.detail, error_type, None, None, exc.headers)
 
 
 def _handle_adapter_error(request: Request, exc: AdapterError) -> Response:

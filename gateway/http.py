@@ -12,7 +12,6 @@ from typing import Any, TypeVar
 import msgspec
 from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
-from litestar.response import Stream
 from litestar.response.base import ASGIResponse
 from litestar.types import Receive, Send
 
@@ -38,13 +37,60 @@ def is_msgpack(media_type: str | None) -> bool:
 async def decode_json(request: Request, body_type: type[T]) -> T:
     """Decode and validate a JSON body (or MessagePack, by Content-Type); errors become 400s in errors.py."""
     body = await request.body()
+    binary = is_msgpack(request.headers.get("content-type"))
     try:
-        if is_msgpack(request.headers.get("content-type")):
-            return msgspec.msgpack.decode(body, type=body_type)
-        return msgspec.json.decode(body, type=body_type)
+        try:
+            if binary:
+                return msgspec.msgpack.decode(body, type=body_type)
+            return msgspec.json.decode(body, type=body_type)
+        except msgspec.ValidationError as exc:
+            return _decode_with_integral_floats(body, binary, body_type, exc)
     except UnicodeDecodeError as exc:
         # msgspec raises this (not a DecodeError) for a string that is not UTF-8, in either format
         raise InvalidRequestError(f"request body has a string that is not valid UTF-8: {exc}") from None
+    except RecursionError:
+        # msgspec recurses once per level of nesting, in fields the type ignores too
+        raise InvalidRequestError("request body is nested too deeply") from None
+
+
+_INT64 = range(-(2**63), 2**63)
+
+
+def _integral_floats_to_ints(document: Any) -> bool:
+    """Turn, in place, every finite float with no fractional part (within int64) into an int; True
+    when there was one. Walks with a stack: documents nest as deep as the body does."""
+    changed = False
+    stack = [document]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            items: Any = node.items()
+        elif isinstance(node, list):
+            items = enumerate(node)
+        else:
+            continue
+        for key, value in list(items):
+            if isinstance(value, float) and value.is_integer() and int(value) in _INT64:
+                node[key] = int(value)
+                changed = True
+            elif isinstance(value, (dict, list)):
+                stack.append(value)
+    return changed
+
+
+def _decode_with_integral_floats(
+    body: bytes, binary: bool, body_type: type[T], error: msgspec.ValidationError
+) -> T:
+    """JSON Schema, and so the OpenAPI document, counts 1.0 as an integer: a body the typed decode
+    refused is decoded again with such floats as ints. With none, the typed decode's error stands."""
+    try:
+        document = msgspec.msgpack.decode(body) if binary else msgspec.json.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        raise error from None
+    if not _integral_floats_to_ints(document):
+        raise error
+    # An error now names a field that is wrong as read, not a 1.0 that the retry accepts.
+    return msgspec.convert(document, type=body_type, strict=True)
 
 
 def wants_msgpack(request: Request) -> bool:
@@ -104,14 +150,47 @@ class PartsResponse(Response):
         self.parts = parts
 
     def to_asgi_response(self, request: Request, **kwargs: Any) -> ASGIResponse:  # type: ignore[override]
-        return _ASGIPartsResponse(
-            parts=self.parts,
-            background=self.background or kwargs.get("background"),
-            cookies=itertools.chain(self.cookies, kwargs.get("cookies") or ()),
-            headers={**(kwargs.get("headers") or {}), **self.headers},
-            media_type=self.media_type,
-            status_code=self.status_code or kwargs.get("status_code"),
-        )
+        return _ASGIPartsResponse(parts=self.parts, **_asgi_fields(self, kwargs))
+
+
+def _asgi_fields(response: Response, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What Litestar hands `to_asgi_response`, merged with the response's own fields."""
+    return {
+        "background": response.background or kwargs.get("background"),
+        "cookies": itertools.chain(response.cookies, kwargs.get("cookies") or ()),
+        "headers": {**(kwargs.get("headers") or {}), **response.headers},
+        "media_type": response.media_type,
+        "status_code": response.status_code or kwargs.get("status_code"),
+    }
+
+
+class _ASGIEventStream(ASGIResponse):
+    __slots__ = ("events",)
+    _should_set_content_length = False
+
+    def __init__(self, *, events: AsyncIterator[bytes], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.events = events
+
+    async def send_body(self, send: Send, receive: Receive) -> None:
+        async for event in self.events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class EventStreamResponse(Response):
+    """Server-sent events, produced in the request's own task. Litestar's `Stream` produces them in
+    a child task and cancels it through anyio when the client leaves; anyio skips a task whose
+    wait has just ended, which a producer that never waits long (the mock engine) ends at every
+    turn, so generation ran to the end. Here the guard's cancellation of the request's task
+    (gateway/guard.py) reaches the producer at its next await."""
+
+    def __init__(self, events: AsyncIterator[bytes], *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(content=b"", media_type="text/event-stream", headers=headers)
+        self.events = events
+
+    def to_asgi_response(self, request: Request, **kwargs: Any) -> ASGIResponse:  # type: ignore[override]
+        return _ASGIEventStream(events=self.events, **_asgi_fields(self, kwargs))
 
 
 def json_response(body: Any, status_code: int = 200) -> Response:
@@ -179,9 +258,5 @@ async def _sse(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     yield b"data: [DONE]\n\n"
 
 
-def sse_response(events: AsyncIterator[bytes]) -> Stream:
-    return Stream(
-        content=_sse(events),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+def sse_response(events: AsyncIterator[bytes]) -> EventStreamResponse:
+    return EventStreamResponse(_sse(events), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

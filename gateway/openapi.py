@@ -2,8 +2,9 @@
 
 Routes decode their bodies themselves (JSON or MessagePack), so the document is assembled here
 from one table of operations rather than inferred from handler signatures. Limits from the
-settings (n, logprobs, max_tokens, rows, ...) appear as schema maxima, so the document describes
-exactly what the running server accepts.
+settings (n, logprobs, max_tokens, rows, ...) appear as schema maxima, and the routes' own checks
+(nothing empty, best_of equal to n, ...) as constraints, so the document describes exactly what the
+running server accepts. Links say which response values other operations take.
 """
 
 from __future__ import annotations
@@ -133,9 +134,10 @@ OPERATIONS = [
         "`Accept: application/msgpack` the document is MessagePack with rows as raw bytes. `layout: matrix` "
         "returns one `[rows, vocab_size]` array instead of one object per input (in MessagePack a single "
         "`bin`, the last field, that a client reads without copying). A client on the gateway's host may "
-        "name a sealed memfd of its own in `shared_memory`: the matrix is written there and the answer says "
-        "where (`next_token_logprobs.shared_memory`); a segment the gateway cannot open is ignored and the "
-        "matrix comes in the body. Request bodies may "
+        "name a sealed memfd of its own in `shared_memory`, with the key it keeps in the segment's last 16 "
+        "bytes: the matrix is written there and the answer says where (`next_token_logprobs.shared_memory`); "
+        "a segment the gateway cannot open, or whose key differs, is ignored and the matrix comes in the "
+        "body. Request bodies may "
         "be MessagePack too (`Content-Type: application/msgpack`). Concurrent requests share engine batches; "
         "rows may come from the output cache (`usage.cache_hits`), bit-identical to computing them.",
         NextTokenLogprobsRequest,
@@ -329,6 +331,10 @@ def _apply_limits(schemas: dict[str, Any], settings: Settings) -> None:
                 option["maximum"] = maximum
             if option.get("type") == "array":
                 option["maxItems"] = maximum
+        if isinstance(target.get("default"), int) and target["default"] > maximum:
+            # the route applies the default as if sent, and refuses it: the field must be given
+            schemas[schema]["properties"][prop] = next(o for o in options if o.get("type") == "integer")
+            schemas[schema]["required"].append(prop)
 
     cap("CompletionRequest", "n", limits.max_n)
     cap("ChatCompletionRequest", "n", limits.max_n)
@@ -337,10 +343,130 @@ def _apply_limits(schemas: dict[str, Any], settings: Settings) -> None:
     cap("CompletionRequest", "max_tokens", limits.max_tokens)
     cap("ChatCompletionRequest", "max_tokens", limits.max_tokens)
     cap("ChatCompletionRequest", "max_completion_tokens", limits.max_tokens)
-    cap("CompletionRequest", "stop", limits.max_stop)
-    cap("ChatCompletionRequest", "stop", limits.max_stop)
-    cap("CompletionRequest", "prompt", limits.max_prompts)
-    cap("NextTokenLogprobsRequest", "input", limits.max_rows)
+
+
+def _text() -> dict[str, Any]:
+    return {"type": "string", "minLength": 1}
+
+
+def _token_ids() -> dict[str, Any]:
+    return {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
+
+def _inputs(max_items: int) -> dict[str, Any]:
+    """OpenAI's four input forms as gateway/prompts.py takes them: one kind per list, nothing empty;
+    a token-id list is one input, the limit counts the strings or lists of a list."""
+    return {
+        "anyOf": [
+            _text(),
+            {"type": "array", "items": _text(), "minItems": 1, "maxItems": max_items},
+            _token_ids(),
+            {"type": "array", "items": _token_ids(), "minItems": 1, "maxItems": max_items},
+        ]
+    }
+
+
+def _null_or(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}], "default": None}
+
+
+def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
+    """Write what the routes check beyond the types (gateway/prompts.py, gateway/generation.py and
+    the routes themselves) into the schemas, so that a request the document allows is served. Only
+    what each model decides stays out: token ids below its vocab_size, prompts within its context
+    (GET /v1/models/{model}), texts its tokenizer has a token for (its vocabulary)."""
+    limits = settings.limits
+    completion, chat = schemas["CompletionRequest"], schemas["ChatCompletionRequest"]
+    completion["properties"]["prompt"] = _inputs(limits.max_prompts)
+    schemas["NextTokenLogprobsRequest"]["properties"]["input"] = _inputs(limits.max_rows)
+    for request in (completion, chat):
+        stop = _null_or(_text())
+        stop["anyOf"].insert(1, {"type": "array", "items": _text(), "maxItems": limits.max_stop})
+        request["properties"]["stop"] = stop
+        # keys in ASCII digits: a token id, below the model's vocab_size
+        bias = {
+            "type": "object",
+            "propertyNames": {"type": "string", "pattern": "^[0-9]+$", "maxLength": 20},
+            "additionalProperties": {"type": "number", "minimum": -100.0, "maximum": 100.0},
+        }
+        request["properties"]["logit_bias"] = _null_or(bias)
+    chat["properties"]["messages"]["minItems"] = 1
+    schemas["TokenizeRequest"]["properties"]["messages"]["anyOf"][0]["minItems"] = 1
+    completion["properties"]["suffix"] = {
+        **_null_or({"type": "string", "maxLength": 0}),
+        "description": "Not supported: empty or null only.",
+    }
+    completion["properties"]["best_of"]["description"] = "Equal to n when given."
+    completion["anyOf"] = [
+        {"properties": {"best_of": {"type": "null"}}},
+        {"properties": {"n": {"enum": [1, None]}, "best_of": {"const": 1}}},
+        *(
+            {"properties": {"n": {"const": n}, "best_of": {"const": n}}, "required": ["n"]}
+            for n in range(2, limits.max_n + 1)
+        ),
+    ]
+    chat["anyOf"] = [
+        {"properties": {"top_logprobs": {"type": "null"}}},
+        {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+    ]
+    schemas["NextTokenLogprobsRequest"]["anyOf"] = [
+        {"properties": {"shared_memory": {"type": "null"}}},
+        {"properties": {"layout": {"const": "matrix"}}, "required": ["layout"]},
+    ]
+    schemas["TokenizeRequest"]["oneOf"] = [
+        {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
+        {"properties": {"messages": {"type": "array"}}, "required": ["messages"]},
+    ]
+
+
+def _operation_id(op: Operation) -> str:
+    return (op.method + op.path).replace("/", "_").replace("{", "").replace("}", "").strip("_")
+
+
+MODEL_REQUESTS = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    NextTokenLogprobsRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+)
+
+
+def _model_links(source: Operation, model: str) -> dict[str, Any]:
+    """Links from a response naming a served model (`model`, a runtime expression) to every
+    operation that names one: in its path, or as `model` in its body (the rest of the body is the
+    caller's)."""
+    links: dict[str, Any] = {}
+    for op in OPERATIONS:
+        if "{model}" in op.path and op is not source:
+            links[_operation_id(op)] = {"operationId": _operation_id(op), "parameters": {"model": model}}
+        elif op.request in MODEL_REQUESTS:
+            links[_operation_id(op)] = {
+                "operationId": _operation_id(op),
+                "requestBody": {"model": "{" + model + "}"},
+            }
+    return links
+
+
+def _links(op: Operation) -> dict[str, Any]:
+    """What a success response gives that other operations take (OpenAPI links)."""
+    if op.path == "/v1/models":
+        return _model_links(op, "$response.body#/data/0/id")
+    if op.path == "/v1/models/{model}":
+        return _model_links(op, "$response.body#/id")
+    if op.path == "/v1/load_lora_adapter":
+        target = next(o for o in OPERATIONS if o.path == "/v1/models/{model}")
+        return {
+            "describe_adapter": {
+                "operationId": _operation_id(target),
+                "parameters": {"model": "$response.body#/id"},
+            }
+        }
+    if op.request is TokenizeRequest:
+        detokenize = next(o for o in OPERATIONS if o.path == op.path.replace("tokenize", "detokenize"))
+        body = {"model": "{$request.body#/model}", "tokens": "{$response.body#/tokens}"}
+        return {"detokenize": {"operationId": _operation_id(detokenize), "requestBody": body}}
+    return {}
 
 
 def build_openapi(settings: Settings | None = None) -> dict[str, Any]:
@@ -348,6 +474,7 @@ def build_openapi(settings: Settings | None = None) -> dict[str, Any]:
     _, schemas = msgspec.json.schema_components(_TYPES, ref_template=REF)
     schemas = copy.deepcopy(schemas)
     _apply_limits(schemas, settings)
+    _apply_route_checks(schemas, settings)
     paths: dict[str, Any] = {}
     for op in OPERATIONS:
         responses: dict[str, Any] = {
@@ -356,6 +483,8 @@ def build_openapi(settings: Settings | None = None) -> dict[str, Any]:
                 "content": {m: {"schema": s} for m, s in op.responses.items()},
             }
         }
+        if links := _links(op):
+            responses[op.ok_status]["links"] = links
         statuses = set(op.errors)
         if op.path != "/health":  # the only path that never needs a key
             statuses |= {"401", "429"}
@@ -374,11 +503,7 @@ def build_openapi(settings: Settings | None = None) -> dict[str, Any]:
         spec: dict[str, Any] = {
             "summary": op.summary,
             "description": op.description,
-            "operationId": (op.method + op.path)
-            .replace("/", "_")
-            .replace("{", "")
-            .replace("}", "")
-            .strip("_"),
+            "operationId": _operation_id(op),
             "tags": list(op.tags),
             "responses": responses,
         }

@@ -6,7 +6,6 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 from litestar import Request, Response, post
-from litestar.response import Stream
 
 from backends.base import SamplingParams, TokenStep
 from backends.vocab import token_display
@@ -91,7 +90,7 @@ def _token_logprobs(served: ServedModel, steps: Sequence[TokenStep]) -> list[Tok
 
 
 @post("/v1/chat/completions", status_code=200, summary="Create a chat completion")
-async def create_chat_completion(request: Request) -> Response | Stream:
+async def create_chat_completion(request: Request) -> Response:
     body = await decode_json(request, ChatCompletionRequest)
     limits = settings(request).limits
     served, adapter = resolve_model(request, body.model)

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from litestar import Request, Response, post
-from litestar.response import Stream
 
 from backends.base import PromptLogprobs, SamplingParams, TokenStep
 from backends.vocab import decode_text, token_display
@@ -112,7 +111,7 @@ def _join(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
 
 
 @post("/v1/completions", status_code=200, summary="Create a completion (OpenAI legacy completions)")
-async def create_completion(request: Request) -> Response | Stream:
+async def create_completion(request: Request) -> Response:
     body = await decode_json(request, CompletionRequest)
     limits = settings(request).limits
     served, adapter = resolve_model(request, body.model)

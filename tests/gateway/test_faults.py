@@ -91,18 +91,18 @@ def test_a_dead_engine_fails_health(tmp_path):
         gateway.stop()
 
 
-def generated_tokens(base_url) -> float:
+def generated_tokens(base_url, model=MODEL) -> float:
     # one observation per generated token after the first, recorded as the token is produced
-    return metric(base_url, "logprob_gateway_inter_token_latency_seconds_count", model=MODEL)
+    return metric(base_url, "logprob_gateway_inter_token_latency_seconds_count", model=model)
 
 
-def wait_until_idle(base_url, quiet_s=1.5, timeout_s=30.0) -> float:
+def wait_until_idle(base_url, model=MODEL, quiet_s=1.5, timeout_s=30.0) -> float:
     """Seconds until the token count stops moving for `quiet_s`."""
     started = time.monotonic()
-    last, since = generated_tokens(base_url), time.monotonic()
+    last, since = generated_tokens(base_url, model), time.monotonic()
     while time.monotonic() - started < timeout_s:
         time.sleep(0.25)
-        now = generated_tokens(base_url)
+        now = generated_tokens(base_url, model)
         if now != last:
             last, since = now, time.monotonic()
         elif time.monotonic() - since >= quiet_s:
@@ -110,31 +110,48 @@ def wait_until_idle(base_url, quiet_s=1.5, timeout_s=30.0) -> float:
     raise AssertionError("generation did not stop after the client went away")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
-def test_a_departed_client_stops_generation_on_the_real_model(gateway, stream):
-    before = generated_tokens(gateway.base_url)
-    body = {
-        "model": MODEL,
-        "prompt": "Once upon a time",
-        "max_tokens": 1500,
-        "temperature": 0,
-        "stream": stream,
-    }
-    with httpx.Client(base_url=gateway.base_url, timeout=2.0) as client:
+def depart_early(base_url, body, stream, wait_s) -> None:
+    """A client that reads six events of a stream, or waits `wait_s` for a whole answer, and hangs up."""
+    with httpx.Client(base_url=base_url, timeout=wait_s) as client:
         if stream:
-            with client.stream("POST", "/v1/completions", json=body) as response:
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
                 chunks = response.iter_lines()
                 for _ in range(6):
                     next(chunks)
         else:
-            with pytest.raises(httpx.ReadTimeout):  # the client gives up after 2 s and hangs up
+            with pytest.raises(httpx.ReadTimeout):
                 client.post("/v1/completions", json=body)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+def test_a_departed_client_stops_generation_on_the_real_model(gateway, stream):
+    before = generated_tokens(gateway.base_url)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0}
+    depart_early(gateway.base_url, body, stream, wait_s=2.0)
     stopped_after = wait_until_idle(gateway.base_url)
     produced = generated_tokens(gateway.base_url) - before
     # ~58 ms a token here: 1500 tokens would take over a minute; the work stops within a second.
     assert produced < 100 and stopped_after < 2.0, (produced, stopped_after)
     assert metric(gateway.base_url, "logprob_gateway_requests_total", status="499") >= 1
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+def test_a_departed_client_stops_generation_on_the_mock_engine(tmp_path, stream):
+    """The mock produces a token without ever waiting on anything (no delay): the case where a
+    departure went unnoticed until all tokens were made, as the stream's producer never paused."""
+    gateway = mock_gateway(tmp_path, "{}")
+    try:
+        before = generated_tokens(gateway.base_url, "mock")
+        # nearly all of the mock's 2048-token context
+        body = {"model": "mock", "prompt": "Once", "max_tokens": 2040, "temperature": 0}
+        depart_early(gateway.base_url, body, stream, wait_s=0.05)
+        wait_until_idle(gateway.base_url, "mock", quiet_s=1.0)
+        produced = generated_tokens(gateway.base_url, "mock") - before
+        assert produced < 1000, produced
+        assert metric(gateway.base_url, "logprob_gateway_requests_total", status="499") == 1
+    finally:
+        gateway.stop()
 
 
 @pytest.mark.slow

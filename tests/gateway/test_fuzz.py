@@ -34,6 +34,7 @@ from litestar.testing import TestClient
 
 from gateway.app import serving_app
 from gateway.encoding import decode_row, row_base64, row_bytes
+from gateway.openapi import build_openapi
 from gateway.routes.logprobs import _encode
 from gateway.schemas.chat import ChatCompletionResponse
 from gateway.schemas.completions import CompletionResponse
@@ -573,11 +574,18 @@ def malformed(draw) -> tuple[str, bytes, str | None]:
         body = whole[: draw(st.integers(0, len(whole) - 1))]
     elif kind == "nested":
         depth = draw(st.integers(2, 20000))  # [] alone is a valid token list
+        # [1.0, <nested>]: the typed decode refuses it, and the body is decoded again (1.0 as 1)
+        after_float = draw(st.booleans())
         head = msgspec.msgpack.encode({"model": MODEL})
         if binary:  # a 2-entry map: model, then `key` holding `depth` nested one-element arrays
-            body = b"\x82" + head[1:] + msgpack_str(key.encode()) + b"\x91" * depth + b"\x90"
+            value = b"\x91" * depth + b"\x90"
+            if after_float:
+                value = b"\x92" + msgspec.msgpack.encode(1.0) + value
+            body = b"\x82" + head[1:] + msgpack_str(key.encode()) + value
         else:
-            body = f'{{"model": "{MODEL}", "{key}": {"[" * depth}{"]" * depth}}}'.encode()
+            nested = "[" * depth + "]" * depth
+            value = f"[1.0, {nested}]" if after_float else nested
+            body = f'{{"model": "{MODEL}", "{key}": {value}}}'.encode()
     elif kind == "utf8":  # the model name, or the endpoint's main field, as bytes that are not UTF-8
         raw = draw(st.binary(min_size=1, max_size=40).filter(lambda b: not _is_utf8(b)))
         target = draw(st.sampled_from(["model", key]))
@@ -670,6 +678,73 @@ def test_dense_rows_arrive_exactly_as_the_engine_computed_them(
         decoded = msgspec.json.decode(response.content, type=NextTokenLogprobsResponse)
         rows = [base64.b64decode(r.logprobs) for r in decoded.data]  # type: ignore[arg-type]
     assert rows == expected
+
+
+# -- 6. integers written as floats ------------------------------------------------------------------
+
+
+def ints_as_floats(value: object) -> object:
+    """`value` with every int (bools aside) that a double holds exactly written as a float."""
+    if isinstance(value, dict):
+        return {k: ints_as_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [ints_as_floats(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= 2**53:
+        return float(value)
+    return value
+
+
+@st.composite
+def valid_documents(draw) -> tuple[str, dict]:
+    path = draw(st.sampled_from(sorted(VALID)))
+    required, optional = VALID[path]
+    return path, draw(st.fixed_dictionaries(required, optional=optional))
+
+
+def comparable(path: str, response) -> object:
+    """What two answers to the same request share: ids, timestamps and cache hits aside."""
+    if response.status_code != 200 or path in (COMPLETIONS, CHAT):
+        return response.status_code
+    if path == DENSE:
+        return [row["logprobs"] for row in response.json()["data"]]
+    return response.json()
+
+
+@fuzz(200)
+@given(valid_documents(), st.booleans())
+def test_integral_floats_decode_as_their_integers(app, document, binary):
+    """JSON Schema counts 1.0 as an integer, and the OpenAPI document's types are JSON Schema: a
+    request with its integers written as floats gets the integers' answer, in either format."""
+    path, doc = document
+    floats = ints_as_floats(doc)
+    encode, content_type = (
+        (msgspec.msgpack.encode, "application/msgpack") if binary else (json.dumps, "application/json")
+    )
+    with_ints = post(app, path, msgspec.json.encode(doc), "application/json")
+    with_floats = post(app, path, encode(floats), content_type)
+    assert comparable(path, with_floats) == comparable(path, with_ints), with_floats.text[:300]
+
+
+# -- 7. methods a path does not serve ---------------------------------------------------------------
+
+UNDOCUMENTED_METHODS = [
+    (path.replace("{model}", MODEL), method, {m.upper() for m in operations} | {"OPTIONS"})
+    for path, operations in sorted(build_openapi()["paths"].items())
+    for method in ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "TRACE"]
+    if method.lower() not in operations
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "method", "allow"), UNDOCUMENTED_METHODS, ids=[f"{m} {p}" for p, m, _ in UNDOCUMENTED_METHODS]
+)
+def test_a_method_the_path_does_not_serve_is_a_405_with_allow(app, path, method, allow):
+    """RFC 9110: a 405 says in `Allow` what the path serves (OPTIONS: answered by the framework)."""
+    response = app.request(method, path)
+    assert response.status_code == 405, response.text[:300]
+    assert {m.strip() for m in response.headers["allow"].split(",")} == allow
+    if method != "HEAD":  # a HEAD answer has no body
+        assert_openai_error(response)
 
 
 # -- afterwards ---------------------------------------------------------------------------------------
