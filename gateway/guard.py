@@ -101,7 +101,8 @@ async def _cancel_on_disconnect(app: ASGIApp, scope: Scope, receive: Receive, se
             await disconnected.wait()
             return {"type": "http.disconnect"}
         message = await receive()
-        if message["type"] == "http.disconnect":
+        if message["type"] == "http.disconnect":  # gone before its body was in: no answer reaches it
+            scope[DISCONNECTED_KEY] = True  # type: ignore[literal-required]
             disconnected.set()
         elif not message.get("more_body", False):
             watcher = asyncio.create_task(watch())

@@ -14,9 +14,11 @@ class TokenInput:
     text: str | None  # the string it came from, when it came from one
 
 
-def tokenize(served: ServedModel, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
+def tokenize(
+    served: ServedModel, text: str, *, add_special_tokens: bool, param: str, allow_empty: bool = False
+) -> list[int]:
     ids = list(served.require_engine().tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-    if not ids:
+    if not ids and not allow_empty:  # a model cannot continue nothing
         raise InvalidRequestError(f"{param} is empty after tokenization", param=param)
     return ids
 

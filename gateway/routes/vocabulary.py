@@ -61,10 +61,14 @@ async def tokenize_route(request: Request) -> Response:
         raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
         ids = chat_prompt_ids(served, body.messages, add_generation_prompt=body.add_generation_prompt)
-    elif body.prompt:
-        ids = tokenize(served, body.prompt, add_special_tokens=body.add_special_tokens, param="prompt")
-    else:
-        ids = []
+    else:  # text the tokenizer drops entirely ("", some control characters) has no tokens
+        ids = tokenize(
+            served,
+            body.prompt or "",
+            add_special_tokens=body.add_special_tokens,
+            param="prompt",
+            allow_empty=True,
+        )
     strs = [token_display(served.token_bytes[i]) for i in ids] if body.return_token_strs else None
     return json_response(
         TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)

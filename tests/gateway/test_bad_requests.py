@@ -3,11 +3,19 @@
 
 from __future__ import annotations
 
+import json
+import socket
+import time
 from dataclasses import dataclass
+from http.client import HTTPResponse
 from typing import Any
+from urllib.parse import urlsplit
 
+import httpx
+import msgspec
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import MODEL
 
@@ -133,6 +141,17 @@ CASES = {
     "max_tokens-negative": Case(COMPLETIONS, completion(max_tokens=-1), 400, "max_tokens", ">= 0"),
     "chat-max_tokens-negative": Case(CHAT, chat(max_tokens=-1), 400, "max_tokens", ">= 0"),
     "seed-above-int64": Case(COMPLETIONS, completion(seed=2**64), 400, "seed", "<= 9223372036854775807"),
+    # integers written as floats: 1.0 is one (see test_integral_floats_are_integers), 1.5 is not
+    "max_tokens-1.5": Case(COMPLETIONS, completion(max_tokens=1.5), 400, "max_tokens", "got `float`"),
+    "prompt-id-1.5": Case(COMPLETIONS, completion(prompt=[1.0, 1.5]), 400, "prompt[1]", "got `float`"),
+    "prompt-id-1e20": Case(COMPLETIONS, completion(prompt=[1e20]), 400, "prompt[0]", "got `float`"),
+    "n-1.0-then-max_tokens-string": Case(  # the error names the field that is wrong, not n
+        COMPLETIONS,
+        {"model": MODEL, "prompt": "Hello", "n": 1.0, "max_tokens": "5"},
+        400,
+        "max_tokens",
+        "got `str`",
+    ),
     # prompt forms
     "prompt-empty-string": Case(
         COMPLETIONS, completion(prompt=""), 400, "prompt", "must not contain an empty string"
@@ -334,19 +353,110 @@ def test_bad_request_gets_openai_error(http, case: Case):
     assert "\n" not in error["message"]
 
 
+POST_ONLY = {"POST", "OPTIONS"}
+GET_ONLY = {"GET", "OPTIONS"}
+
+
 @pytest.mark.parametrize(
-    ("method", "path", "status", "error_type", "message"),
+    ("method", "path", "status", "error_type", "message", "allow"),
     [
-        ("GET", "/no/such/route", 404, "not_found_error", "Not Found"),
-        ("POST", "/v1/no_such_endpoint", 404, "not_found_error", "Not Found"),
-        ("GET", COMPLETIONS, 405, INVALID, "Method Not Allowed"),
-        ("GET", CHAT, 405, INVALID, "Method Not Allowed"),
-        ("DELETE", COMPLETIONS, 405, INVALID, "Method Not Allowed"),
+        ("GET", "/no/such/route", 404, "not_found_error", "Not Found", None),
+        ("POST", "/v1/no_such_endpoint", 404, "not_found_error", "Not Found", None),
+        ("GET", COMPLETIONS, 405, INVALID, "Method Not Allowed", POST_ONLY),
+        ("GET", CHAT, 405, INVALID, "Method Not Allowed", POST_ONLY),
+        ("DELETE", COMPLETIONS, 405, INVALID, "Method Not Allowed", POST_ONLY),
+        ("TRACE", "/v1/tokenize", 405, INVALID, "Method Not Allowed", POST_ONLY),
+        ("PUT", "/v1/models", 405, INVALID, "Method Not Allowed", GET_ONLY),
+        ("DELETE", f"/v1/models/{MODEL}", 405, INVALID, "Method Not Allowed", GET_ONLY),
+        ("PATCH", "/health", 405, INVALID, "Method Not Allowed", GET_ONLY),
     ],
 )
-def test_unknown_route_and_wrong_method_use_the_error_format(http, method, path, status, error_type, message):
-    error = assert_error(http.request(method, path), status, error_type, None, None)
+def test_unknown_route_and_wrong_method_use_the_error_format(
+    http, method, path, status, error_type, message, allow
+):
+    response = http.request(method, path)
+    error = assert_error(response, status, error_type, None, None)
     assert error["message"] == message
+    if allow is None:
+        assert "allow" not in response.headers
+    else:  # RFC 9110: a 405 lists the methods the path serves
+        assert {m.strip() for m in response.headers["allow"].split(",")} == allow
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "msgpack"])
+def test_integral_floats_are_integers(http, binary):
+    """JSON Schema counts 1.0 as an integer, and so does the OpenAPI document: so does the server,
+    in JSON and MessagePack, with the same answer as for the integers."""
+
+    def send(path: str, body: dict):
+        if binary:
+            content, content_type = msgspec.msgpack.encode(body), "application/msgpack"
+        else:
+            content, content_type = json.dumps(body).encode(), "application/json"
+        response = http.post(path, content=content, headers={"Content-Type": content_type})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    floats = completion(
+        prompt=[[504.0, 3575.0]], n=1.0, max_tokens=2.0, logprobs=1.0, seed=7.0, temperature=0
+    )
+    ints = completion(prompt=[[504, 3575]], n=1, max_tokens=2, logprobs=1, seed=7, temperature=0)
+    assert send(COMPLETIONS, floats)["choices"] == send(COMPLETIONS, ints)["choices"]
+    assert send("/v1/detokenize", {"model": MODEL, "tokens": [504.0, -0.0]}) == send(
+        "/v1/detokenize", {"model": MODEL, "tokens": [504, 0]}
+    )
+    rows = {"model": MODEL, "encoding_format": "base64"}
+    assert (
+        send("/v1/next_token_logprobs", {**rows, "input": [504.0, 3575.0]})["data"]
+        == send("/v1/next_token_logprobs", {**rows, "input": [504, 3575]})["data"]
+    )
+
+
+MALFORMED_HTTP = {
+    "chunk-size-not-hex": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+    b"Content-Type: application/json\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    "chunk-longer-than-its-size": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+    b'Transfer-Encoding: chunked\r\n\r\n2\r\n{"model": 1}\r\n0\r\n\r\n',
+    "content-length-not-a-number": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ten\r\n\r\n",
+    "request-line-garbage": b"NOT HTTP AT ALL\r\n\r\n",
+}
+
+
+def server_errors(gateway) -> float:
+    """Requests the gateway has counted with a 5xx status."""
+    text = httpx.get(gateway.base_url + "/metrics", timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "logprob_gateway_requests_total" and sample.labels["status"].startswith("5")
+    )
+
+
+@pytest.mark.parametrize("request_bytes", list(MALFORMED_HTTP.values()), ids=list(MALFORMED_HTTP))
+def test_malformed_http_gets_an_openai_error(gateway, request_bytes):
+    """Requests the HTTP parser refuses before the app sees them: still OpenAI's error object."""
+    errors_before = server_errors(gateway)
+    url = urlsplit(gateway.base_url)
+    sock = socket.create_connection((url.hostname, url.port), timeout=30)
+    sock.sendall(request_bytes)
+    response = HTTPResponse(sock)
+    response.begin()
+    body = response.read()
+    sock.close()
+    time.sleep(0.5)  # the app, if it saw the request, counts it as it ends
+    # A request cut off mid-body reached the app as a departed client: a 499 there, never a 500.
+    assert server_errors(gateway) == errors_before
+    assert response.status == 400, body
+    assert response.getheader("content-type") == "application/json"
+    assert response.getheader("connection") == "close"
+    error = json.loads(body)["error"]
+    assert error == {
+        "message": "Invalid HTTP request received.",
+        "type": INVALID,
+        "param": None,
+        "code": None,
+    }
 
 
 @pytest.mark.parametrize(

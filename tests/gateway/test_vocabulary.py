@@ -130,6 +130,12 @@ def test_tokenize_bytes_and_detokenize_round_trip(http, table, reference, text):
     assert detokenize(http, ids, "/detokenize") == text
 
 
+def test_text_the_tokenizer_drops_tokenizes_to_nothing(http, reference):
+    for text in ("", "\x04", "\x06\x13"):
+        body = tokenize(http, prompt=text, add_special_tokens=False)
+        assert body["tokens"] == reference.tokenizer(text, add_special_tokens=False).input_ids == []
+
+
 def test_tokenize_with_special_tokens(http, reference):
     for text in TEXTS[:3]:
         assert tokenize(http, prompt=text)["tokens"] == reference.tokenizer(text).input_ids
