@@ -277,16 +277,21 @@ def assert_answered_as_if_absent(http: httpx.Client, shared_memory: dict) -> Non
     assert response.content == absent.content
 
 
-def test_naming_another_processs_segment_writes_nothing_there_and_tells_nothing(http, victims):
-    room = len(ROWS) * VOCAB * 4
-    victim = victims(room + KEY_BYTES)
-    before = victim.say("hash")
-    own_fd, _, own_key = memfd(room)  # a key of the right format, though not this segment's
+def name_with_wrong_keys(http, victim) -> None:
+    """Name the victim's segment with a random key, then with a real key of another segment."""
+    own_fd, _, own_key = memfd(0)
     try:
         for key in (secrets.token_hex(16), own_key):
             assert_answered_as_if_absent(http, {**victim.segment, "key": key})
     finally:
         os.close(own_fd)
+
+
+def test_naming_another_processs_segment_writes_nothing_there_and_tells_nothing(http, victims):
+    room = len(ROWS) * VOCAB * 4
+    victim = victims(room + KEY_BYTES)
+    before = victim.say("hash")
+    name_with_wrong_keys(http, victim)
     assert victim.say("hash") == before
     # The gateway could see the segment all along: its owner's own request is written there.
     assert victim.say("ask") == "200 next_token_logprobs.shared_memory"
@@ -321,12 +326,7 @@ def test_a_segment_the_gateway_already_maps_is_written_only_for_its_key(http, vi
     assert victim.say("ask") == "200 next_token_logprobs.shared_memory"
     assert victim.say("refill") == "refilled"  # so that a write of the same rows would show
     before = victim.say("hash")
-    own_fd, _, own_key = memfd(0)
-    try:
-        for key in (secrets.token_hex(16), own_key):
-            assert_answered_as_if_absent(http, {**victim.segment, "key": key})
-    finally:
-        os.close(own_fd)
+    name_with_wrong_keys(http, victim)
     assert victim.say("hash") == before
     assert victim.say("ask") == "200 next_token_logprobs.shared_memory"  # still its owner's to use
     assert victim.say("hash") != before
