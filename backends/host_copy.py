@@ -20,7 +20,7 @@ def _page_locked_like(rows: torch.Tensor) -> torch.Tensor:
 
 def rows_to_host(rows: torch.Tensor) -> np.ndarray:
     """Rows as numpy. From a GPU, one copy into page-locked memory (pageable memory goes through a
-    staging buffer at a fraction of the speed: 36 ms against 1 ms for 50 MB on an H100); the array
+    staging buffer at a fraction of the speed); the array
     keeps that memory until it is dropped, then torch's host allocator reuses it."""
     if rows.device.type == "cpu":
         return rows.numpy()
@@ -28,8 +28,8 @@ def rows_to_host(rows: torch.Tensor) -> np.ndarray:
 
 
 def write_target(rows: torch.Tensor, target: RowsTarget) -> np.ndarray:
-    """Rows from the GPU straight into the caller's registered memory (1 ms for 50 MB on an H100,
-    where the copy into page-locked memory and on into the target took 3-4 ms), and into
+    """Rows from the GPU straight into the caller's registered memory (one copy, where going
+    through page-locked memory and on into the target took two), and into
     page-locked memory of the engine's own, for the output cache, while the answer leaves (unless
     the target needs no copy kept)."""
     stream = torch.cuda.current_stream(rows.device)

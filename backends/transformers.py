@@ -121,7 +121,7 @@ def _left_padded(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Input ids [rows, width] of every row without its first skip[i] tokens, left-padded; the
     attention mask [rows, max(skip) + width] of the whole rows, right-aligned, and the ids' positions.
-    Built in numpy: per-row torch operations cost some 3 ms per 256-row step on the engine's thread."""
+    Built in numpy: per-row torch operations would each cost a dispatch on the engine's thread."""
     lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     width = int((lengths - np.asarray(skip, dtype=np.int64)).max())
     total = max(skip) + width
@@ -185,9 +185,9 @@ class TransformersEngine(Engine):
         dtype = resolve_dtype(config.dtype, device)
         log.info("loading %s with transformers on %s in %s", path, device, dtype)
         if device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
-            # Measured on an H100 (torch 2.11): cuDNN attention, which SDPA prefers there, spends
-            # about 3 ms of CPU per call and builds a plan (up to a second) for every new sequence
-            # length, which dense rows bring at every step; flash attention does neither. The
+            # cuDNN attention, which SDPA prefers on recent GPUs, spends CPU time on every call and
+            # builds a plan for every new sequence length, which dense rows bring at every step;
+            # flash attention does neither (docs/performance.md). The
             # switch is process-wide: the engine owns its process.
             torch.backends.cuda.enable_cudnn_sdp(False)
             log.info("cuDNN attention turned off (flash / memory-efficient attention instead)")

@@ -8,8 +8,8 @@ it, so the 50 MB of a 256-row step are written once, by the gateway, and read in
 is used again once nothing views its last answer any more.
 
 Segments are few and used again on purpose: shared memory gets no huge pages, so the first
-write and the first read of each fresh page fault one 4 KiB page at a time (12 ms for 50 MB on
-16 cores), where a mapped page used again costs nothing. So the pool grows to `max_bytes` (and
+write and the first read of each fresh page fault one 4 KiB page at a time, where a mapped page
+used again costs nothing (docs/performance.md). So the pool grows to `max_bytes` (and
 always to two segments: the answer being read and the next), and past that the oldest answer's
 rows leave the client's row cache (`evict`) so its segment can take the next answer; only when
 the caller itself still holds every answer does the next one come in the body.

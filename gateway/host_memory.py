@@ -1,9 +1,9 @@
 """Host memory registered with the CUDA driver, so a GPU copies rows straight into it.
 
 A client's shared memory segment is ordinary memory: a copy from the GPU into it goes through a
-staging buffer (4.5 ms for a 256 x 49152 float32 step on an H100) where page-locked memory takes
-1 ms. Registering the gateway's mapping of it (`cudaHostRegister`, 4 ms once per segment) makes it
-as fast as page-locked memory. Only where an engine already runs CUDA in this process: registering
+staging buffer, several times slower than a copy into page-locked memory. Registering the
+gateway's mapping of it (`cudaHostRegister`, once per segment) makes it as fast as page-locked
+memory (docs/performance.md). Only where an engine already runs CUDA in this process: registering
 must not create a CUDA context (hundreds of MB of GPU memory) for engines that use none.
 """
 

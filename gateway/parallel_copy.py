@@ -1,5 +1,5 @@
 """Large array copies on several threads: one thread's memcpy reaches a fraction of what the
-memory can do (50 MB: about 6 ms on one core of the H100 host, 1.4 ms on eight). numpy releases
+memory can do (docs/performance.md). numpy releases
 the interpreter lock while it copies, so the pieces run in parallel; the calling thread copies
 the last piece itself rather than wait idle."""
 

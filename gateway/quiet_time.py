@@ -3,8 +3,8 @@
 A client on this host gets its answer in its own memory and at once computes on every core (an SMC
 loop samples the next tokens from the rows it got), while the gateway, its response sent, still
 has work: storing those rows in the output cache. Run then, that work takes a core from the
-client's threads, and a parallel region waits for its slowest thread: on the H100 host, a
-256-row step's sampling on 16 OpenMP threads took 3.5 ms longer with the cache on than off.
+client's threads, and a parallel region waits for its slowest thread, so the client's sampling
+slowed with the cache on (docs/performance.md).
 While an engine computes, the clients that asked wait for their answers: work deferred until the
 next engine call begins costs them nothing. It waits at most `timeout_s` (no next call).
 """

@@ -135,14 +135,14 @@ class ModelRegistry:
             await self._load(served)
         if self.own_process:
             # What loading made lives as long as the process: torch, transformers and the app
-            # hold some 4e5 objects, which every full pass of the collector walks (0.18 s on the
-            # CPU here, holding the interpreter lock, so the engine's thread stalls with the
-            # event loop). Frozen, full passes walk only what came later.
+            # hold hundreds of thousands of objects, which every full pass of the collector walks
+            # holding the interpreter lock, so the engine's thread stalls with the event loop.
+            # Frozen, full passes walk only what came later.
             gc.collect()
             gc.freeze()
             # A request makes thousands of containers (decoded rows, keys, futures) that die with
             # it: collected every 700 allocations, the collector walked them while still alive,
-            # 0.5-1 ms of each 256-row request on the H100 host. Now they are freed before it runs.
+            # within every large request. Now they are freed before it runs.
             gc.set_threshold(SERVING_GC_THRESHOLD, *gc.get_threshold()[1:])
 
     async def _load(self, served: ServedModel) -> None:

@@ -1,7 +1,7 @@
 """Dense answers written straight into a client's memory, for clients on the gateway's own host.
 
 A 256-row step of a 49152-token vocabulary is 50 MB of float32; through a loopback socket the
-kernel copies it twice and the client faults fresh pages in, 10-20 ms a step. A client on the
+kernel copies it twice and the client faults fresh pages in, at every step. A client on the
 same machine can instead name a segment of its own memory in the request (`shared_memory`): a
 memfd (`memfd_create`) called `logprob-gateway-<32 hex digits>`, sealed against shrinking, whose
 last 16 bytes hold a random key that the request carries too (`key`, in hex). The gateway opens it

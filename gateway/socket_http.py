@@ -1,8 +1,8 @@
 """HTTP/1.1 POSTs over plain asyncio sockets, each response body read straight into one buffer.
 
 A dense step is tens of megabytes. httpx (through h11) hands a body over in 64 KiB pieces, each
-passing through Python, and on loopback that costs several times the transfer itself (50 MB: about
-150 ms against 20 ms here). This client sends one request per pooled keep-alive connection and
+passing through Python, and on loopback that costs several times the transfer itself
+(docs/performance.md). This client sends one request per pooled keep-alive connection and
 reads the body with `loop.sock_recv_into` into a buffer of the announced Content-Length.
 
 It speaks only what the gateway answers: a Content-Length body, no transfer or content coding.
