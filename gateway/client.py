@@ -1,8 +1,9 @@
 """A Python client of the gateway that drops into genlm in place of a local model.
 
 `AsyncGatewayLM` implements genlm-backend's (0.3) `AsyncLM` interface (next_token_logprobs, the
-batch and sync variants, all with a per-call `lora_name`; byte_vocab, str_vocab, tokenizer,
-clear_cache, sample, batch_sample) over HTTP. Concurrent
+batch, sync and uncached variants, all with a per-call `lora_name`; set_lora, clear_lora,
+add_new_lora, remove_lora; byte_vocab, str_vocab, tokenizer, clear_cache, sample, batch_sample)
+over HTTP, and passes `isinstance(lm, AsyncLM)` where genlm-backend is installed. Concurrent
 `next_token_logprobs` calls are merged into one request, the way genlm's local backends
 auto-batch. The answer is one float32 matrix: written by a gateway on the same host straight
 into this process's memory (gateway.client_shm), else one MessagePack body read off the socket
@@ -23,8 +24,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import tempfile
-from collections.abc import Iterable, Sequence
-from functools import cached_property
+from collections.abc import Callable, Iterable, Sequence
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ import numpy as np
 
 from gateway import client_shm
 from gateway.buffer_lru import BufferLRU
+from gateway.client_lora import LoraManagement
 from gateway.client_shm import Segment, SharedSegments
 from gateway.client_wire import (
     SHARED_MEMORY_ANSWER,
@@ -65,6 +67,17 @@ def _genlm_tokens(byte_vocab: list[bytes]) -> list[bytes]:
     return [Token(token_id=i, byte_string=b) for i, b in enumerate(byte_vocab)]
 
 
+@cache
+def _register_with_genlm() -> None:
+    """Makes instances pass `isinstance(lm, genlm.backend.llm.AsyncLM)` where genlm-backend is
+    installed; run by the first constructor, as importing genlm loads torch and transformers."""
+    try:
+        from genlm.backend.llm import AsyncLM
+    except ImportError:
+        return
+    AsyncLM.register(AsyncGatewayLM)
+
+
 def _as_output(array: np.ndarray) -> Any:
     if _HAS_TORCH:
         import torch
@@ -73,8 +86,33 @@ def _as_output(array: np.ndarray) -> Any:
     return array
 
 
-class AsyncGatewayLM:
-    """genlm's `AsyncLM`, served remotely. `model` may name an adapter: "base:adapter".
+def _sampler(seed: int | None) -> Callable[[np.ndarray, float], int]:
+    """genlm's `AsyncLM.sample` draw, operation for operation, where torch is installed (so a seed
+    gives its tokens); numpy's generator seeded with `seed` otherwise."""
+    if not _HAS_TORCH:
+        rng = np.random.default_rng(seed)
+
+        def draw_numpy(logprobs: np.ndarray, temperature: float) -> int:
+            scaled = logprobs.astype(np.float64) / temperature
+            probs = np.exp(scaled - scaled.max())
+            return int(rng.choice(probs.shape[0], p=probs / probs.sum()))
+
+        return draw_numpy
+    import torch
+
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+
+    def draw(logprobs: np.ndarray, temperature: float) -> int:
+        probs = torch.softmax(torch.from_numpy(logprobs) / temperature, dim=-1)
+        return int(torch.multinomial(probs, num_samples=1, generator=generator).item())
+
+    return draw
+
+
+class AsyncGatewayLM(LoraManagement):
+    """genlm's `AsyncLM`, served remotely. `model` may name an adapter: "base:adapter";
+    `set_lora`/`clear_lora` change it. `admin_key` (the gateway's) enables `add_new_lora` and
+    `remove_lora`.
 
     `shared_memory`: None (default) asks the gateway to write large answers into this process's
     memory while it does so (it can when it runs on this host); False never; True also, and
@@ -92,7 +130,9 @@ class AsyncGatewayLM:
         cache_bytes: int = 512 << 20,
         max_rows_per_request: int = 1024,
         shared_memory: bool | None = None,
+        admin_key: str | None = None,
     ) -> None:
+        _register_with_genlm()
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.dtype: Dtype = dtype
@@ -100,6 +140,7 @@ class AsyncGatewayLM:
         self._headers = {"Accept": MSGPACK, "Content-Type": MSGPACK}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
+        self._admin_key = admin_key
         self._timeout = timeout
         self._sync = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout)
         self._async: httpx.AsyncClient | None = None
@@ -125,10 +166,6 @@ class AsyncGatewayLM:
         self.bos_token_id: int | None = vocab["bos_token_id"]
 
     # -- vocabulary and tokenizer --------------------------------------------------------------
-
-    @property
-    def _base_model(self) -> str:
-        return self.model.partition(":")[0]
 
     def _get(self, path: str) -> Any:
         response = self._sync.get(path)
@@ -162,6 +199,7 @@ class AsyncGatewayLM:
         return out
 
     def _model_for(self, lora_name: str | None) -> str:
+        """A call's own adapter, else `model` (which `set_lora`/`clear_lora` choose)."""
         return self.model if lora_name is None else f"{self._base_model}:{lora_name}"
 
     # -- dense rows ------------------------------------------------------------------------------
@@ -333,6 +371,12 @@ class AsyncGatewayLM:
     def next_token_logprobs_sync(self, token_ids: Sequence[int], lora_name: str | None = None) -> Any:
         return self.batch_next_token_logprobs_sync([token_ids], lora_name=lora_name)[0]
 
+    def next_token_logprobs_uncached(self, token_ids: Sequence[int], lora_name: str | None = None) -> Any:
+        """The row for `token_ids` asked of the gateway now: the client's row cache is neither read
+        nor filled (genlm's uncached call). The gateway's own output cache may still answer it,
+        with the same numbers, as a row does not depend on when it is computed."""
+        return _as_output(self._fetch_sync(self._model_for(lora_name), [token_tuple(token_ids)])[0])
+
     async def batch_next_token_logprobs(
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> Any:
@@ -373,7 +417,7 @@ class AsyncGatewayLM:
         if self._segments is not None:
             self._segments.drop_idle()
 
-    # -- sampling (genlm's AsyncLM.sample semantics: stop before an end-of-sequence token) --------
+    # -- sampling (genlm's AsyncLM.sample: stop before an end-of-sequence token) ------------------
 
     async def sample(
         self,
@@ -384,15 +428,19 @@ class AsyncGatewayLM:
         seed: int | None = None,
         lora_name: str | None = None,
     ) -> list[int]:
-        rng = np.random.default_rng(seed)
+        """Up to `max_tokens` tokens drawn after the prompt from softmax(row / temperature),
+        stopping before the first of `eos_token_ids`. With torch installed the draws are genlm's
+        own (`torch.multinomial` with a `torch.Generator` seeded with `seed`, or torch's global
+        generator when `seed` is None), so a seed gives the tokens genlm's `AsyncLM.sample` gives
+        for the same rows. Without torch, numpy's `default_rng(seed)` draws: as reproducible,
+        but not the same tokens as genlm's."""
+        draw = _sampler(seed)
         eos = set(eos_token_ids)
         model = self._model_for(lora_name)
         generated: list[int] = []
         for _ in range(max_tokens):
             logprobs = await self._row(RowKey(model, token_tuple(prompt_token_ids) + tuple(generated)))
-            scaled = logprobs.astype(np.float64) / temperature
-            probs = np.exp(scaled - scaled.max())
-            token = int(rng.choice(probs.shape[0], p=probs / probs.sum()))
+            token = draw(logprobs, temperature)
             if token in eos:
                 break
             generated.append(token)
