@@ -126,6 +126,30 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server.stop()
 
 
+def start_admin_gateway(
+    model_dir: Path,
+    workdir: Path,
+    adapters_root: Path,
+    adapters: dict | None = None,
+    admin_key: str = "admin-secret",
+) -> GatewayProcess:
+    """The real model in float32 with the admin endpoints on: an admin key, an adapters root for
+    loads at run time, and `adapters` (name -> directory) loaded at start."""
+    loaded = ", ".join(f'{name} = "{path}"' for name, path in (adapters or {}).items())
+    config = workdir / "gateway.toml"
+    config.write_text(f"""
+admin_key = "{admin_key}"
+
+[[models]]
+name = "{MODEL}"
+model = "{model_dir}"
+dtype = "float32"
+adapters_root = "{adapters_root}"
+adapters = {{{loaded}}}
+""")
+    return start_gateway(["--config", str(config)], workdir / "gateway.log")
+
+
 def make_lora_adapter(model_dir, path, seed, rank=4, **save):
     """A LoRA adapter with random (non-zero) B matrices, so it changes the model's outputs."""
     import torch

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from gateway.client import AsyncGatewayLM, GatewayClientError
-from gateway.launcher import start_gateway
 from gateway.row_key import RowKey
-from tests.conftest import MODEL, make_lora_adapter
+from tests.conftest import MODEL, make_lora_adapter, start_admin_gateway
 
 pytestmark = pytest.mark.slow
 genlm_llm = pytest.importorskip("genlm.backend.llm")
@@ -29,18 +28,7 @@ def adapter_paths(model_dir, tmp_path_factory):
 def lora_gateway(adapter_paths, model_dir, tmp_path_factory):
     """Adapter "a" loaded at start; "b" lies in the adapters root, for loading at run time."""
     root, paths = adapter_paths
-    config = tmp_path_factory.mktemp("client-lora") / "gateway.toml"
-    config.write_text(f"""
-admin_key = "admin-secret"
-
-[[models]]
-name = "{MODEL}"
-model = "{model_dir}"
-dtype = "float32"
-adapters_root = "{root}"
-adapters = {{a = "{paths["a"]}"}}
-""")
-    gateway = start_gateway(["--config", str(config)], config.parent / "gateway.log")
+    gateway = start_admin_gateway(model_dir, tmp_path_factory.mktemp("client-lora"), root, {"a": paths["a"]})
     yield gateway
     gateway.stop()
 

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.launcher import start_gateway
-from tests.conftest import MODEL, last_row, load_peft_models, make_lora_adapter
+from tests.conftest import MODEL, last_row, load_peft_models, make_lora_adapter, start_admin_gateway
 
 pytestmark = pytest.mark.slow
 ADMIN = {"Authorization": "Bearer admin-secret"}
@@ -47,18 +46,7 @@ def adapters(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def lora_gateway(adapters, model_dir, tmp_path_factory):
     root, paths, _ = adapters
-    config = tmp_path_factory.mktemp("lora") / "gateway.toml"
-    config.write_text(f"""
-admin_key = "admin-secret"
-
-[[models]]
-name = "{MODEL}"
-model = "{model_dir}"
-dtype = "float32"
-adapters_root = "{root}"
-adapters = {{a = "{paths["a"]}"}}
-""")
-    gateway = start_gateway(["--config", str(config)], config.parent / "gateway.log")
+    gateway = start_admin_gateway(model_dir, tmp_path_factory.mktemp("lora"), root, {"a": paths["a"]})
     yield gateway
     gateway.stop()
 

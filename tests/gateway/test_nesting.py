@@ -7,7 +7,7 @@ import httpx
 import msgspec
 import pytest
 
-from tests.conftest import MODEL
+from tests.conftest import MODEL, start_admin_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -49,19 +49,8 @@ def post(gateway, path: str, body: bytes, content_type: str) -> httpx.Response:
 @pytest.fixture(scope="module")
 def admin_gateway(model_dir, tmp_path_factory):
     """The real model with an admin key, so that the admin routes decode their bodies too."""
-    from gateway.launcher import start_gateway
-
     workdir = tmp_path_factory.mktemp("nesting")
-    config = workdir / "gateway.toml"
-    config.write_text(f"""
-admin_key = "{ADMIN_KEY}"
-
-[[models]]
-name = "{MODEL}"
-model = "{model_dir}"
-adapters_root = "{workdir}"
-""")
-    gateway = start_gateway(["--config", str(config)], workdir / "gateway.log")
+    gateway = start_admin_gateway(model_dir, workdir, workdir, admin_key=ADMIN_KEY)
     yield gateway
     gateway.stop()
 
