@@ -20,6 +20,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY backends ./backends
+COPY client ./client
 
 FROM build AS build-cpu
 # PyPI's Linux torch wheel is the CUDA build; the CPU build of the version the `cpu` extra pins

@@ -11,7 +11,7 @@ the particles by the log-probabilities of their sampled tokens (so particles sha
 way runs the same algorithm:
 
   engine    our TransformersEngine in-process (prefix K/V reuse), identical rows sent once
-  gateway   a real gateway process (gateway.launcher), through gateway.client.AsyncGatewayLM's
+  gateway   a real gateway process (gateway.launcher), through logprob_gateway_client.AsyncGatewayLM's
             batch_next_token_logprobs (one request per step); on one host the gateway writes the
             answers into the client's memory (shared memory, the client's default)
   gateway-socket   `gateway` with the answers in the HTTP body (shared_memory=False): what a
@@ -56,8 +56,8 @@ from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir  # noqa: E4
 from backends.host_copy import rows_to_host  # noqa: E402
 from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
 from bench.smc_report import load_report, plot, print_tables, save_report  # noqa: E402
-from gateway.client import AsyncGatewayLM  # noqa: E402
 from gateway.launcher import GatewayProcess, start_gateway  # noqa: E402
+from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
 
 PROMPT = "The old lighthouse keeper climbed the stairs every evening, and tonight, as the storm rolled in, he"
 _LLAMA = dict(  # Llama-3.2's common settings, with SmolLM2's vocabulary

@@ -32,7 +32,7 @@ import smc as bench  # noqa: E402
 from backends.base import EngineConfig  # noqa: E402
 from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
 from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
-from gateway.client import AsyncGatewayLM  # noqa: E402
+from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
 
 
 class Stopwatch:

@@ -4,11 +4,11 @@
     python bench/transport.py --engines mock --rows 256 --requests 20 --concurrency 1
 
 First, in process: the server's encoder (the route's own `_encode`, whose buffers go out as they
-are) and the client's decoder (`gateway.client_wire` for MessagePack; base64/JSON as a client
+are) and the client's decoder (`logprob_gateway_client.wire` for MessagePack; base64/JSON as a client
 would) on `--codec-rows` rows of a 49152-token vocabulary, in MB of response per second. Then over
 loopback HTTP: the gateway as a child process (output cache off), `--requests` requests of
 `--rows` distinct rows each from `--concurrency` concurrent httpx clients, and last
-`gateway.client.AsyncGatewayLM`, its answers written into its memory by the gateway (shared
+`logprob_gateway_client.AsyncGatewayLM`, its answers written into its memory by the gateway (shared
 memory), then read off the socket (MessagePack matrix). The mock engine shows
 what HTTP and the encodings cost; the real model adds the forward pass. Prints Markdown tables.
 """
@@ -28,12 +28,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.client import AsyncGatewayLM  # noqa: E402
-from gateway.client_wire import decode_msgpack_matrix, decode_msgpack_rows  # noqa: E402
-from gateway.encoding import decode_row  # noqa: E402
 from gateway.launcher import start_gateway  # noqa: E402
 from gateway.routes.logprobs import _encode  # noqa: E402
 from gateway.schemas.logprobs import NextTokenLogprobsRequest, NextTokenLogprobsUsage  # noqa: E402
+from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
+from logprob_gateway_client.encoding import decode_row  # noqa: E402
+from logprob_gateway_client.wire import decode_msgpack_matrix, decode_msgpack_rows  # noqa: E402
 
 ENCODINGS = [  # (label, encoding_format, dtype, msgpack, layout)
     ("json float", "float", "float32", False, "rows"),
@@ -149,7 +149,7 @@ async def run_encoding(
 async def run_client(
     base_url: str, model: str, rows: int, requests: int, seed: int, shared_memory: bool
 ) -> dict:
-    """gateway.client.AsyncGatewayLM, one batch call at a time."""
+    """logprob_gateway_client.AsyncGatewayLM, one batch call at a time."""
     rng = np.random.default_rng(seed)
     batches = [
         [[int(t) for t in rng.integers(100, 40000, size=8)] for _ in range(rows)] for _ in range(requests + 1)

@@ -46,9 +46,9 @@ import numpy as np
 from backends.base import Landing
 from gateway.metrics import Metrics
 from gateway.quiet_time import QuietTime
-from gateway.row_key import RowKey
 from gateway.row_stores import CacheStats, Key, MemoryStore, RedisStore, RowStore, Value
 from gateway.settings import CacheSettings
+from logprob_gateway_client.row_key import RowKey
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.buffer_lru import BufferLRU, anchor
+from logprob_gateway_client.buffer_lru import BufferLRU, anchor
 
 log = logging.getLogger(__name__)
 

@@ -48,9 +48,9 @@ from typing import Protocol
 
 import numpy as np
 
-from gateway.client_shm import KEY_BYTES
 from gateway.errors import InvalidRequestError
 from gateway.schemas.logprobs import SharedMemoryTarget
+from logprob_gateway_client.shared_memory import KEY_BYTES
 
 
 def _names_segment(path: str, name: str) -> bool:

@@ -12,7 +12,6 @@ from litestar import Request, Response, get, post
 
 from backends.base import RowsTarget
 from gateway.dense import dense_rows
-from gateway.encoding import ITEMSIZE, matrix_view, msgpack_bin_header, row_base64, row_views
 from gateway.errors import ContextLengthError, EngineError, GatewayError, InvalidRequestError
 from gateway.http import (
     MSGPACK_TYPES,
@@ -38,6 +37,7 @@ from gateway.schemas.logprobs import (
     NextTokenLogprobsSharedMemoryResponse,
     NextTokenLogprobsUsage,
 )
+from logprob_gateway_client.encoding import ITEMSIZE, matrix_view, msgpack_bin_header, row_base64, row_views
 
 
 def _float_row(values: np.ndarray) -> list[float | None]:

@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
 import msgspec
 
-from gateway.encoding import Dtype
 from gateway.schemas.chat import ChatMessage
 from gateway.schemas.common import TokenId
+from logprob_gateway_client.encoding import Dtype
+from logprob_gateway_client.schemas import SharedMemoryTarget
 
 # A token-id list, several of them, a string, or several strings (see the completions prompt).
 Input = str | list[str | TokenId | list[TokenId]]
-
-
-class SharedMemoryTarget(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A memfd of a client on the gateway's host to write the matrix into (gateway/shared_memory.py):
-    created by `memfd_create(name)`, sealed with F_SEAL_SHRINK, open as `fd` in process `pid`, its
-    last 16 bytes the random `key` (hex) that proves the request is its owner's."""
-
-    pid: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
-    fd: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
-    # The lengths refuse what `$` lets through: a final newline.
-    name: Annotated[str, msgspec.Meta(pattern="^logprob-gateway-[0-9a-f]{32}$", max_length=48)]
-    key: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$", max_length=32)]
-    offset: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
 
 
 class NextTokenLogprobsRequest(msgspec.Struct, kw_only=True):

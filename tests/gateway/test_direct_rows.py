@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from litestar.testing import TestClient
 
-from gateway import client_shm
 from gateway.app import serving_app
-from gateway.client_shm import KEY_BYTES
 from gateway.schemas.logprobs import SharedMemoryTarget
 from gateway.settings import CacheSettings, ModelSettings, Settings
 from gateway.shared_memory import SharedMemoryWriter
+from logprob_gateway_client import shared_memory as client_memory
+from logprob_gateway_client.shared_memory import KEY_BYTES
 
-pytestmark = pytest.mark.skipif(not client_shm.supported(), reason="memfd is Linux only")
+pytestmark = pytest.mark.skipif(not client_memory.memfd_supported(), reason="memfd is Linux only")
 VOCAB = 49152
 
 

@@ -33,7 +33,6 @@ from litestar import Litestar
 from litestar.testing import TestClient
 
 from gateway.app import serving_app
-from gateway.encoding import decode_row, row_base64, row_bytes
 from gateway.openapi import build_openapi
 from gateway.routes.logprobs import _encode
 from gateway.schemas.chat import ChatCompletionResponse
@@ -48,6 +47,7 @@ from gateway.schemas.logprobs import (
     TokenizeResponse,
 )
 from gateway.settings import CacheSettings, Limits, ModelSettings, Settings
+from logprob_gateway_client.encoding import decode_row, row_base64, row_bytes
 
 # float16 rounds finite values past 65504 to inf, as it should; numpy warns when it does.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")

@@ -12,8 +12,8 @@ import numpy as np
 import openai
 import pytest
 
-from gateway.client import AsyncGatewayLM
 from gateway.launcher import start_gateway
+from logprob_gateway_client import AsyncGatewayLM
 from tests.conftest import require_engine_library
 
 require_engine_library("sglang")

@@ -1,5 +1,5 @@
 """Dense matrices written into a same-host client's memory: the gateway's side
-(gateway/shared_memory.py) over raw HTTP, and AsyncGatewayLM's segments (gateway/client_shm.py)."""
+(gateway/shared_memory.py) over raw HTTP, and AsyncGatewayLM's segments (client/logprob_gateway_client/shared_memory.py)."""
 
 from __future__ import annotations
 
@@ -17,19 +17,19 @@ import numpy as np
 import pytest
 import torch
 
-from gateway import client_shm
-from gateway.client import AsyncGatewayLM, GatewayClientError
-from gateway.client_shm import KEY_BYTES
 from gateway.errors import InvalidRequestError
 from gateway.launcher import start_gateway
 from gateway.parallel_copy import copy_into
 from gateway.schemas.logprobs import SharedMemoryTarget
 from gateway.shared_memory import SharedMemoryWriter
+from logprob_gateway_client import AsyncGatewayLM, GatewayClientError
+from logprob_gateway_client import shared_memory as client_memory
+from logprob_gateway_client.shared_memory import KEY_BYTES
 from tests.conftest import MODEL
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not client_shm.supported(), reason="memfd is Linux only"),
+    pytest.mark.skipif(not client_memory.memfd_supported(), reason="memfd is Linux only"),
 ]
 VOCAB = 49152
 ROWS = [[504, 3575, 282, 4649, 314], [410, 2251, 30], [9690, 2114], [28, 253, 6217, 30]]
@@ -431,18 +431,18 @@ def test_a_failed_request_never_lends_its_segment_again(lm):
 
 
 def test_segments_are_sealed_and_forked_children_make_their_own(monkeypatch):
-    segments = client_shm.SharedSegments()
-    assert segments.lease(client_shm.MIN_BYTES - 1) is None
-    first = segments.lease(client_shm.MIN_BYTES)
+    segments = client_memory.SharedSegments()
+    assert segments.lease(client_memory.MIN_BYTES - 1) is None
+    first = segments.lease(client_memory.MIN_BYTES)
     assert first is not None
     with pytest.raises(PermissionError):
         os.ftruncate(first.fd, 0)
     segments.release(first)
-    assert segments.lease(client_shm.MIN_BYTES) is first
+    assert segments.lease(client_memory.MIN_BYTES) is first
     segments.release(first)
     child_pid = os.getpid() + 1
     monkeypatch.setattr(os, "getpid", lambda: child_pid)
-    second = segments.lease(client_shm.MIN_BYTES)
+    second = segments.lease(client_memory.MIN_BYTES)
     assert second is not first and second.target()["pid"] == child_pid
     try:  # the child closed its copy of the parent's segment (the number may be in use again)
         inherited = os.readlink(f"/proc/self/fd/{first.fd}") == f"/memfd:{first.name} (deleted)"

@@ -1,4 +1,4 @@
-"""gateway.socket_http against scripted HTTP servers on loopback: bodies byte for byte, pooled
+"""logprob_gateway_client.socket_transport against scripted HTTP servers on loopback: bodies byte for byte, pooled
 keep-alive connections, servers that close idle connections, and every answer it must refuse."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from gateway.client import AsyncGatewayLM
-from gateway.socket_http import SocketHTTPClient, UnsupportedResponse, usable_for
+from logprob_gateway_client import AsyncGatewayLM
+from logprob_gateway_client.socket_transport import SocketHTTPClient, UnsupportedResponse, usable_for
 
 Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[bool]]  # request -> keep the connection?
 

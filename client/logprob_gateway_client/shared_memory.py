@@ -1,6 +1,6 @@
 """Memory of the client's process that a gateway on the same host writes dense answers into.
 
-The gateway's side, and why it is safe, is gateway/shared_memory.py. Here: every large answer
+The gateway's side, and why it is safe, is the server's gateway/shared_memory.py. Here: every large answer
 gets a segment of its own (a memfd named `logprob-gateway-<random>`, sealed so its size never
 changes, mapped read-write, its last 16 bytes a random key that every request naming it carries:
 the gateway writes only for requests holding it), and the matrix handed to the caller is a view of
@@ -33,14 +33,14 @@ from itertools import count
 
 import numpy as np
 
-from gateway.encoding import ITEMSIZE, Dtype, decode_row
+from logprob_gateway_client.encoding import ITEMSIZE, Dtype, decode_row
 
 MIN_BYTES = 1 << 20  # smaller answers come in the body: a segment per row would cost more than it saves
 _GRAIN = 1 << 20  # segment sizes are rounded up to this, so steps of similar size share segments
 KEY_BYTES = 16  # a segment's last bytes: its key, which proves to the gateway a request is its owner's
 
 
-def supported() -> bool:
+def memfd_supported() -> bool:
     return sys.platform == "linux" and hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
 
 

@@ -14,7 +14,8 @@ import httpx
 import msgspec
 import numpy as np
 
-from gateway.encoding import ITEMSIZE, Dtype, decode_row
+from logprob_gateway_client.encoding import ITEMSIZE, Dtype, decode_row
+from logprob_gateway_client.schemas import SHARED_MEMORY_ANSWER, DenseAnswer
 
 
 def _as_int(value: Any) -> int:
@@ -71,20 +72,6 @@ class _BinaryRows(msgspec.Struct):
     data: list[_BinaryRow]
 
 
-class DenseAnswer(msgspec.Struct):
-    """A MessagePack `layout: matrix` answer: the matrix in the body, or where in the client's
-    shared memory the gateway wrote it."""
-
-    vocab_size: int
-    rows: int
-    dtype: str
-    object: str = "next_token_logprobs.matrix"
-    logprobs: memoryview | None = None  # a view into the body; None when in shared memory
-    offset: int = 0
-    nbytes: int = 0
-
-
-SHARED_MEMORY_ANSWER = "next_token_logprobs.shared_memory"
 _ANSWER_DECODER = msgspec.msgpack.Decoder(DenseAnswer)
 _ROWS_DECODER = msgspec.msgpack.Decoder(_BinaryRows)
 

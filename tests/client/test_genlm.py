@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway.client import AsyncGatewayLM
+from logprob_gateway_client import AsyncGatewayLM
 from tests.conftest import MODEL
 
 pytestmark = pytest.mark.slow

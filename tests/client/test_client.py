@@ -1,4 +1,4 @@
-"""gateway.client.AsyncGatewayLM (genlm's AsyncLM interface) against the real server."""
+"""logprob_gateway_client.AsyncGatewayLM (genlm's AsyncLM interface) against the real server."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.client import AsyncGatewayLM, GatewayClientError
-from gateway.row_key import RowKey
+from logprob_gateway_client import AsyncGatewayLM, GatewayClientError
+from logprob_gateway_client.row_key import RowKey
 from tests.conftest import MODEL
 
 pytestmark = pytest.mark.slow

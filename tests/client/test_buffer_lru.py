@@ -1,10 +1,10 @@
-"""gateway.buffer_lru.BufferLRU: entries are views, and the budget counts the buffers they keep alive."""
+"""logprob_gateway_client.buffer_lru.BufferLRU: entries are views, and the budget counts the buffers they keep alive."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from gateway.buffer_lru import BufferLRU
+from logprob_gateway_client.buffer_lru import BufferLRU
 
 
 def matrix(rows: int, seed: int, width: int = 250) -> np.ndarray:  # 1000 bytes a row

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.client import AsyncGatewayLM, GatewayClientError
-from gateway.row_key import RowKey
+from logprob_gateway_client import AsyncGatewayLM, GatewayClientError
+from logprob_gateway_client.row_key import RowKey
 from tests.conftest import MODEL, make_lora_adapter, start_admin_gateway
 
 pytestmark = pytest.mark.slow

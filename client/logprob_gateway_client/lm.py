@@ -6,13 +6,13 @@ add_new_lora, remove_lora; byte_vocab, str_vocab, tokenizer, clear_cache, sample
 over HTTP, and passes `isinstance(lm, AsyncLM)` where genlm-backend is installed. Concurrent
 `next_token_logprobs` calls are merged into one request, the way genlm's local backends
 auto-batch. The answer is one float32 matrix: written by a gateway on the same host straight
-into this process's memory (gateway.client_shm), else one MessagePack body read off the socket
-into one buffer (gateway.socket_http, for plain-http URLs; httpx otherwise). Every row returned
+into this process's memory (shared_memory.py), else one MessagePack body read off the socket
+into one buffer (socket_transport.py, for plain-http URLs; httpx otherwise). Every row returned
 is a view of it, never a copy, and shared with the client's cache, as genlm's own backends share
 rows with theirs: do not write into them. Needs only httpx, msgspec and numpy; returns torch tensors when
 torch is installed (like genlm), numpy arrays otherwise.
 
-    from gateway.client import AsyncGatewayLM
+    from logprob_gateway_client import AsyncGatewayLM
     from genlm.control import PromptedLLM
 
     llm = AsyncGatewayLM("http://gpu-node:8000", "smollm2-135m")
@@ -33,12 +33,14 @@ import httpx
 import msgspec
 import numpy as np
 
-from gateway import client_shm
-from gateway.buffer_lru import BufferLRU
-from gateway.client_lora import LoraManagement
-from gateway.client_shm import Segment, SharedSegments
-from gateway.client_wire import (
-    SHARED_MEMORY_ANSWER,
+from logprob_gateway_client.buffer_lru import BufferLRU
+from logprob_gateway_client.encoding import ITEMSIZE, Dtype
+from logprob_gateway_client.lora import LoraManagement
+from logprob_gateway_client.row_key import RowKey
+from logprob_gateway_client.schemas import SHARED_MEMORY_ANSWER
+from logprob_gateway_client.shared_memory import Segment, SharedSegments, memfd_supported
+from logprob_gateway_client.socket_transport import SocketHTTPClient, UnsupportedResponse, usable_for
+from logprob_gateway_client.wire import (
     GatewayClientError,
     body_matrix,
     decode_dense_answer,
@@ -48,9 +50,6 @@ from gateway.client_wire import (
     read_into_buffer,
     token_tuple,
 )
-from gateway.encoding import ITEMSIZE, Dtype
-from gateway.row_key import RowKey
-from gateway.socket_http import SocketHTTPClient, UnsupportedResponse, usable_for
 
 __all__ = ["AsyncGatewayLM", "GatewayClientError"]
 
@@ -153,9 +152,9 @@ class AsyncGatewayLM(LoraManagement):
         self._flusher: asyncio.Task[None] | None = None
         self.requests_sent = 0  # dense-row HTTP requests, for diagnostics
         self.server_timing: str | None = None  # the last dense answer's Server-Timing header
-        if shared_memory and not client_shm.supported():
+        if shared_memory and not memfd_supported():
             raise ValueError("shared_memory needs Linux's memfd_create")
-        use = shared_memory is not False and client_shm.supported()
+        use = shared_memory is not False and memfd_supported()
         self._segments = SharedSegments(evict=self._cache.drop_owner) if use else None
         self._ask_shared_memory = self._segments is not None  # until the gateway answers in the body
         self.shared_memory_answers = 0  # dense answers the gateway wrote into shared memory

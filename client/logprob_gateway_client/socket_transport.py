@@ -6,7 +6,7 @@ passing through Python, and on loopback that costs several times the transfer it
 reads the body with `loop.sock_recv_into` into a buffer of the announced Content-Length.
 
 It speaks only what the gateway answers: a Content-Length body, no transfer or content coding.
-Anything else raises `UnsupportedResponse`, and `gateway.client` then uses httpx, as it does for
+Anything else raises `UnsupportedResponse`, and `AsyncGatewayLM` then uses httpx, as it does for
 https URLs and proxies. A request on a pooled connection that the server closed meanwhile (its
 keep-alive timeout) is sent again once on a new connection, before any of its answer has arrived.
 """

@@ -1,6 +1,6 @@
 """genlm's adapter calls on the gateway client: `set_lora`/`clear_lora` choose the adapter later
 calls use, `add_new_lora`/`remove_lora` load and unload adapters on the gateway through its admin
-endpoints. A mixin of `gateway.client.AsyncGatewayLM`. Needs only httpx and msgspec.
+endpoints. A mixin of `logprob_gateway_client.AsyncGatewayLM`. Needs only httpx and msgspec.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from gateway.client_wire import raise_for_error
+from logprob_gateway_client.wire import raise_for_error
 
 
 class LoraManagement:
