@@ -3,10 +3,13 @@ and one real gateway server process per test session."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -124,6 +127,24 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server.start()
     yield server
     server.stop()
+
+
+@contextlib.contextmanager
+def mock_app_client(timeout_s: float = 120.0) -> Iterator[tuple[Any, Any]]:
+    """The app serving the mock engine in this process, once its model is ready: the Litestar app
+    (for its state) and a test client of what the server runs (guard and metrics included)."""
+    from litestar.testing import TestClient
+
+    from gateway.app import serving_app
+    from gateway.settings import ModelSettings, Settings
+
+    litestar_app, served = serving_app(Settings(models=[ModelSettings(name="mock", backend="mock")]))
+    with TestClient(served) as client:
+        deadline = time.monotonic() + timeout_s
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "the mock model did not load"
+            time.sleep(0.1)
+        yield litestar_app, client
 
 
 def start_admin_gateway(

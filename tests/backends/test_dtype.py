@@ -3,17 +3,13 @@ reports the dtype it really computes in."""
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from litestar.testing import TestClient
 
 from backends.base import EngineConfig, resolve_auto_dtype
-from gateway.app import serving_app
-from gateway.settings import ModelSettings, Settings
-from tests.conftest import require_engine_library
+from tests.conftest import mock_app_client, require_engine_library
 
 
 @pytest.mark.parametrize(
@@ -91,11 +87,6 @@ def test_sglang_passes_bfloat16_for_auto(model_dir, monkeypatch):
 
 
 def test_models_list_reports_the_mock_engines_dtype():
-    _, served = serving_app(Settings(models=[ModelSettings(name="mock", backend="mock")]))
-    with TestClient(served) as client:
-        deadline = time.monotonic() + 60
-        while client.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+    with mock_app_client() as (_, client):
         assert client.get("/v1/models").json()["data"][0]["dtype"] == "float32"
         assert client.get("/v1/models/mock").json()["dtype"] == "float32"

@@ -10,19 +10,13 @@ import numpy as np
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import serving_app
-from gateway.settings import ModelSettings, Settings
+from tests.conftest import mock_app_client
 
 
 @pytest.fixture()
 def app_and_client():
-    litestar_app, served = serving_app(Settings(models=[ModelSettings(name="mock", backend="mock")]))
-    with TestClient(served) as client:
-        deadline = time.monotonic() + 120
-        while client.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        yield litestar_app, client
+    with mock_app_client() as app_and_client:
+        yield app_and_client
 
 
 def ask(client: TestClient, rows: list[list[int]]) -> dict:
