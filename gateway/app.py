@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from litestar import Litestar
 from litestar.datastructures import State
@@ -50,13 +50,16 @@ ROUTES = [
 
 
 def create_app(
-    settings: Settings, registry: ModelRegistry | None = None, *, own_process: bool = False
+    settings: Settings,
+    registry: ModelRegistry | None = None,
+    *,
+    on_loaded: Callable[[], None] | None = None,
 ) -> Litestar:
     """Build the app. Models load in the background after start-up, so /health can say "loading"
-    while they do; requests for a model that is not ready get a 503. `own_process`: the app is
-    all this process serves (`logprob-gateway serve`)."""
+    while they do; requests for a model that is not ready get a 503. `on_loaded` runs once every
+    model has loaded or failed (the serving process tunes itself then)."""
     metrics = Metrics()
-    registry = registry or ModelRegistry(settings.models, metrics, own_process=own_process)
+    registry = registry or ModelRegistry(settings.models, metrics)
     metrics.registry.register(StateCollector(registry))
     access = Access(KeyRing.from_settings(settings), settings.limits)
     shared_memory = (
@@ -78,7 +81,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         app.state.cache = build_cache(settings.cache, metrics, registry.quiet)
-        loading = asyncio.create_task(registry.load_all())
+        loading = asyncio.create_task(_load(registry, on_loaded))
         try:
             yield
         finally:
@@ -102,9 +105,17 @@ def create_app(
     )
 
 
-def serving_app(settings: Settings, *, own_process: bool = False) -> tuple[Litestar, ASGIApp]:
+async def _load(registry: ModelRegistry, on_loaded: Callable[[], None] | None) -> None:
+    await registry.load_all()
+    if on_loaded is not None:
+        on_loaded()
+
+
+def serving_app(
+    settings: Settings, *, on_loaded: Callable[[], None] | None = None
+) -> tuple[Litestar, ASGIApp]:
     """The app, and what the server runs: the app inside the key/limit/disconnect guard, inside
     the metrics wrapper (so refused and unknown requests are counted too)."""
-    app = create_app(settings, own_process=own_process)
+    app = create_app(settings, on_loaded=on_loaded)
     guarded = guard(app, app.state.access, metrics_public=settings.metrics_public)
     return app, instrument(guarded, app.state.metrics)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -62,7 +63,10 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
-_storer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-store", initializer=_lower_priority)
+@functools.cache
+def _storer() -> ThreadPoolExecutor:
+    """Started by the first store bound for Redis, not by importing this module."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-store", initializer=_lower_priority)
 
 
 def weights_fingerprint(model_dir: str | Path, *extra: str) -> str:
@@ -191,7 +195,7 @@ class DenseRowCache:
         else:
             # Megabytes of rows to copy and hash: off the event loop (numpy and zlib release the GIL).
             loop = asyncio.get_running_loop()
-            values = await loop.run_in_executor(_storer, self.encode_many, rows)
+            values = await loop.run_in_executor(_storer(), self.encode_many, rows)
             await self.store.set_many(list(zip(keys, values, strict=True)))
         self.metrics.cache_duration.labels("set").observe(time.perf_counter() - started)
 

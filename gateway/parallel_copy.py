@@ -5,6 +5,7 @@ the last piece itself rather than wait idle."""
 
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,7 +13,12 @@ import numpy as np
 
 _PIECE = 4 << 20  # bytes: below this a piece is not worth a thread
 _THREADS = min(16, os.cpu_count() or 1)  # pieces at most: the helpers and the calling thread
-_copiers = ThreadPoolExecutor(max_workers=max(_THREADS - 1, 1), thread_name_prefix="copy")
+
+
+@functools.cache
+def _copiers() -> ThreadPoolExecutor:
+    """Started by the first large copy, not by importing this module."""
+    return ThreadPoolExecutor(max_workers=max(_THREADS - 1, 1), thread_name_prefix="copy")
 
 
 def copy_into(destination: np.ndarray, source: np.ndarray) -> None:
@@ -23,7 +29,7 @@ def copy_into(destination: np.ndarray, source: np.ndarray) -> None:
         return
     bounds = np.linspace(0, len(source), pieces + 1, dtype=np.int64).tolist()
     spans = list(zip(bounds[:-1], bounds[1:], strict=True))
-    helpers = [_copiers.submit(np.copyto, destination[a:b], source[a:b]) for a, b in spans[:-1]]
+    helpers = [_copiers().submit(np.copyto, destination[a:b], source[a:b]) for a, b in spans[:-1]]
     a, b = spans[-1]
     np.copyto(destination[a:b], source[a:b])
     for helper in helpers:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import tempfile
 import time
@@ -22,8 +21,6 @@ from gateway.quiet_time import QuietTime
 from gateway.settings import ModelSettings
 
 log = logging.getLogger(__name__)
-
-SERVING_GC_THRESHOLD = 50_000  # allocations between young-generation collections, from 700
 
 
 def _tokenizer_files(tokenizer: object) -> dict[str, str]:
@@ -121,11 +118,8 @@ class ServedModel:
 
 
 class ModelRegistry:
-    def __init__(
-        self, models: list[ModelSettings], metrics: Metrics | None = None, *, own_process: bool = False
-    ) -> None:
+    def __init__(self, models: list[ModelSettings], metrics: Metrics | None = None) -> None:
         self.metrics = metrics or Metrics()
-        self.own_process = own_process  # the process serves these models and nothing else
         self.models = {m.served_name: ServedModel(m, metrics=self.metrics) for m in models}
         self.quiet = QuietTime()  # begins with every engine call of dense rows
 
@@ -133,17 +127,6 @@ class ModelRegistry:
         """Load every model, one after another (they share the machine); failures are recorded."""
         for served in self.models.values():
             await self._load(served)
-        if self.own_process:
-            # What loading made lives as long as the process: torch, transformers and the app
-            # hold hundreds of thousands of objects, which every full pass of the collector walks
-            # holding the interpreter lock, so the engine's thread stalls with the event loop.
-            # Frozen, full passes walk only what came later.
-            gc.collect()
-            gc.freeze()
-            # A request makes thousands of containers (decoded rows, keys, futures) that die with
-            # it: collected every 700 allocations, the collector walked them while still alive,
-            # within every large request. Now they are freed before it runs.
-            gc.set_threshold(SERVING_GC_THRESHOLD, *gc.get_threshold()[1:])
 
     async def _load(self, served: ServedModel) -> None:
         started = time.perf_counter()

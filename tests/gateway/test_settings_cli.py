@@ -7,14 +7,17 @@ import gc
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from litestar.testing import TestClient
 
 from backends.base import BACKEND_NAMES
 from gateway import cli
-from gateway.registry import SERVING_GC_THRESHOLD, ModelRegistry
-from gateway.settings import ENV_PREFIX, ConfigError, ModelSettings, load_settings
+from gateway.app import create_app
+from gateway.cli import SERVING_GC_THRESHOLD, tune_collector
+from gateway.settings import ENV_PREFIX, ConfigError, ModelSettings, Settings, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -415,21 +418,24 @@ def test_module_entry_point_exits_2_on_missing_config():
     assert result.stdout == ""
 
 
-async def test_a_serving_process_freezes_what_loading_made_and_collects_less_often_an_embedded_app_does_neither():
-    models = [ModelSettings(backend="mock", name="mock")]
+def test_a_serving_process_freezes_what_loading_made_and_collects_less_often_an_embedded_app_does_neither():
     before, threshold = gc.get_freeze_count(), gc.get_threshold()
     assert threshold[0] < SERVING_GC_THRESHOLD
-    embedded = ModelRegistry(models)
-    await embedded.load_all()
-    assert embedded.models["mock"].engine is not None and gc.get_freeze_count() == before
-    assert gc.get_threshold() == threshold
-    served = ModelRegistry(models, own_process=True)
+    settings = Settings(models=[ModelSettings(backend="mock", name="mock")])
+
+    def loaded(app) -> None:
+        with TestClient(app) as client:
+            deadline = time.monotonic() + 60
+            while client.get("/health").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+
+    loaded(create_app(settings))
+    assert gc.get_freeze_count() == before and gc.get_threshold() == threshold
     try:
-        await served.load_all()
-        assert served.models["mock"].engine is not None and gc.get_freeze_count() > before
+        loaded(create_app(settings, on_loaded=tune_collector))  # what `logprob-gateway serve` passes
+        assert gc.get_freeze_count() > before
         assert gc.get_threshold() == (SERVING_GC_THRESHOLD, *threshold[1:])
     finally:
         gc.unfreeze()  # this test process goes on creating and dropping apps
         gc.set_threshold(*threshold)
-        await embedded.aclose()
-        await served.aclose()
