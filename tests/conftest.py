@@ -7,7 +7,7 @@ import contextlib
 import importlib.util
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,15 +130,19 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 
 @contextlib.contextmanager
-def mock_app_client(timeout_s: float = 120.0) -> Iterator[tuple[Any, Any]]:
-    """The app serving the mock engine in this process, once its model is ready: the Litestar app
-    (for its state) and a test client of what the server runs (guard and metrics included)."""
+def mock_app_client(
+    timeout_s: float = 120.0, on_loaded: Callable[[], None] | None = None
+) -> Iterator[tuple[Any, Any]]:
+    """The app serving the mock engine in this process, once its model is ready (and `on_loaded`
+    has run): the Litestar app (for its state) and a test client of what the server runs (guard
+    and metrics included)."""
     from litestar.testing import TestClient
 
     from gateway.app import serving_app
     from gateway.settings import ModelSettings, Settings
 
-    litestar_app, served = serving_app(Settings(models=[ModelSettings(name="mock", backend="mock")]))
+    settings = Settings(models=[ModelSettings(name="mock", backend="mock")])
+    litestar_app, served = serving_app(settings, on_loaded=on_loaded)
     with TestClient(served) as client:
         deadline = time.monotonic() + timeout_s
         while client.get("/health").status_code != 200:

@@ -7,17 +7,15 @@ import gc
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from litestar.testing import TestClient
 
 from backends.base import BACKEND_NAMES
 from gateway import cli
-from gateway.app import create_app
 from gateway.cli import SERVING_GC_THRESHOLD, tune_collector
-from gateway.settings import ENV_PREFIX, ConfigError, ModelSettings, Settings, load_settings
+from gateway.settings import ENV_PREFIX, ConfigError, load_settings
+from tests.conftest import mock_app_client
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -421,19 +419,12 @@ def test_module_entry_point_exits_2_on_missing_config():
 def test_a_serving_process_freezes_what_loading_made_and_collects_less_often_an_embedded_app_does_neither():
     before, threshold = gc.get_freeze_count(), gc.get_threshold()
     assert threshold[0] < SERVING_GC_THRESHOLD
-    settings = Settings(models=[ModelSettings(backend="mock", name="mock")])
-
-    def loaded(app) -> None:
-        with TestClient(app) as client:
-            deadline = time.monotonic() + 60
-            while client.get("/health").status_code != 200:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-
-    loaded(create_app(settings))
+    with mock_app_client():
+        pass
     assert gc.get_freeze_count() == before and gc.get_threshold() == threshold
     try:
-        loaded(create_app(settings, on_loaded=tune_collector))  # what `logprob-gateway serve` passes
+        with mock_app_client(on_loaded=tune_collector):  # what `logprob-gateway serve` passes
+            pass
         assert gc.get_freeze_count() > before
         assert gc.get_threshold() == (SERVING_GC_THRESHOLD, *threshold[1:])
     finally:
