@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
+
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 
 
 class EngineUnavailableError(RuntimeError):
@@ -65,6 +67,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: Mapping[int, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # Near-zero temperatures are greedy, so every engine, vLLM included, samples them alike.
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+
 
 @dataclass(frozen=True)
 class TokenStep:
@@ -90,28 +97,36 @@ class PromptLogprobs:
     top_logprobs: np.ndarray  # [T-1, k] float32
 
 
-@dataclass
-class RowsTarget:
-    """Where the caller copies the rows next: float32 [rows, vocab_size] of a client's shared
-    memory, registered with the GPU's driver. An engine that can write the rows there straight
-    from the device does, sets `written`, and sets `landing` when the rows it returns (its own
-    copy, for the output cache) are still arriving: they may be read once it has landed. With
-    `keep` false nothing reads what it returns beyond the call (no output cache): `rows` will do."""
+@dataclass(frozen=True)
+class WrittenRows:
+    """What `HostWrites.write_rows` returns once the rows are in the caller's memory: `rows` are
+    the engine's own copy of them (asked with `keep`), else the caller's memory itself. Its own
+    copy may still be arriving from the device: read it only once `landed()` has returned."""
 
     rows: np.ndarray
-    keep: bool = True
-    written: bool = False
-    landing: Landing | None = None
+    landed: Callable[[], Awaitable[None]]
 
 
-class Landing(Protocol):
-    """Rows still arriving in host memory (a CUDA event recorded after their copy is one)."""
+class HostWrites(ABC):
+    """An engine capability (`Engine.host_writes`): rows written from the engine's device straight
+    into host memory that the caller registered with it, one copy where going through memory of
+    the engine's own and on into the caller's took two."""
 
-    def query(self) -> bool:
-        """Whether they have landed, without waiting."""
+    @abstractmethod
+    def register(self, address: int, size: int) -> bool:
+        """Make `size` bytes at `address` a place `write_rows` can write into; False if it cannot."""
 
-    def synchronize(self) -> None:
-        """Blocks until they have landed."""
+    @abstractmethod
+    def unregister(self, address: int) -> None:
+        """Undo `register`; the caller ensures no write into that memory is under way."""
+
+    @abstractmethod
+    async def write_rows(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], into: np.ndarray, keep: bool
+    ) -> WrittenRows:
+        """`Engine.next_token_logprobs` of `rows`, written into `into` (float32 [len(rows), vocab]
+        in registered memory); with `keep`, the engine also returns a copy of its own, which the
+        caller may keep after `into` has been handed on."""
 
 
 class Engine(ABC):
@@ -123,6 +138,7 @@ class Engine(ABC):
     max_model_len: int
     model_path: str  # where the weights were loaded from
     dtype: str  # the dtype computations run in, e.g. "float32"
+    host_writes: HostWrites | None = None  # where the engine can write rows into the caller's memory
 
     @classmethod
     @abstractmethod
@@ -137,13 +153,6 @@ class Engine(ABC):
 
         `adapters[i]` names the LoRA adapter for row i (None: the base model); one call may mix them.
         """
-
-    async def next_token_logprobs_into(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], target: RowsTarget
-    ) -> np.ndarray:
-        """`next_token_logprobs`, also written into `target` where the engine can do that without
-        a copy through host memory (see RowsTarget); by default it cannot, and the caller copies."""
-        return await self.next_token_logprobs(rows, adapters)
 
     @abstractmethod
     async def prompt_logprobs(

@@ -2,16 +2,24 @@
 
 From a GPU, rows go into page-locked memory (pageable memory goes through a staging buffer at a
 fraction of the speed), or straight into a caller's memory registered with the driver
-(gateway/host_memory.py). torch keeps page-locked blocks for reuse; past a bound, the unused ones
-are given back.
+(`cudaHostRegister`: a client's shared memory segment, as the gateway maps it, is ordinary
+memory, and registering it makes a copy into it as fast as into page-locked memory). torch keeps
+page-locked blocks for reuse; past a bound, the unused ones are given back.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import numpy as np
 import torch
 
-from backends.base import RowsTarget
+from backends.base import WrittenRows
+
+log = logging.getLogger(__name__)
+
+_PORTABLE = 1  # cudaHostRegisterPortable: for every device's context, not only the current one
 
 
 def _page_locked_like(rows: torch.Tensor) -> torch.Tensor:
@@ -27,25 +35,46 @@ def rows_to_host(rows: torch.Tensor) -> np.ndarray:
     return _page_locked_like(rows).copy_(rows).numpy()
 
 
-def write_target(rows: torch.Tensor, target: RowsTarget) -> np.ndarray:
-    """Rows from the GPU straight into the caller's registered memory (one copy, where going
-    through page-locked memory and on into the target took two), and into
-    page-locked memory of the engine's own, for the output cache, while the answer leaves (unless
-    the target needs no copy kept)."""
+def register_host_memory(address: int, size: int) -> bool:
+    error = torch.cuda.cudart().cudaHostRegister(address, size, _PORTABLE)
+    if int(error) != 0:
+        log.warning("cannot register %d bytes of host memory with CUDA: %s", size, error)
+        return False
+    return True
+
+
+def unregister_host_memory(address: int) -> None:
+    error = torch.cuda.cudart().cudaHostUnregister(address)
+    if int(error) != 0:
+        log.warning("cannot unregister host memory from CUDA: %s", error)
+
+
+async def _landed_already() -> None:
+    return None
+
+
+async def _until(event: torch.cuda.Event) -> None:
+    # By the caller's next engine call the copy has long landed: a thread that waits for it would
+    # only cost wake-ups, so the event is asked first.
+    if not event.query():
+        await asyncio.to_thread(event.synchronize)
+
+
+def write_rows_into(rows: torch.Tensor, into: np.ndarray, keep: bool) -> WrittenRows:
+    """Rows from the GPU straight into the caller's registered memory `into`; with `keep`, also
+    into page-locked memory of the engine's own, which lands while the answer leaves."""
     stream = torch.cuda.current_stream(rows.device)
-    torch.from_numpy(target.rows).copy_(rows, non_blocking=True)
+    torch.from_numpy(into).copy_(rows, non_blocking=True)
     written = torch.cuda.Event()
     written.record(stream)
-    if not target.keep:
+    if not keep:
         written.synchronize()
-        target.written = True
-        return target.rows
+        return WrittenRows(into, _landed_already)
     own = _page_locked_like(rows).copy_(rows, non_blocking=True)
     landed = torch.cuda.Event()
     landed.record(stream)
     written.synchronize()
-    target.written, target.landing = True, landed
-    return own.numpy()
+    return WrittenRows(own.numpy(), lambda: _until(landed))
 
 
 # Looked up once (the check runs after every dense call): empty_host_cache is public from torch

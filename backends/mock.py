@@ -5,8 +5,9 @@ prefix: reproducible, consistent across endpoints, different for every prefix, a
 that benchmarks on it measure the gateway rather than the mock. It proves nothing about a model:
 features are proven on real engines.
 
-Options: `vocab_size` (default: the tokenizer's size), `max_model_len` via the config; for fault
-tests: `delay_s` (time each engine step takes), `fail_token` (a request containing this token id
+Options: `vocab_size` (default: the tokenizer's size), `max_model_len` via the config;
+`host_writes` (true: offers the capability as a GPU engine does, registration recorded, not made);
+for fault tests: `delay_s` (time each engine step takes), `fail_token` (a request containing this token id
 fails with an engine error) and `fatal_token` (the same, and the engine is dead from then on).
 """
 
@@ -25,14 +26,33 @@ from backends.builtin_models import resolve_model_dir
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
 
 
-class Landed:
-    """Rows already in place, reported as a GPU engine reports rows still arriving."""
+async def _landed() -> None:
+    return None
 
-    def query(self) -> bool:
+
+class MockHostWrites(base.HostWrites):
+    """Writes rows into the caller's memory itself, as a GPU engine does; registrations are
+    recorded (`calls`), and so is each write's `keep`."""
+
+    def __init__(self, engine: MockEngine) -> None:
+        self.engine = engine
+        self.calls: list[tuple[str, int]] = []
+        self.keeps: list[bool] = []
+
+    def register(self, address: int, size: int) -> bool:
+        self.calls.append(("register", address))
         return True
 
-    def synchronize(self) -> None:
-        return None
+    def unregister(self, address: int) -> None:
+        self.calls.append(("unregister", address))
+
+    async def write_rows(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], into: np.ndarray, keep: bool
+    ) -> base.WrittenRows:
+        out = await self.engine.next_token_logprobs(rows, adapters)
+        into[...] = out
+        self.keeps.append(keep)
+        return base.WrittenRows(out if keep else into, _landed)
 
 
 class MockEngine(Engine):
@@ -54,12 +74,12 @@ class MockEngine(Engine):
         self.dtype = "float32"
         self.adapters: dict[str, str] = {}
         self.calls = 0  # engine invocations, for tests of batching
-        self.targets_written = 0  # answers written into a client's memory by the engine itself
         options = options or {}
         self.delay_s = float(options.get("delay_s", 0.0))
         self.fail_token = options.get("fail_token")
         self.fatal_token = options.get("fatal_token")
         self.dead = False
+        self.host_writes = MockHostWrites(self) if options.get("host_writes") else None
         base = np.random.default_rng(0).standard_normal(vocab_size, dtype=np.float32) * 3.0
         self._base = log_softmax(base)
 
@@ -99,16 +119,6 @@ class MockEngine(Engine):
         await asyncio.sleep(self.delay_s)
         adapters = adapters or [None] * len(rows)
         return np.stack([self.logits(row, a) for row, a in zip(rows, adapters, strict=True)])
-
-    async def next_token_logprobs_into(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], target: base.RowsTarget
-    ) -> np.ndarray:
-        """Writes the rows into `target` itself, as a GPU engine does (for the gateway's tests)."""
-        out = await self.next_token_logprobs(rows, adapters)
-        target.rows[...] = out
-        self.targets_written += 1
-        target.written, target.landing = True, Landed()
-        return out if target.keep else target.rows
 
     def is_healthy(self) -> bool:
         return not self.dead

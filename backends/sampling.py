@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import numpy as np
 
-from backends.base import PromptLogprobs, SamplingParams, TokenStep
+from backends.base import GREEDY_BELOW, PromptLogprobs, SamplingParams, TokenStep
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -32,7 +32,6 @@ def top_k(logprobs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 # Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS): logits divided by a
 # subnormal temperature overflow to infinities, and the sampler's probabilities to NaN.
-GREEDY_BELOW = 1e-5
 
 
 class Sampler:

@@ -14,8 +14,9 @@ On CUDA, rows reach the host through page-locked memory, which the gateway's in-
 cache then keeps (no copy). torch keeps every page-locked block it made for reuse, per
 power-of-two size, so a mix of request sizes can leave a cache's worth of blocks per size behind:
 past `options = {pinned_host_bytes = N}` (1 GiB) page-locked, the blocks in no use are released.
-Where the gateway hands a request's rows a target in a client's registered memory (RowsTarget),
-they are copied from the GPU straight there (backends/host_copy.py).
+On CUDA the engine also offers `host_writes` (backends.base.HostWrites): host memory registered
+with the driver (a client's shared memory, as the gateway maps it), into which a request's rows
+are copied from the GPU straight (backends/host_copy.py).
 """
 
 from __future__ import annotations
@@ -34,14 +35,21 @@ from backends.base import (
     AdapterError,
     Engine,
     EngineConfig,
+    HostWrites,
     PromptLogprobs,
-    RowsTarget,
     SamplingParams,
     TokenStep,
+    WrittenRows,
     resolve_auto_dtype,
 )
 from backends.builtin_models import resolve_model_dir
-from backends.host_copy import release_pinned_memory, rows_to_host, write_target
+from backends.host_copy import (
+    register_host_memory,
+    release_pinned_memory,
+    rows_to_host,
+    unregister_host_memory,
+    write_rows_into,
+)
 from backends.prefix_cache import PrefixCache
 from backends.sampling import sample_tokens
 
@@ -148,6 +156,25 @@ class _DecodeState:
 BASE = "__base__"  # PEFT's name for "no adapter" in mixed-adapter batches
 
 
+class _CudaHostWrites(HostWrites):
+    """Host memory registered with the CUDA driver, and the engine's rows copied into it from the
+    GPU (on the engine's worker thread, as every model call)."""
+
+    def __init__(self, engine: TransformersEngine) -> None:
+        self._engine = engine
+
+    def register(self, address: int, size: int) -> bool:
+        return register_host_memory(address, size)
+
+    def unregister(self, address: int) -> None:
+        unregister_host_memory(address)
+
+    async def write_rows(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], into: np.ndarray, keep: bool
+    ) -> WrittenRows:
+        return await self._engine._run(self._engine._write_rows, rows, adapters, into, keep)
+
+
 class TransformersEngine(Engine):
     def __init__(
         self,
@@ -172,6 +199,7 @@ class TransformersEngine(Engine):
         self._peft: Any = None  # the PeftModel wrapping `model` once an adapter is loaded
         self.max_batch_tokens = max_batch_tokens  # padded tokens per dense forward pass
         self.pinned_host_bytes = pinned_host_bytes
+        self.host_writes = _CudaHostWrites(self) if self.device.type == "cuda" else None
         self.prefix_cache: PrefixCache | None = None
         if prefix_cache_bytes and supports_prefix_cache(model):
             self.prefix_cache = PrefixCache(prefix_cache_bytes)
@@ -261,15 +289,27 @@ class TransformersEngine(Engine):
     ) -> np.ndarray:
         return await self._run(self._next_token_logprobs, rows, adapters or [None] * len(rows))
 
-    async def next_token_logprobs_into(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], target: RowsTarget
+    def _next_token_logprobs(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]
     ) -> np.ndarray:
-        return await self._run(self._next_token_logprobs, rows, adapters, target)
+        host = rows_to_host(self._device_logprobs(rows, adapters))
+        self._release_pinned_memory()
+        return host
+
+    def _write_rows(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], into: np.ndarray, keep: bool
+    ) -> WrittenRows:
+        written = write_rows_into(self._device_logprobs(rows, adapters), into, keep)
+        self._release_pinned_memory()
+        return written
+
+    def _release_pinned_memory(self) -> None:
+        if self.device.type == "cuda" and release_pinned_memory(self.pinned_host_bytes):
+            log.info("released unused page-locked memory (over %d bytes)", self.pinned_host_bytes)
 
     @torch.inference_mode()
-    def _next_token_logprobs(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], target: RowsTarget | None = None
-    ) -> np.ndarray:
+    def _device_logprobs(self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]) -> torch.Tensor:
+        """float32 [len(rows), vocab] on the model's device."""
         cache = self.prefix_cache
         matches = [cache.match(a, r) if cache else (None, 0) for a, r in zip(adapters, rows, strict=True)]
         # Tokens each row must run through the model: those after its cached prefix, at least one.
@@ -289,13 +329,7 @@ class TransformersEngine(Engine):
                     out = logprobs.new_empty((len(rows), self.vocab_size))
                 out[torch.tensor(group, device=self.device)] = logprobs
         assert out is not None
-        if target is not None and self.device.type == "cuda":
-            host = write_target(out, target)
-        else:
-            host = rows_to_host(out)
-        if self.device.type == "cuda" and release_pinned_memory(self.pinned_host_bytes):
-            log.info("released unused page-locked memory (over %d bytes)", self.pinned_host_bytes)
-        return host
+        return out
 
     def _uncached_logprobs(
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]

@@ -3,7 +3,7 @@
     python bench/transport.py                        # codecs; mock engine (vocab 131072); SmolLM2-135M
     python bench/transport.py --engines mock --rows 256 --requests 20 --concurrency 1
 
-First, in process: the server's encoder (the route's own `_encode`, whose buffers go out as they
+First, in process: the server's encoder (`gateway.dense.delivery.in_body`, whose buffers go out as they
 are) and the client's decoder (`logprob_gateway_client.wire` for MessagePack; base64/JSON as a client
 would) on `--codec-rows` rows of a 49152-token vocabulary, in MB of response per second. Then over
 loopback HTTP: the gateway as a child process (output cache off), `--requests` requests of
@@ -28,8 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gateway.dense.delivery import in_body  # noqa: E402
 from gateway.launcher import start_gateway  # noqa: E402
-from gateway.routes.logprobs import _encode  # noqa: E402
 from gateway.schemas.logprobs import NextTokenLogprobsRequest, NextTokenLogprobsUsage  # noqa: E402
 from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
 from logprob_gateway_client.encoding import decode_row  # noqa: E402
@@ -89,7 +89,7 @@ def codec_table(rows: int, vocab: int = 49152, repeats: int = 5) -> None:
         timings = {"encode": [], "decode": []}
         for _ in range(repeats):
             started = time.perf_counter()
-            parts = _encode(values, body, vocab, usage, binary)
+            parts = in_body(values, body, usage, binary)
             timings["encode"].append(time.perf_counter() - started)
             content = bytearray(b"".join(parts))  # as a client receives it: a writable buffer
             started = time.perf_counter()

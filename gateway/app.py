@@ -13,10 +13,9 @@ from litestar.datastructures import State
 from litestar.types import ASGIApp
 
 from gateway.access import Access, KeyRing
-from gateway.cache import build_cache
+from gateway.dense import DenseService, SharedMemoryWriter, build_cache
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.guard import guard
-from gateway.host_memory import CudaPinner
 from gateway.metrics import Metrics, StateCollector, instrument
 from gateway.registry import ModelRegistry
 from gateway.routes.admin import load_lora_adapter, unload_lora_adapter
@@ -26,7 +25,6 @@ from gateway.routes.logprobs import batching_stats, next_token_logprobs
 from gateway.routes.models import health, list_models, openapi_document, prometheus_metrics, retrieve_model
 from gateway.routes.vocabulary import detokenize_route, tokenize_route, tokenizer_files, vocabulary
 from gateway.settings import Settings
-from gateway.shared_memory import SharedMemoryWriter
 
 log = logging.getLogger(__name__)
 
@@ -60,27 +58,23 @@ def create_app(
     model has loaded or failed (the serving process tunes itself then)."""
     metrics = Metrics()
     registry = registry or ModelRegistry(settings.models, metrics)
-    metrics.registry.register(StateCollector(registry))
     access = Access(KeyRing.from_settings(settings), settings.limits)
-    shared_memory = (
-        SharedMemoryWriter(pinner=CudaPinner())
-        if settings.shared_memory and sys.platform == "linux"
-        else None
-    )
+    shared_memory = SharedMemoryWriter() if settings.shared_memory and sys.platform == "linux" else None
+    dense = DenseService(metrics, shared_memory)
+    metrics.registry.register(StateCollector(registry, dense))
     state = State(
         {
             "settings": settings,
             "registry": registry,
-            "cache": None,
+            "dense": dense,
             "metrics": metrics,
             "access": access,
-            "shared_memory": shared_memory,
         }
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        app.state.cache = build_cache(settings.cache, metrics, registry.quiet)
+        dense.cache = build_cache(settings.cache, metrics, dense.quiet)
         loading = asyncio.create_task(_load(registry, on_loaded))
         try:
             yield
@@ -88,11 +82,8 @@ def create_app(
             loading.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loading
+            await dense.aclose()
             await registry.aclose()
-            if app.state.cache is not None:
-                await app.state.cache.aclose()
-            if shared_memory is not None:
-                shared_memory.close()
 
     return Litestar(
         route_handlers=ROUTES,

@@ -120,8 +120,9 @@ class Metrics:
 class StateCollector(Collector):
     """Gauges read at scrape time: model readiness and the batchers' queues."""
 
-    def __init__(self, models: Any) -> None:
+    def __init__(self, models: Any, dense: Any) -> None:
         self.models = models  # the ModelRegistry
+        self.dense = dense  # the DenseService, whose batchers these are
 
     def collect(self) -> Iterable[Any]:
         ready = GaugeMetricFamily(
@@ -136,9 +137,10 @@ class StateCollector(Collector):
         for served in self.models.models.values():
             healthy = served.ready and served.engine is not None and served.engine.is_healthy()
             ready.add_metric([served.name], 1.0 if healthy else 0.0)
-            if served.batcher is not None:
-                queued.add_metric([served.name], served.batcher.queued)
-                engine_rows.add_metric([served.name], served.batcher.stats.engine_rows)
+            batcher = self.dense.batchers.get(served.name)
+            if batcher is not None:
+                queued.add_metric([served.name], batcher.queued)
+                engine_rows.add_metric([served.name], batcher.stats.engine_rows)
         yield from (ready, queued, engine_rows)
 
 

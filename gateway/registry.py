@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import struct
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -13,11 +15,8 @@ from typing import Any
 from backends.base import AdapterError, Engine, engine_class
 from backends.vocab import token_bytes_table
 from gateway.adapters import adapter_fingerprint, check_adapter_dir, check_adapter_name
-from gateway.batching import RowBatcher
-from gateway.cache import weights_fingerprint
 from gateway.errors import InvalidRequestError, ModelNotFoundError, ModelNotReadyError
 from gateway.metrics import Metrics
-from gateway.quiet_time import QuietTime
 from gateway.settings import ModelSettings
 
 log = logging.getLogger(__name__)
@@ -36,6 +35,23 @@ def special_token_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(tokenizer.all_special_ids) | {
         int(i) for i, t in added.items() if getattr(t, "special", False)
     }
+
+
+def weights_fingerprint(model_dir: str | Path, *extra: str) -> str:
+    """Identity of a model's weights without reading them: config.json and every safetensors
+    header (tensor names, dtypes, shapes, offsets), plus `extra` (backend, dtype, ...)."""
+    digest = hashlib.sha256()
+    for part in extra:
+        digest.update(part.encode() + b"\0")
+    root = Path(model_dir)
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (root / name).is_file():
+            digest.update(name.encode() + b"\0" + (root / name).read_bytes())
+    for weights in sorted(root.glob("*.safetensors")):
+        with weights.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            digest.update(weights.name.encode() + b"\0" + f.read(min(size, 100_000_000)))
+    return digest.hexdigest()
 
 
 def parse_model_name(name: str) -> tuple[str, str | None]:
@@ -59,7 +75,6 @@ class ServedModel:
     token_bytes: list[bytes] = field(default_factory=list)
     special_ids: frozenset[int] = frozenset()  # tokens that add no text to completions
     tokenizer_files: dict[str, str] = field(default_factory=dict)
-    batcher: RowBatcher | None = None
     fingerprint: str = ""  # identity of the weights, for cache keys
     metrics: Metrics = field(default_factory=Metrics, repr=False)
     adapters: dict[str, AdapterInfo] = field(default_factory=dict)
@@ -121,7 +136,6 @@ class ModelRegistry:
     def __init__(self, models: list[ModelSettings], metrics: Metrics | None = None) -> None:
         self.metrics = metrics or Metrics()
         self.models = {m.served_name: ServedModel(m, metrics=self.metrics) for m in models}
-        self.quiet = QuietTime()  # begins with every engine call of dense rows
 
     async def load_all(self) -> None:
         """Load every model, one after another (they share the machine); failures are recorded."""
@@ -147,20 +161,6 @@ class ModelRegistry:
                 served.settings.backend,
                 engine.dtype,
                 str(engine.vocab_size),
-            )
-            observe_rows = self.metrics.batch_rows.labels(served.name).observe
-
-            def on_batch(rows: int) -> None:
-                observe_rows(rows)
-                self.quiet.now()
-
-            served.batcher = RowBatcher(
-                engine.next_token_logprobs,
-                max_batch_rows=served.settings.max_batch_rows,
-                window_s=served.settings.batch_window_ms / 1000,
-                on_batch=on_batch,
-                on_wait=self.metrics.batch_queue_wait.labels(served.name).observe,
-                engine_call_into=engine.next_token_logprobs_into,
             )
             served.engine = engine
             for name, path in served.settings.adapters.items():
@@ -199,8 +199,6 @@ class ModelRegistry:
 
     async def aclose(self) -> None:
         for served in self.models.values():
-            if served.batcher is not None:
-                await served.batcher.aclose()
             if served.engine is not None:
                 await served.engine.aclose()
                 served.engine = None

@@ -123,7 +123,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     metrics_public: bool = True  # /metrics without a key (for scrapers); /health never needs one
     shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0  # drain time after SIGTERM
     # Dense matrices written into a same-host client's memfd when its request names one
-    # (gateway/shared_memory.py); off: always in the body.
+    # (gateway/dense/shared_memory.py); off: always in the body.
     shared_memory: bool = True
     models: list[ModelSettings] = msgspec.field(default_factory=lambda: [ModelSettings()])
     limits: Limits = msgspec.field(default_factory=Limits)

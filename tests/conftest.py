@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir
@@ -106,12 +105,16 @@ def gateway(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture(scope="session")
-def client(gateway: GatewayProcess) -> openai.OpenAI:
+def client(gateway: GatewayProcess) -> Any:
+    import openai  # here, not at the top: the GPU-only tests run where the SDK is not installed
+
     return openai.OpenAI(base_url=gateway.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="session")
-def async_client(gateway: GatewayProcess) -> openai.AsyncOpenAI:
+def async_client(gateway: GatewayProcess) -> Any:
+    import openai
+
     return openai.AsyncOpenAI(base_url=gateway.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 

@@ -16,7 +16,6 @@ from gateway.schemas.common import (
     TopP,
     Usage,
     sampling_seed,
-    sampling_temperature,
 )
 
 
@@ -51,7 +50,6 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
 
     def __post_init__(self) -> None:
-        self.temperature = sampling_temperature(self.temperature)
         self.seed = sampling_seed(self.seed)
 
 

@@ -6,8 +6,6 @@ from typing import Annotated
 
 import msgspec
 
-from backends.sampling import GREEDY_BELOW
-
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
@@ -15,11 +13,6 @@ NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
-
-
-def sampling_temperature(temperature: float | None) -> float | None:
-    """Near-zero temperatures as greedy (0), so every engine, vLLM included, samples them alike."""
-    return 0.0 if temperature is not None and temperature < GREEDY_BELOW else temperature
 
 
 def sampling_seed(seed: int | None) -> int | None:

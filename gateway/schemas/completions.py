@@ -17,7 +17,6 @@ from gateway.schemas.common import (
     TopP,
     Usage,
     sampling_seed,
-    sampling_temperature,
 )
 
 # OpenAI accepts a string, strings, token ids, or lists of token ids; msgspec unions allow one array
@@ -46,7 +45,6 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
 
     def __post_init__(self) -> None:
-        self.temperature = sampling_temperature(self.temperature)
         self.seed = sampling_seed(self.seed)
 
 

@@ -1,4 +1,4 @@
-"""gateway.batching.RowBatcher on a recording engine call: what each request gets back, and when
+"""gateway.dense.batcher.RowBatcher on a recording engine call: what each request gets back, and when
 that is a view of the engine's output rather than a copy."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import asyncio
 
 import numpy as np
 
-from backends.base import RowsTarget
-from gateway.batching import RowBatcher
+from backends.base import WrittenRows
+from gateway.dense.batcher import RowBatcher
 
 
 class RecordingEngine:
@@ -61,22 +61,30 @@ async def test_the_window_is_waited_only_under_concurrent_traffic():
     await batcher.aclose()
 
 
-async def test_a_target_reaches_the_engine_only_for_a_request_alone_with_distinct_rows():
+async def _landed() -> None:
+    return None
+
+
+async def test_memory_to_write_into_reaches_the_engine_only_for_a_request_alone_with_distinct_rows():
     engine = RecordingEngine()
     targets = []
 
-    async def into(rows, adapters, target):
-        targets.append(target)
-        return await engine(rows, adapters)
+    async def write(rows, adapters, into):
+        targets.append(into)
+        into[...] = await engine(rows, adapters)
+        return WrittenRows(into, _landed)
 
-    batcher = RowBatcher(engine, window_s=0.05, engine_call_into=into)
-    target = RowsTarget(np.zeros((3, 3), np.float32))
-    alone = await batcher.submit([[1, 2], [3], [4, 5, 6]], None, target)
-    assert targets == [target] and alone[:, 0].tolist() == [3, 3, 15]
-    await batcher.submit([[1], [1]], None, RowsTarget(np.zeros((2, 3), np.float32)))  # a row twice
+    batcher = RowBatcher(engine, window_s=0.05, engine_write=write)
+    into = np.zeros((3, 3), np.float32)
+    alone = await batcher.submit([[1, 2], [3], [4, 5, 6]], None, into)
+    assert isinstance(alone, WrittenRows) and alone.rows is into
+    assert len(targets) == 1 and targets[0] is into and into[:, 0].tolist() == [3, 3, 15]
+    twice = await batcher.submit([[1], [1]], None, np.zeros((2, 3), np.float32))  # a row twice
+    assert isinstance(twice, np.ndarray) and twice[:, 0].tolist() == [1, 1]
     await asyncio.gather(batcher.submit([[7]]), batcher.submit([[8]]))  # concurrent: window on
-    await asyncio.gather(
-        batcher.submit([[9]], None, RowsTarget(np.zeros((1, 3), np.float32))), batcher.submit([[10]])
+    shared, _ = await asyncio.gather(
+        batcher.submit([[9]], None, np.zeros((1, 3), np.float32)), batcher.submit([[10]])
     )  # shares its engine call
-    assert targets == [target] and len(engine.outputs) == 4
+    assert isinstance(shared, np.ndarray) and shared[:, 0].tolist() == [9]
+    assert len(targets) == 1 and len(engine.outputs) == 4
     await batcher.aclose()

@@ -8,7 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from gateway.cache import FORMAT
+from gateway.dense.row_cache import FORMAT
 from gateway.launcher import start_gateway
 from tests.conftest import MODEL
 

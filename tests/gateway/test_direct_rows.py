@@ -1,6 +1,7 @@
 """Rows an engine writes straight into a client's shared memory (a GPU's copy into memory registered
-with its driver): the writer's registration of mappings, and the route skipping its own copy.
-The registration is faked here (no GPU); the mock engine writes its rows into the target itself."""
+with its driver): the writer's registration of mappings, and the gateway skipping its own copy.
+The registration is recorded, not made, here (the mock engine's `host_writes`); the mock writes its
+rows into the segment itself. tests/backends/test_cuda_host_writes.py runs the real one on a GPU."""
 
 from __future__ import annotations
 
@@ -15,17 +16,19 @@ import pytest
 from litestar.testing import TestClient
 
 from gateway.app import serving_app
-from gateway.schemas.logprobs import SharedMemoryTarget
+from gateway.dense.shared_memory import SharedMemoryWriter
 from gateway.settings import CacheSettings, ModelSettings, Settings
-from gateway.shared_memory import SharedMemoryWriter
 from logprob_gateway_client import shared_memory as client_memory
+from logprob_gateway_client.schemas import SharedMemoryTarget
 from logprob_gateway_client.shared_memory import KEY_BYTES
 
 pytestmark = pytest.mark.skipif(not client_memory.memfd_supported(), reason="memfd is Linux only")
 VOCAB = 49152
 
 
-class FakePinner:
+class Registrar:
+    """Records registrations, as a GPU engine's HostWrites would make them."""
+
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
 
@@ -35,6 +38,9 @@ class FakePinner:
 
     def unregister(self, address: int) -> None:
         self.calls.append(("unregister", address))
+
+    async def write_rows(self, rows, adapters, into, keep):
+        raise AssertionError("the writer never computes rows")
 
 
 def memfd(room: int) -> tuple[int, str, str]:
@@ -49,61 +55,66 @@ def memfd(room: int) -> tuple[int, str, str]:
 
 
 def test_a_pinned_mapping_is_unregistered_before_it_is_unmapped_and_never_while_viewed():
-    pinner = FakePinner()
-    writer = SharedMemoryWriter(max_segments=1, pinner=pinner)
+    registrar = Registrar()
+    writer = SharedMemoryWriter(max_segments=1)
     (a, a_name, a_key), (b, b_name, b_key) = memfd(8192), memfd(8192)
+    second = SharedMemoryTarget(pid=os.getpid(), fd=b, name=b_name, key=b_key)
     try:
         first = SharedMemoryTarget(pid=os.getpid(), fd=a, name=a_name, key=a_key)
-        view = writer.target(first, 4096)
+        destination = writer.target(first, 4096, registrar)
+        view = destination.view
         address = view.ctypes.data
-        assert writer.pinned(first) and pinner.calls == [("register", address)]
+        assert destination.registered and registrar.calls == [("register", address)]
+        assert not writer.target(first, 4096, Registrar()).registered  # another engine's: not for it
         mapping = writer._segments[os.getpid(), a, a_name]
-        writer.target(SharedMemoryTarget(pid=os.getpid(), fd=b, name=b_name, key=b_key), 4096)  # pushes a out
-        assert not writer.pinned(first)
-        assert [call for call in pinner.calls if call[0] == "unregister"] == []  # a view still writes
+        writer.target(second, 4096, registrar)  # pushes a out
+        assert (os.getpid(), a, a_name) not in writer._segments
+        assert [call for call in registrar.calls if call[0] == "unregister"] == []  # a view still writes
         assert not mapping.closed
         view[:] = 5  # the mapping is still there to write into
-        del view
-        writer.target(SharedMemoryTarget(pid=os.getpid(), fd=b, name=b_name, key=b_key), 4096)
-        assert pinner.calls[-1] == ("unregister", address) and mapping.closed
+        del view, destination
+        writer.target(second, 4096, registrar)
+        assert registrar.calls[-1] == ("unregister", address) and mapping.closed
         assert os.pread(a, 2, 4095) == b"\x05\x00"
         writer.close()
-        assert pinner.calls[-1][0] == "unregister" and len(pinner.calls) == 4
+        assert registrar.calls[-1][0] == "unregister" and len(registrar.calls) == 4
     finally:
         os.close(a)
         os.close(b)
 
 
-def test_unpinned_writers_never_call_a_pinner():
+def test_without_a_registrar_nothing_is_registered():
     writer = SharedMemoryWriter()
     fd, name, key = memfd(4096)
     try:
         target = SharedMemoryTarget(pid=os.getpid(), fd=fd, name=name, key=key)
-        writer.target(target, 4096)[:] = 1
-        assert not writer.pinned(target)
+        destination = writer.target(target, 4096)
+        destination.view[:] = 1
+        assert not destination.registered and not writer._registered
         writer.close()
     finally:
         os.close(fd)
 
 
+WRITING_MOCK = ModelSettings(name="mock", backend="mock", options={"host_writes": True})
+
+
 @pytest.fixture(scope="module")
-def pinned_app():
-    litestar_app, served = serving_app(Settings(models=[ModelSettings(name="mock", backend="mock")]))
-    pinner = FakePinner()
-    litestar_app.state.shared_memory.pinner = pinner
+def writing_app():
+    litestar_app, served = serving_app(Settings(models=[WRITING_MOCK]))
     with TestClient(served) as client:
         deadline = time.monotonic() + 120
         while client.get("/health").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        yield litestar_app, client, pinner
+        yield litestar_app, client
 
 
-def ask(client: TestClient, rows, target: dict) -> dict:
+def ask(client: TestClient, rows, target: dict, model: str = "mock") -> dict:
     response = client.post(
         "/v1/next_token_logprobs",
         content=msgspec.msgpack.encode(
-            {"model": "mock", "input": rows, "layout": "matrix", "shared_memory": target}
+            {"model": model, "input": rows, "layout": "matrix", "shared_memory": target}
         ),
         headers={"content-type": "application/msgpack", "accept": "application/msgpack"},
     )
@@ -111,42 +122,42 @@ def ask(client: TestClient, rows, target: dict) -> dict:
     return msgspec.msgpack.decode(response.content)
 
 
-def test_the_engine_writes_a_pinned_segment_itself_and_the_route_does_not_copy(pinned_app, monkeypatch):
-    litestar_app, client, pinner = pinned_app
+def test_the_engine_writes_a_registered_segment_itself_and_the_gateway_does_not_copy(
+    writing_app, monkeypatch
+):
+    litestar_app, client = writing_app
     engine = litestar_app.state.registry.models["mock"].engine
+    writes = engine.host_writes
     copies = []
-    monkeypatch.setattr("gateway.routes.logprobs.copy_into", lambda *args: copies.append(args))
+    monkeypatch.setattr("gateway.dense.delivery.copy_into", lambda *args: copies.append(args))
     rows = [[1, 2, 3], [4, 5], [6]]
     fd, name, key = memfd(len(rows) * VOCAB * 4 + 4)
     try:
-        written = engine.targets_written
+        written = len(writes.keeps)
         document = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
         assert document["object"] == "next_token_logprobs.shared_memory"
-        assert engine.targets_written == written + 1 and copies == []  # the engine's own write
-        assert pinner.calls and pinner.calls[-1][0] == "register"
+        assert writes.keeps[written:] == [True] and copies == []  # the engine's own write, a copy kept
+        assert writes.calls and writes.calls[-1][0] == "register"
         got = np.frombuffer(os.pread(fd, len(rows) * VOCAB * 4, 0), "<f4").reshape(len(rows), VOCAB)
         expected = np.stack([engine.logits(r) for r in rows])
         assert np.array_equal(got, expected)
         # From the output cache this time (stored once the engine's own copy was ready): the
         # engine is not asked, and the route copies the cached rows.
         again = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
-        assert again["usage"]["cache_hits"] == len(rows) and engine.targets_written == written + 1
+        assert again["usage"]["cache_hits"] == len(rows) and len(writes.keeps) == written + 1
         assert len(copies) == 1
-        # An offset that splits a float: no target for the engine, the route copies.
+        # An offset that splits a float: no target for the engine, the gateway copies.
         ask(client, [[7, 8]], {"pid": os.getpid(), "fd": fd, "name": name, "key": key, "offset": 2})
-        assert engine.targets_written == written + 1 and len(copies) == 2
+        assert len(writes.keeps) == written + 1 and len(copies) == 2
     finally:
         os.close(fd)
 
 
 def test_without_an_output_cache_the_engine_keeps_no_copy_of_what_it_wrote(monkeypatch):
-    settings = Settings(
-        models=[ModelSettings(name="mock", backend="mock")], cache=CacheSettings(enabled=False)
-    )
+    settings = Settings(models=[WRITING_MOCK], cache=CacheSettings(enabled=False))
     litestar_app, served = serving_app(settings)
-    litestar_app.state.shared_memory.pinner = FakePinner()
     copies = []
-    monkeypatch.setattr("gateway.routes.logprobs.copy_into", lambda *args: copies.append(args))
+    monkeypatch.setattr("gateway.dense.delivery.copy_into", lambda *args: copies.append(args))
     rows = [[1, 2, 3], [4, 5]]
     fd, name, key = memfd(len(rows) * VOCAB * 4)
     try:
@@ -156,16 +167,9 @@ def test_without_an_output_cache_the_engine_keeps_no_copy_of_what_it_wrote(monke
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
             engine = litestar_app.state.registry.models["mock"].engine
-            into, kept = engine.next_token_logprobs_into, []
-
-            async def recording(rows, adapters, target):
-                kept.append(target.keep)
-                return await into(rows, adapters, target)
-
-            litestar_app.state.registry.models["mock"].batcher._engine_call_into = recording
             document = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
         assert document["object"] == "next_token_logprobs.shared_memory"
-        assert kept == [False] and engine.targets_written == 1 and copies == []
+        assert engine.host_writes.keeps == [False] and copies == []
         got = np.frombuffer(os.pread(fd, len(rows) * VOCAB * 4, 0), "<f4").reshape(len(rows), VOCAB)
         assert np.array_equal(got, np.stack([engine.logits(r) for r in rows]))
     finally:

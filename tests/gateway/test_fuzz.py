@@ -33,8 +33,8 @@ from litestar import Litestar
 from litestar.testing import TestClient
 
 from gateway.app import serving_app
+from gateway.dense.delivery import in_body
 from gateway.openapi import build_openapi
-from gateway.routes.logprobs import _encode
 from gateway.schemas.chat import ChatCompletionResponse
 from gateway.schemas.completions import CompletionResponse
 from gateway.schemas.logprobs import (
@@ -162,7 +162,7 @@ def test_response_bodies_carry_exactly_the_encoded_rows(rows, dtype):
         body = NextTokenLogprobsRequest(
             model="m", input=[1], encoding_format=encoding_format, dtype=dtype, layout=layout
         )
-        return b"".join(_encode(rows, body, vocab, usage, binary))  # the parts, as sent one after another
+        return b"".join(in_body(rows, body, usage, binary))  # the parts, as sent one after another
 
     binary = msgspec.msgpack.decode(encoded("base64", True))
     assert binary["dtype"] == dtype and binary["vocab_size"] == vocab

@@ -30,15 +30,15 @@ def ask(client: TestClient, rows: list[list[int]]) -> dict:
 
 
 def stored(litestar_app, rows: list[list[int]]) -> int:
-    cache = litestar_app.state.cache
+    cache = litestar_app.state.dense.cache
     served = litestar_app.state.registry.models["mock"]
     keys = cache.keys(served.fingerprint, None, rows)
-    return sum(cache.store._items.get(key) is not None for key in keys)
+    return sum(cache._items.get(key) is not None for key in keys)
 
 
 def test_rows_are_stored_once_the_next_engine_call_begins(app_and_client):
     litestar_app, client = app_and_client
-    litestar_app.state.registry.quiet.timeout_s = 60  # only an engine call (or a lookup) releases
+    litestar_app.state.dense.quiet.timeout_s = 60  # only an engine call (or a lookup) releases
     engine = litestar_app.state.registry.models["mock"].engine
     first = [[1, 2, 3], [4, 5]]
     answer = ask(client, first)
@@ -59,7 +59,7 @@ def test_rows_are_stored_once_the_next_engine_call_begins(app_and_client):
 
 def test_a_lookup_of_rows_still_waiting_to_be_stored_finds_them(app_and_client):
     litestar_app, client = app_and_client
-    litestar_app.state.registry.quiet.timeout_s = 60
+    litestar_app.state.dense.quiet.timeout_s = 60
     engine = litestar_app.state.registry.models["mock"].engine
     rows = [[9, 10], [11]]
     answer = ask(client, rows)

@@ -1,5 +1,5 @@
 """Dense matrices written into a same-host client's memory: the gateway's side
-(gateway/shared_memory.py) over raw HTTP, and AsyncGatewayLM's segments (client/logprob_gateway_client/shared_memory.py)."""
+(gateway/dense/shared_memory.py) over raw HTTP, and AsyncGatewayLM's segments (client/logprob_gateway_client/shared_memory.py)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
+from gateway.dense.parallel_copy import copy_into
+from gateway.dense.shared_memory import SharedMemoryWriter
 from gateway.errors import InvalidRequestError
 from gateway.launcher import start_gateway
-from gateway.parallel_copy import copy_into
 from gateway.schemas.logprobs import SharedMemoryTarget
-from gateway.shared_memory import SharedMemoryWriter
 from logprob_gateway_client import AsyncGatewayLM, GatewayClientError
 from logprob_gateway_client import shared_memory as client_memory
 from logprob_gateway_client.shared_memory import KEY_BYTES
@@ -481,7 +481,7 @@ def test_the_gateway_forgets_mappings_of_closed_segments_and_keeps_few():
 
     def place(segment: tuple[int, str, str], value: int) -> None:
         fd, name, key = segment
-        writer.target(SharedMemoryTarget(pid=os.getpid(), fd=fd, name=name, key=key), 4096)[:] = value
+        writer.target(SharedMemoryTarget(pid=os.getpid(), fd=fd, name=name, key=key), 4096).view[:] = value
 
     place(a, 7)
     assert os.pread(a[0], 4097, 0) == b"\x07" * 4096 + b"\x00"
@@ -510,7 +510,9 @@ def test_a_segment_over_the_gateways_bound_is_still_written_and_pushes_out_the_o
     big, other = memfd(8192), memfd(8192)
     try:
         for value, (fd, name, key) in ((3, big), (4, other)):
-            writer.target(SharedMemoryTarget(pid=os.getpid(), fd=fd, name=name, key=key), 8192)[:] = value
+            writer.target(SharedMemoryTarget(pid=os.getpid(), fd=fd, name=name, key=key), 8192).view[:] = (
+                value
+            )
             assert os.pread(fd, 8192, 0) == bytes([value]) * 8192
             assert [segment_id[2] for segment_id in writer._segments] == [name]  # only the one being written
     finally:
@@ -528,7 +530,7 @@ def test_the_writer_maps_and_writes_only_for_the_segments_key():
 
     try:
         assert writer.target(named(secrets.token_hex(16)), 4096) is None and not writer._segments
-        writer.target(named(key), 4096)[:] = 1
+        writer.target(named(key), 4096).view[:] = 1
         assert writer.target(named(secrets.token_hex(16)), 16) is None  # mapped: proven again each time
         with pytest.raises(InvalidRequestError, match="4096 bytes before its key"):
             writer.target(named(key), 4097)

@@ -7,8 +7,9 @@ while traffic is concurrent (the last engine call served several requests): a lo
 as an SMC loop that sends one request per step and waits for it, would pay the window every step. Rows of
 different adapters share an engine call: the engine applies each row's adapter.
 
-A request alone in its engine call, its rows distinct, may carry a target (a client's shared
-memory, see backends.base.RowsTarget): the engine then writes the rows there itself if it can.
+A request alone in its engine call, its rows distinct, may name memory to write its rows `into`
+(a client's shared memory registered with the engine, backends.base.HostWrites): the engine then
+writes them there itself, and the request gets the engine's WrittenRows instead of the rows.
 
 Requests whose clients have gone (their futures cancelled) are dropped before each engine call.
 When an engine call fails, its requests are retried one by one, so only the request that causes
@@ -25,20 +26,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backends.base import RowsTarget
+from backends.base import WrittenRows
 
 log = logging.getLogger(__name__)
 
 Row = tuple[str | None, tuple[int, ...]]  # (adapter, token ids)
 EngineCall = Callable[[Sequence[Sequence[int]], Sequence[str | None]], Awaitable[np.ndarray]]
-EngineCallInto = Callable[[Sequence[Sequence[int]], Sequence[str | None], RowsTarget], Awaitable[np.ndarray]]
+EngineWrite = Callable[[Sequence[Sequence[int]], Sequence[str | None], np.ndarray], Awaitable[WrittenRows]]
+Result = np.ndarray | WrittenRows
 
 
 @dataclass
 class _Request:
     rows: list[Row]
-    future: asyncio.Future[np.ndarray]
-    target: RowsTarget | None = None
+    future: asyncio.Future[Result]
+    into: np.ndarray | None = None
     enqueued: float = field(default_factory=lambda: asyncio.get_running_loop().time())
 
 
@@ -60,10 +62,10 @@ class RowBatcher:
         window_s: float = 0.002,
         on_batch: Callable[[int], None] | None = None,
         on_wait: Callable[[float], None] | None = None,
-        engine_call_into: EngineCallInto | None = None,
+        engine_write: EngineWrite | None = None,
     ) -> None:
         self._engine_call = engine_call
-        self._engine_call_into = engine_call_into
+        self._engine_write = engine_write
         self._on_batch = on_batch or (lambda rows: None)  # distinct rows of each engine call
         self._on_wait = on_wait or (lambda seconds: None)  # queueing time of each request
         self.max_batch_rows = max_batch_rows
@@ -74,14 +76,14 @@ class RowBatcher:
         self._concurrent = False  # the last engine call served more than one request
 
     async def submit(
-        self, rows: Sequence[Sequence[int]], adapter: str | None = None, target: RowsTarget | None = None
-    ) -> np.ndarray:
-        """float32 [len(rows), vocab]: each row equal to what the engine computes for it alone;
-        also in `target` when `target.written` says so afterwards."""
+        self, rows: Sequence[Sequence[int]], adapter: str | None = None, into: np.ndarray | None = None
+    ) -> Result:
+        """float32 [len(rows), vocab]: each row equal to what the engine computes for it alone; or,
+        when the engine wrote them `into` the memory given, what it says of that (WrittenRows)."""
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run(), name="row-batcher")
         request = _Request(
-            [(adapter, tuple(r)) for r in rows], asyncio.get_running_loop().create_future(), target
+            [(adapter, tuple(r)) for r in rows], asyncio.get_running_loop().create_future(), into
         )
         self.stats.requests += 1
         self.stats.rows += len(rows)
@@ -137,7 +139,7 @@ class RowBatcher:
         unique = list(index)
         try:
             # A request larger than max_batch_rows is split over several engine calls.
-            parts = []
+            parts: list[Result] = []
             for start in range(0, len(unique), self.max_batch_rows):
                 if all(request.future.done() for request in batch):
                     return  # every client waiting for these rows has gone
@@ -146,17 +148,21 @@ class RowBatcher:
                 self.stats.largest_batch = max(self.stats.largest_batch, len(chunk))
                 self._on_batch(len(chunk))
                 ids, adapters = [ids for _, ids in chunk], [a for a, _ in chunk]
-                target = batch[0].target if len(batch) == 1 else None
+                into = batch[0].into if len(batch) == 1 else None
                 if (
-                    target is not None
-                    and self._engine_call_into is not None
+                    into is not None
+                    and self._engine_write is not None
                     and len(unique) == len(batch[0].rows) <= self.max_batch_rows
-                ):  # the engine's rows are the answer as they are
-                    parts.append(await self._engine_call_into(ids, adapters, target))
+                ):  # the engine's rows are the answer as they are: written where it goes
+                    parts.append(await self._engine_write(ids, adapters, into))
                 else:
                     parts.append(await self._engine_call(ids, adapters))
             self.stats.engine_rows += len(unique)
-            results = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            if isinstance(parts[0], WrittenRows):
+                if not batch[0].future.done():
+                    batch[0].future.set_result(parts[0])
+                return
+            results = parts[0] if len(parts) == 1 else np.concatenate(parts)  # type: ignore[arg-type]
         except Exception as exc:
             if len(batch) > 1:  # find the request that fails: the others must not fail with it
                 log.warning("engine call failed for %d requests; retrying them one by one", len(batch))

@@ -29,10 +29,10 @@ ever opened. A target the gateway cannot open (a client on another host or in an
 namespace, another user's process) is not an error: the matrix is sent in the body, as without
 the field, and the client stops asking. Linux only.
 
-With a `pinner` (a GPU engine's driver, gateway/host_memory.py) a mapping is registered for
-direct copies from the device when it is made, so an engine can write the rows there itself
-(`pinned`). It is unregistered before it is unmapped, and only once no view handed out for it is
-alive: a copy may still be writing through one.
+A request whose engine can write rows into host memory itself (backends.base.HostWrites, a GPU
+engine) names it as the `registrar`: the mapping is registered with it on first use, so that the
+engine writes the rows there straight from the device. It is unregistered before it is unmapped,
+and only once no view handed out for it is alive: a copy may still be writing through one.
 """
 
 from __future__ import annotations
@@ -44,12 +44,13 @@ import mmap
 import os
 import weakref
 from collections import OrderedDict
-from typing import Protocol
+from dataclasses import dataclass
 
 import numpy as np
 
+from backends.base import HostWrites
 from gateway.errors import InvalidRequestError
-from gateway.schemas.logprobs import SharedMemoryTarget
+from logprob_gateway_client.schemas import SharedMemoryTarget
 from logprob_gateway_client.shared_memory import KEY_BYTES
 
 
@@ -66,10 +67,12 @@ def _holds_key(tail: bytes, key: str) -> bool:
     return len(tail) == KEY_BYTES and hmac.compare_digest(tail.hex().encode(), key.encode())
 
 
-class Pinner(Protocol):
-    def register(self, address: int, size: int) -> bool: ...
+@dataclass(frozen=True)
+class Destination:
+    """Where an answer goes in a client's segment: `nbytes` of it from the request's offset."""
 
-    def unregister(self, address: int) -> None: ...
+    view: np.ndarray  # uint8
+    registered: bool  # the mapping is registered with the registrar the request named
 
 
 SegmentId = tuple[int, int, str]  # (pid, fd, name)
@@ -87,27 +90,22 @@ class SharedMemoryWriter:
     """Maps clients' segments on first use and keeps the most recent mappings, bounded in count
     and bytes; a mapping whose client closed the segment is dropped when another is mapped."""
 
-    def __init__(
-        self, max_segments: int = 64, max_bytes: int = 8 << 30, pinner: Pinner | None = None
-    ) -> None:
+    def __init__(self, max_segments: int = 64, max_bytes: int = 8 << 30) -> None:
         self.max_segments = max_segments
         self.max_bytes = max_bytes
-        self.pinner = pinner
         self._segments: OrderedDict[SegmentId, mmap.mmap] = OrderedDict()
         self._bytes = 0
-        self._pinned: dict[SegmentId, int] = {}  # registered mappings: their address
-        self._views: dict[SegmentId, list[weakref.ref[np.ndarray]]] = {}  # handed out, of pinned mappings
-        self._retiring: list[tuple[mmap.mmap, int, list[weakref.ref[np.ndarray]]]] = []
+        self._registered: dict[SegmentId, tuple[int, HostWrites]] = {}  # address, registrar
+        self._views: dict[SegmentId, list[weakref.ref[np.ndarray]]] = {}  # handed out, of registered ones
+        self._retiring: list[tuple[mmap.mmap, int, HostWrites, list[weakref.ref[np.ndarray]]]] = []
 
-    def pinned(self, target: SharedMemoryTarget) -> bool:
-        """Whether the segment's mapping is registered for copies straight from a GPU."""
-        return (target.pid, target.fd, target.name) in self._pinned
-
-    def target(self, target: SharedMemoryTarget, nbytes: int) -> np.ndarray | None:
-        """`nbytes` of the client's segment at its offset, as a uint8 array to copy the matrix
-        into; None when the segment is not visible from here or the request does not hold its key.
-        A segment whose key matched but that cannot hold the matrix before the key, or is not
-        sealed against shrinking, is the client's error (400)."""
+    def target(
+        self, target: SharedMemoryTarget, nbytes: int, registrar: HostWrites | None = None
+    ) -> Destination | None:
+        """`nbytes` of the client's segment at its offset, to copy the matrix into (registered
+        with `registrar` if given and it can); None when the segment is not visible from here or
+        the request does not hold its key. A segment whose key matched but that cannot hold the
+        matrix before the key, or is not sealed against shrinking, is the client's error (400)."""
         segment_id = (target.pid, target.fd, target.name)
         if self._retiring:
             self._retire()
@@ -127,12 +125,15 @@ class SharedMemoryWriter:
                 f"from offset {target.offset}",
                 param="shared_memory",
             )
+        if registrar is not None and segment_id not in self._registered:
+            self._register(segment_id, segment, registrar)
         view = np.frombuffer(segment, dtype=np.uint8, count=nbytes, offset=target.offset)
-        if segment_id in self._pinned:
+        registered = segment_id in self._registered
+        if registered:
             views = self._views[segment_id]
             views[:] = [ref for ref in views if ref() is not None]
             views.append(weakref.ref(view))
-        return view
+        return Destination(view, registered and self._registered[segment_id][1] is registrar)
 
     def _map(self, target: SharedMemoryTarget) -> mmap.mmap | None:
         path = f"/proc/{target.pid}/fd/{target.fd}"
@@ -164,7 +165,6 @@ class SharedMemoryWriter:
         segment_id = (target.pid, target.fd, target.name)
         self._segments[segment_id] = segment
         self._bytes += len(segment)
-        self._pin(segment_id, segment)
         # The oldest go first, never the one just mapped: this request writes into it.
         while len(self._segments) > 1 and (
             len(self._segments) > self.max_segments or self._bytes > self.max_bytes
@@ -179,20 +179,18 @@ class SharedMemoryWriter:
             if not _names_segment(f"/proc/{pid}/fd/{fd}", name):
                 self._forget(segment_id)
 
-    def _pin(self, segment_id: SegmentId, segment: mmap.mmap) -> None:
-        if self.pinner is None:
-            return
+    def _register(self, segment_id: SegmentId, segment: mmap.mmap, registrar: HostWrites) -> None:
         address = _address(segment)
-        if self.pinner.register(address, len(segment)):
-            self._pinned[segment_id] = address
+        if registrar.register(address, len(segment)):
+            self._registered[segment_id] = (address, registrar)
             self._views[segment_id] = []
 
     def _forget(self, segment_id: SegmentId) -> None:
         segment = self._segments.pop(segment_id)
         self._bytes -= len(segment)
-        address = self._pinned.pop(segment_id, None)
-        if address is not None:  # unregistered, then unmapped, once no copy can be writing
-            self._retiring.append((segment, address, self._views.pop(segment_id)))
+        registration = self._registered.pop(segment_id, None)
+        if registration is not None:  # unregistered, then unmapped, once no copy can be writing
+            self._retiring.append((segment, *registration, self._views.pop(segment_id)))
             self._retire()
             return
         # A copy still writing through it holds a buffer export: then it closes when that ends.
@@ -200,12 +198,11 @@ class SharedMemoryWriter:
             segment.close()
 
     def _retire(self) -> None:
-        assert self.pinner is not None or not self._retiring
         for retiring in list(self._retiring):
-            segment, address, views = retiring
+            segment, address, registrar, views = retiring
             if any(ref() is not None for ref in views):
                 continue
-            self.pinner.unregister(address)  # type: ignore[union-attr]
+            registrar.unregister(address)
             with contextlib.suppress(BufferError):
                 segment.close()
             self._retiring.remove(retiring)

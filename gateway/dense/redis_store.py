@@ -1,26 +1,14 @@
-"""Where the output cache keeps its values: by key, get_many / set_many / delete_many.
-
-    RowStore          the interface; a failure of the store reads as a miss, never raises
-     ├── MemoryStore  in-process LRU bounded by the memory its values keep alive
-     └── RedisStore   shared by replicas: pipelined MGET / SET EX, timeouts, circuit breaker
-
-What a value is (the engine's rows themselves in process, framed bytes for Redis) and how keys
-are made is gateway/cache.py's business.
+"""Redis (or Valkey) for the output cache shared by replicas: pipelined MGET / SET EX with
+timeouts and a circuit breaker. Values are bytes; what they hold is dense/row_cache.py's business.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import numpy as np
-
-from logprob_gateway_client.buffer_lru import BufferLRU, anchor
 
 log = logging.getLogger(__name__)
 
@@ -33,66 +21,10 @@ class CacheStats:
     corrupt: int = 0  # values that failed the checks, deleted
 
 
-Value = bytes | memoryview | np.ndarray
-Key = Hashable  # str in Redis, a RowKey in process
+Value = bytes | memoryview
 
 
-class RowStore(ABC):
-    @abstractmethod
-    async def get_many(self, keys: Sequence[Key]) -> list[Value | None]:
-        """Values in key order; None for a miss. Never raises for store failures."""
-
-    @abstractmethod
-    async def set_many(self, items: Sequence[tuple[Key, Value]]) -> None:
-        """Best effort; never raises for store failures."""
-
-    @abstractmethod
-    async def delete_many(self, keys: Sequence[Key]) -> None: ...
-
-    async def aclose(self) -> None:
-        return None
-
-
-def _memory_of(value: Value) -> tuple[object, int]:
-    """The object whose memory a value keeps alive, and its size: a view keeps its whole buffer."""
-    owner = value.obj if isinstance(value, memoryview) else value
-    if isinstance(owner, np.ndarray):
-        owner = anchor(owner)
-        return owner, owner.nbytes
-    return owner, len(value)
-
-
-class MemoryStore(RowStore):
-    """An in-process LRU bounded by the memory its values keep alive (a buffer that several values
-    view counts once, in full, until the last of them goes)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._items = BufferLRU(sys.maxsize, max_bytes)
-
-    @property
-    def size(self) -> int:
-        return self._items.nbytes
-
-    async def get_many(self, keys: Sequence[Key]) -> list[Value | None]:
-        return [self._items.get(key) for key in keys]
-
-    async def set_many(self, items: Sequence[tuple[Key, Value]]) -> None:
-        for key, value in items:
-            self._items.put(key, value, *_memory_of(value))
-
-    def put_rows(self, keys: Sequence[Key], rows: np.ndarray) -> None:
-        """Row i of `rows` under keys[i]: read-only views of it, no copy."""
-        frozen = rows.view()  # nothing can write through the cache's views
-        frozen.flags.writeable = False
-        self._items.put_rows(keys, frozen)
-
-    async def delete_many(self, keys: Sequence[Key]) -> None:
-        for key in keys:
-            self._items.pop(key)
-
-
-class RedisStore(RowStore):
+class RedisStore:
     """Redis (or Valkey) with bounded latency: every call has a timeout, and after a failure the
     store is skipped for `retry_after_s` (a circuit breaker), so an outage costs one timeout, not
     one per request. The outage is logged once; the store resumes by itself."""
@@ -148,6 +80,7 @@ class RedisStore(RowStore):
             log.warning("redis cache at %s is back", _redact(self.url))
 
     async def get_many(self, keys: Sequence[str]) -> list[Value | None]:
+        """Values in key order; None for a miss. Never raises for store failures."""
         if not keys or not self._available():
             return [None] * len(keys)
         try:
@@ -159,6 +92,7 @@ class RedisStore(RowStore):
         return [v if isinstance(v, bytes) else None for v in values]
 
     async def set_many(self, items: Sequence[tuple[str, Value]]) -> None:
+        """Best effort; never raises for store failures."""
         if not items or not self._available():
             return
         try:

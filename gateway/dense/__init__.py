@@ -1,0 +1,17 @@
+"""Dense next-token rows: everything between the route and the engine, one way down.
+
+service.py        DenseService.answer: a request's rows and its answer's bytes
+batcher.py        merges concurrent requests into few engine calls
+row_cache.py      the output cache: MemoryRowCache (in process) or RedisRowCache (shared)
+redis_store.py    Redis with timeouts and a circuit breaker
+quiet_time.py     when deferred cache stores run
+delivery.py       the answer in the body (JSON, MessagePack) or in the client's shared memory
+shared_memory.py  clients' segments, mapped and checked
+parallel_copy.py  large copies on several threads
+"""
+
+from gateway.dense.row_cache import build_cache
+from gateway.dense.service import Answer, DenseService
+from gateway.dense.shared_memory import SharedMemoryWriter
+
+__all__ = ["Answer", "DenseService", "SharedMemoryWriter", "build_cache"]

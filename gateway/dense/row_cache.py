@@ -1,0 +1,272 @@
+"""Output cache of dense rows: in process, or shared by gateway replicas through Redis.
+
+The cache is an optimisation, never part of correctness: any failure of the store (down, slow,
+garbage) reads as a miss, and the rows are computed as if there were no cache.
+
+    RowCache          keys, lookup, deferred stores (read-your-writes), statistics
+     ├── MemoryRowCache  the engine's rows themselves, in an LRU bounded by the memory they keep
+     └── RedisRowCache   framed, checksummed values in Redis (dense/redis_store.py)
+
+Stores are deferred by one mechanism, `QuietTime` (dense/quiet_time.py): a store runs once the
+next engine call begins, when the clients that asked wait, not while a client on this host
+computes on the answer it just got. A lookup of a key still waiting to be stored runs the store
+at once and waits for it; shutdown lets stores finish.
+
+In process, a key is a `RowKey` of (model fingerprint, adapter) and the token ids, which hashes
+once; the value is a read-only view of the matrix the engine returned: no copy, no framing
+(engines return a fresh matrix per call and nothing on the response path writes to it). A
+matrix's rows go in together, and the least recently used matrix goes whole, as its memory does.
+
+In Redis, a key is `{namespace}:v{FORMAT}:row:{sha256(model fingerprint, adapter, dtype, token
+ids)}`; a value is a 16-byte header (magic + version, row length, CRC-32 of the payload) and the
+raw little-endian float32 row. A value whose header, length or checksum is off is a miss and is
+deleted. The values of one engine step are views of one buffer, filled by one copy outside the
+interpreter lock, on one thread of lower priority.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import struct
+import sys
+import threading
+import time
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from gateway.dense.quiet_time import QuietTime
+from gateway.dense.redis_store import CacheStats, RedisStore
+from gateway.metrics import Metrics
+from gateway.settings import CacheSettings
+from logprob_gateway_client.buffer_lru import BufferLRU
+from logprob_gateway_client.row_key import RowKey
+
+log = logging.getLogger(__name__)
+
+Key = Hashable  # a RowKey in process, a string in Redis
+Landed = Callable[[], Awaitable[None]]  # rows still arriving (from a GPU) until it returns
+
+FORMAT = 2  # 2: CRC-32 instead of blake2b-64
+_MAGIC = b"LGR" + bytes([FORMAT])
+_HEADER = struct.Struct("<4sIQ")  # magic+version, float32 count, CRC-32 of the payload
+
+
+class RowCache(ABC):
+    def __init__(
+        self,
+        *,
+        stats: CacheStats | None = None,
+        metrics: Metrics | None = None,
+        quiet: QuietTime | None = None,
+    ) -> None:
+        self.stats = stats or CacheStats()
+        self.metrics = metrics or Metrics()
+        self.quiet = quiet or QuietTime()
+        self._storing: dict[Key, asyncio.Task[None]] = {}  # key -> its store still under way
+
+    @abstractmethod
+    def keys(self, fingerprint: str, adapter: str | None, rows: Sequence[Sequence[int]]) -> list[Key]:
+        """The keys of `rows` of a model (`fingerprint`) and adapter (name and fingerprint)."""
+
+    @abstractmethod
+    async def _values(self, keys: Sequence[Key], width: int) -> tuple[list[np.ndarray | None], list[Key]]:
+        """The rows stored under `keys` (None: a miss), and the keys whose values are corrupt."""
+
+    @abstractmethod
+    async def store_rows(self, keys: Sequence[Key], rows: np.ndarray) -> None:
+        """Row i of `rows` under keys[i], now."""
+
+    @abstractmethod
+    async def _delete(self, keys: Sequence[Key]) -> None: ...
+
+    async def lookup(self, keys: Sequence[Key], width: int) -> list[np.ndarray | None]:
+        started = time.perf_counter()
+        storing = {self._storing[key] for key in keys if key in self._storing}
+        if storing:  # read-your-writes within the process: a row waiting to be stored is found
+            self.quiet.now()
+            await asyncio.wait(storing)
+        rows, corrupt = await self._values(keys, width)
+        self.metrics.cache_duration.labels("get").observe(time.perf_counter() - started)
+        if corrupt:
+            self.stats.corrupt += len(corrupt)
+            log.warning("dropping %d corrupted cache values", len(corrupt))
+            await self._delete(corrupt)
+        hits = sum(r is not None for r in rows)
+        self.stats.hits += hits
+        self.stats.misses += len(rows) - hits
+        self.metrics.cache_lookups.labels("hit").inc(hits)
+        self.metrics.cache_lookups.labels("miss").inc(len(rows) - hits)
+        return rows
+
+    def store_later(self, keys: Sequence[Key], rows: np.ndarray, landed: Landed | None = None) -> None:
+        """Store `rows` once the next engine call begins (or the quiet time's timeout passes), and
+        once `landed` says they are all there; `lookup` of these keys waits for it."""
+        task = asyncio.create_task(self._store_when_quiet(keys, rows, landed))
+        for key in keys:
+            self._storing[key] = task
+        task.add_done_callback(lambda done: self._stored(keys, done))
+
+    async def _store_when_quiet(self, keys: Sequence[Key], rows: np.ndarray, landed: Landed | None) -> None:
+        await self.quiet.wait()
+        if landed is not None:
+            await landed()
+        started = time.perf_counter()
+        await self.store_rows(keys, rows)
+        self.metrics.cache_duration.labels("set").observe(time.perf_counter() - started)
+
+    def _stored(self, keys: Sequence[Key], task: asyncio.Task[None]) -> None:
+        for key in keys:
+            if self._storing.get(key) is task:
+                del self._storing[key]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("storing %d rows failed", len(keys), exc_info=task.exception())
+
+    async def aclose(self) -> None:
+        if self._storing:
+            self.quiet.now()
+            await asyncio.wait(set(self._storing.values()), timeout=30)
+
+
+class MemoryRowCache(RowCache):
+    """In process: the engine's rows as read-only views, bounded by the memory they keep alive (a
+    matrix that several rows view counts once, in full, until the last of them goes)."""
+
+    def __init__(self, max_bytes: int, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.max_bytes = max_bytes
+        self._items = BufferLRU(sys.maxsize, max_bytes)
+
+    @property
+    def size(self) -> int:
+        return self._items.nbytes
+
+    def keys(self, fingerprint: str, adapter: str | None, rows: Sequence[Sequence[int]]) -> list[Key]:
+        scope = (fingerprint, adapter)
+        return [RowKey(scope, tuple(ids)) for ids in rows]
+
+    async def _values(self, keys: Sequence[Key], width: int) -> tuple[list[np.ndarray | None], list[Key]]:
+        rows = [self._items.get(key) for key in keys]
+        return [row if row is not None and row.shape == (width,) else None for row in rows], []
+
+    async def store_rows(self, keys: Sequence[Key], rows: np.ndarray) -> None:
+        frozen = rows.view()  # nothing can write through the cache's views
+        frozen.flags.writeable = False
+        self._items.put_rows(keys, frozen)
+
+    async def _delete(self, keys: Sequence[Key]) -> None:
+        for key in keys:
+            self._items.pop(key)
+
+
+def _lower_priority() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # Linux: a thread has its own nice value
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
+@functools.cache
+def _framer() -> ThreadPoolExecutor:
+    """Started by the first store bound for Redis, not by importing this module."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-store", initializer=_lower_priority)
+
+
+def _int64_le(ids: Sequence[int]) -> array.array:
+    """Token ids as little-endian int64 bytes (faster than through numpy for short lists)."""
+    packed = array.array("q", ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed
+
+
+def frame(row: np.ndarray) -> bytes:
+    return bytes(frame_many(row[None])[0])
+
+
+def frame_many(rows: np.ndarray) -> list[memoryview]:
+    """The Redis values of `rows` [n, width]: views of one buffer [n, header + payload]."""
+    count, width = rows.shape
+    buffer = np.empty((count, _HEADER.size + 4 * width), dtype=np.uint8)
+    buffer[:, _HEADER.size :].view("<f4")[...] = rows  # one copy, outside the interpreter lock
+    values = []
+    for value in buffer:
+        _HEADER.pack_into(value, 0, _MAGIC, width, zlib.crc32(value[_HEADER.size :]))
+        values.append(memoryview(value))
+    return values
+
+
+def unframe(value: bytes | memoryview, width: int) -> np.ndarray | None:
+    """The row in a Redis value; None when its header, length or checksum is off."""
+    if len(value) != _HEADER.size + 4 * width:
+        return None
+    magic, count, check = _HEADER.unpack_from(value)
+    payload = memoryview(value)[_HEADER.size :]
+    if magic != _MAGIC or count != width or zlib.crc32(payload) != check:
+        return None
+    return np.frombuffer(payload, dtype="<f4")
+
+
+class RedisRowCache(RowCache):
+    """Shared by replicas: digests as keys, framed values, a store that reads failures as misses."""
+
+    def __init__(self, store: RedisStore, *, namespace: str = "lpg", **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.store = store
+        self.namespace = namespace
+        self._prefixes: dict[tuple[str, str | None], hashlib._Hash] = {}  # key hashes, model part done
+
+    def keys(self, fingerprint: str, adapter: str | None, rows: Sequence[Sequence[int]]) -> list[Key]:
+        return [self.key(fingerprint, adapter, ids) for ids in rows]
+
+    def key(self, fingerprint: str, adapter: str | None, ids: Sequence[int]) -> str:
+        prefix = self._prefixes.get((fingerprint, adapter))
+        if prefix is None:
+            prefix = hashlib.sha256(json.dumps([fingerprint, adapter, "float32"]).encode())
+            self._prefixes[fingerprint, adapter] = prefix
+        digest = prefix.copy()
+        digest.update(_int64_le(ids))
+        return f"{self.namespace}:v{FORMAT}:row:{digest.hexdigest()}"
+
+    async def _values(self, keys: Sequence[Key], width: int) -> tuple[list[np.ndarray | None], list[Key]]:
+        values = await self.store.get_many(keys)  # type: ignore[arg-type]
+        rows = [None if value is None else unframe(value, width) for value in values]
+        corrupt = [k for k, v, r in zip(keys, values, rows, strict=True) if v is not None and r is None]
+        return rows, corrupt
+
+    async def store_rows(self, keys: Sequence[Key], rows: np.ndarray) -> None:
+        # Megabytes of rows to copy and checksum: off the event loop (numpy and zlib release the GIL).
+        values = await asyncio.get_running_loop().run_in_executor(_framer(), frame_many, rows)
+        await self.store.set_many(list(zip(keys, values, strict=True)))  # type: ignore[arg-type]
+
+    async def _delete(self, keys: Sequence[Key]) -> None:
+        await self.store.delete_many(keys)  # type: ignore[arg-type]
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        await self.store.aclose()
+
+
+def build_cache(settings: CacheSettings, metrics: Metrics, quiet: QuietTime) -> RowCache | None:
+    if not settings.enabled:
+        return None
+    stats = CacheStats()
+    if not settings.redis_url:
+        return MemoryRowCache(settings.memory_bytes, stats=stats, metrics=metrics, quiet=quiet)
+    store = RedisStore(
+        settings.redis_url,
+        ttl_s=settings.ttl_s,
+        timeout_s=settings.timeout_s,
+        retry_after_s=settings.retry_after_s,
+        stats=stats,
+        on_error=metrics.cache_errors.inc,
+    )
+    return RedisRowCache(store, namespace=settings.namespace, stats=stats, metrics=metrics, quiet=quiet)

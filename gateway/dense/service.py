@@ -1,0 +1,198 @@
+"""Dense rows for a request, from its token ids to its answer's bytes: the one way down.
+
+    DenseService.answer
+     ├── where the answer goes: the body, or the client's shared memory (shared_memory.py)
+     ├── rows: the output cache (row_cache.py), the batcher (batcher.py) and the engine for the rest
+     └── the answer's bytes (delivery.py)
+
+An engine that can write rows into host memory itself (backends.base.HostWrites: a GPU engine)
+gets the client's segment, registered with it, for a request alone in its engine call with none of
+its rows cached and a float32 answer: its rows then reach the client in one copy from the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from backends.base import Engine, WrittenRows
+from gateway.dense import delivery
+from gateway.dense.batcher import RowBatcher
+from gateway.dense.quiet_time import QuietTime
+from gateway.dense.row_cache import RowCache
+from gateway.dense.shared_memory import Destination, SharedMemoryWriter
+from gateway.errors import ContextLengthError, EngineError, GatewayError, InvalidRequestError
+from gateway.metrics import Metrics
+from gateway.registry import ServedModel
+from gateway.schemas.logprobs import NextTokenLogprobsRequest, NextTokenLogprobsUsage
+from logprob_gateway_client.encoding import ITEMSIZE
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Answer:
+    parts: delivery.Parts  # the body, buffer by buffer
+    server_timing: str  # where the server's time went, as a Server-Timing header
+
+
+class DenseService:
+    def __init__(self, metrics: Metrics, shared_memory: SharedMemoryWriter | None = None) -> None:
+        self.metrics = metrics
+        self.shared_memory = shared_memory
+        self.quiet = QuietTime()  # begins with every engine call of dense rows
+        self.cache: RowCache | None = None  # set once the app has started (row_cache.build_cache)
+        self.batchers: dict[str, RowBatcher] = {}
+
+    def batcher(self, served: ServedModel) -> RowBatcher:
+        """The model's batcher, made at its first dense request."""
+        batcher = self.batchers.get(served.name)
+        if batcher is None:
+            engine = served.require_engine()
+            observe_rows = self.metrics.batch_rows.labels(served.name).observe
+
+            def on_batch(rows: int) -> None:
+                observe_rows(rows)
+                self.quiet.now()
+
+            write = engine.host_writes
+            batcher = RowBatcher(
+                engine.next_token_logprobs,
+                max_batch_rows=served.settings.max_batch_rows,
+                window_s=served.settings.batch_window_ms / 1000,
+                on_batch=on_batch,
+                on_wait=self.metrics.batch_queue_wait.labels(served.name).observe,
+                # Without an output cache nothing reads the engine's rows once they are written.
+                engine_write=None
+                if write is None
+                else functools.partial(write.write_rows, keep=self.cache is not None),
+            )
+            self.batchers[served.name] = batcher
+        return batcher
+
+    async def answer(
+        self,
+        served: ServedModel,
+        adapter: str | None,
+        rows: list[list[int]],
+        body: NextTokenLogprobsRequest,
+        binary: bool,
+    ) -> Answer:
+        """The answer to `body` for `rows`, checked token ids of the model `served` (and `adapter`)."""
+        begun = time.perf_counter()
+        engine = served.require_engine()
+        longest = max(len(ids) for ids in rows)
+        if longest > engine.max_model_len:
+            raise ContextLengthError(
+                f"an input has {longest} tokens; this model's maximum context length is {engine.max_model_len}",
+                param="input",
+            )
+        # Checked before any row is computed: a segment too small is the client's error.
+        destination = self._destination(body, engine, len(rows))
+        into = _engine_target(body, destination, engine.vocab_size)
+        started = time.perf_counter()
+        try:
+            computed, hits = await self._rows(served, adapter, rows, into)
+        except GatewayError:
+            raise
+        except Exception as exc:
+            raise EngineError(f"the engine failed to compute the rows: {type(exc).__name__}: {exc}") from exc
+        tokens = sum(len(ids) for ids in rows)
+        usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens, cache_hits=hits)
+        computed_at = time.perf_counter()
+        if isinstance(computed, WrittenRows):  # a few hundred bytes to say so: no thread hop
+            assert destination is not None
+            parts = delivery.in_shared_memory(computed.rows, body, usage, binary, destination.view, True)
+        # Copying or encoding megabytes of floats would stall the event loop: a worker thread does.
+        elif destination is not None:
+            parts = await asyncio.to_thread(
+                delivery.in_shared_memory, computed, body, usage, binary, destination.view, False
+            )
+        else:
+            parts = await asyncio.to_thread(delivery.in_body, computed, body, usage, binary)
+        encoding = (
+            "shared_memory" if destination is not None else "msgpack" if binary else body.encoding_format
+        )
+        self.metrics.dense_rows.labels(served.name, adapter or "", encoding).inc(len(rows))
+        self.metrics.dense_response_bytes.labels(served.name, encoding).inc(sum(len(p) for p in parts))
+        # Milliseconds, for clients and benches: the request read and checked, rows (cache + queue
+        # + engine), encode (or the copy into shared memory).
+        timing = ", ".join(
+            f"{name};dur={seconds * 1e3:.2f}"
+            for name, seconds in (
+                ("parse", started - begun),
+                ("rows", computed_at - started),
+                ("encode", time.perf_counter() - computed_at),
+            )
+        )
+        return Answer(parts, timing)
+
+    def _destination(self, body: NextTokenLogprobsRequest, engine: Engine, count: int) -> Destination | None:
+        """Where in the client's segment the matrix goes; None: in the body (no segment named, the
+        feature off, a segment this host cannot see, or a key that is not the segment's)."""
+        if body.shared_memory is None:
+            return None
+        if body.layout != "matrix":
+            raise InvalidRequestError('shared_memory needs layout: "matrix"', param="shared_memory")
+        if self.shared_memory is None:
+            return None
+        nbytes = count * engine.vocab_size * ITEMSIZE[body.dtype]
+        return self.shared_memory.target(body.shared_memory, nbytes, engine.host_writes)
+
+    async def _rows(
+        self, served: ServedModel, adapter: str | None, rows: list[list[int]], into: np.ndarray | None
+    ) -> tuple[np.ndarray | WrittenRows, int]:
+        """float32 [len(rows), vocab] (or what the engine wrote `into`), and how many rows came from
+        the output cache (bit-identical to computing them)."""
+        batcher = self.batcher(served)
+        cache = self.cache
+        if cache is None:
+            return await batcher.submit(rows, adapter, into), 0
+        adapter_id = None if adapter is None else f"{adapter}:{served.adapters[adapter].fingerprint}"
+        keys = cache.keys(served.fingerprint, adapter_id, rows)
+        vocab_size = served.require_engine().vocab_size
+        cached = await cache.lookup(keys, vocab_size)
+        missing = [i for i, row in enumerate(cached) if row is None]
+        if len(missing) == len(rows):  # nothing cached (every SMC step): the engine's rows as they are
+            computed = await batcher.submit(rows, adapter, into)
+            if isinstance(computed, WrittenRows):
+                cache.store_later(keys, computed.rows, computed.landed)
+            else:
+                cache.store_later(keys, computed)
+            return computed, 0
+        out = np.empty((len(rows), vocab_size), dtype=np.float32)
+        for i, row in enumerate(cached):
+            if row is not None:
+                out[i] = row
+        if missing:
+            fresh = await batcher.submit([rows[i] for i in missing], adapter)
+            assert isinstance(fresh, np.ndarray)
+            out[missing] = fresh
+            cache.store_later([keys[i] for i in missing], fresh)
+        log.debug("model %s: %d rows, %d from the cache", served.name, len(rows), len(rows) - len(missing))
+        return out, len(rows) - len(missing)
+
+    async def aclose(self) -> None:
+        for batcher in self.batchers.values():
+            await batcher.aclose()
+        if self.cache is not None:
+            await self.cache.aclose()
+        if self.shared_memory is not None:
+            self.shared_memory.close()
+
+
+def _engine_target(
+    body: NextTokenLogprobsRequest, destination: Destination | None, vocab_size: int
+) -> np.ndarray | None:
+    """The client's segment as float32 rows, for the engine to write into from its device: when
+    the mapping is registered with the engine and the answer is float32, as computed."""
+    if destination is None or not destination.registered or body.dtype != "float32":
+        return None
+    if destination.view.ctypes.data % ITEMSIZE["float32"]:  # an offset that splits a float
+        return None
+    return destination.view.view(np.float32).reshape(-1, vocab_size)
