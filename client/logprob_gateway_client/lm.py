@@ -6,11 +6,14 @@ add_new_lora, remove_lora; byte_vocab, str_vocab, tokenizer, clear_cache, sample
 over HTTP, and passes `isinstance(lm, AsyncLM)` where genlm-backend is installed. Concurrent
 `next_token_logprobs` calls are merged into one request, the way genlm's local backends
 auto-batch. The answer is one float32 matrix: written by a gateway on the same host straight
-into this process's memory (shared_memory.py), else one MessagePack body read off the socket
-into one buffer (socket_transport.py, for plain-http URLs; httpx otherwise). Every row returned
-is a view of it, never a copy, and shared with the client's cache, as genlm's own backends share
-rows with theirs: do not write into them. Needs only httpx, msgspec and numpy; returns torch tensors when
-torch is installed (like genlm), numpy arrays otherwise.
+into this process's memory (shared_memory.py), else one MessagePack body in one buffer. Requests
+go through one `httpx.AsyncClient`; for plain-http URLs without a proxy its transport is
+socket_transport.py's, which reads each body off the socket into that buffer (and hands answers
+it does not read to httpx's own transport), else httpx's own. Every row returned is a view of
+the buffer, never a copy, and shared with the client's cache, as genlm's own backends share rows
+with theirs: do not write into them. Errors: the gateway's error answers raise
+`GatewayClientError`, network failures httpx's exceptions. Needs only httpx, msgspec and numpy;
+returns torch tensors when torch is installed (like genlm), numpy arrays otherwise.
 
     from logprob_gateway_client import AsyncGatewayLM
     from genlm.control import PromptedLLM
@@ -22,9 +25,8 @@ torch is installed (like genlm), numpy arrays otherwise.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
@@ -37,15 +39,15 @@ from logprob_gateway_client.buffer_lru import BufferLRU
 from logprob_gateway_client.encoding import ITEMSIZE, Dtype
 from logprob_gateway_client.lora import LoraManagement
 from logprob_gateway_client.row_key import RowKey
-from logprob_gateway_client.schemas import SHARED_MEMORY_ANSWER
+from logprob_gateway_client.sampling import HAS_TORCH, Sampling
+from logprob_gateway_client.schemas import NextTokenLogprobsSharedMemoryResponse
 from logprob_gateway_client.shared_memory import Segment, SharedSegments, memfd_supported
-from logprob_gateway_client.socket_transport import SocketHTTPClient, UnsupportedResponse, usable_for
+from logprob_gateway_client.socket_transport import SocketTransport, usable_for
 from logprob_gateway_client.wire import (
     GatewayClientError,
     body_matrix,
     decode_dense_answer,
     encode_request,
-    error_from,
     raise_for_error,
     read_into_buffer,
     token_tuple,
@@ -54,7 +56,6 @@ from logprob_gateway_client.wire import (
 __all__ = ["AsyncGatewayLM", "GatewayClientError"]
 
 MSGPACK = "application/msgpack"
-_HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
 def _genlm_tokens(byte_vocab: list[bytes]) -> list[bytes]:
@@ -78,37 +79,14 @@ def _register_with_genlm() -> None:
 
 
 def _as_output(array: np.ndarray) -> Any:
-    if _HAS_TORCH:
+    if HAS_TORCH:
         import torch
 
         return torch.from_numpy(array)
     return array
 
 
-def _sampler(seed: int | None) -> Callable[[np.ndarray, float], int]:
-    """genlm's `AsyncLM.sample` draw, operation for operation, where torch is installed (so a seed
-    gives its tokens); numpy's generator seeded with `seed` otherwise."""
-    if not _HAS_TORCH:
-        rng = np.random.default_rng(seed)
-
-        def draw_numpy(logprobs: np.ndarray, temperature: float) -> int:
-            scaled = logprobs.astype(np.float64) / temperature
-            probs = np.exp(scaled - scaled.max())
-            return int(rng.choice(probs.shape[0], p=probs / probs.sum()))
-
-        return draw_numpy
-    import torch
-
-    generator = None if seed is None else torch.Generator().manual_seed(seed)
-
-    def draw(logprobs: np.ndarray, temperature: float) -> int:
-        probs = torch.softmax(torch.from_numpy(logprobs) / temperature, dim=-1)
-        return int(torch.multinomial(probs, num_samples=1, generator=generator).item())
-
-    return draw
-
-
-class AsyncGatewayLM(LoraManagement):
+class AsyncGatewayLM(LoraManagement, Sampling):
     """genlm's `AsyncLM`, served remotely. `model` may name an adapter: "base:adapter";
     `set_lora`/`clear_lora` change it. `admin_key` (the gateway's) enables `add_new_lora` and
     `remove_lora`.
@@ -136,7 +114,8 @@ class AsyncGatewayLM(LoraManagement):
         self.model = model
         self.dtype: Dtype = dtype
         self.max_rows_per_request = max_rows_per_request
-        self._headers = {"Accept": MSGPACK, "Content-Type": MSGPACK}
+        # identity: a proxy that compressed answers would cost a decompression of every step
+        self._headers = {"Accept": MSGPACK, "Content-Type": MSGPACK, "Accept-Encoding": "identity"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._admin_key = admin_key
@@ -144,7 +123,8 @@ class AsyncGatewayLM(LoraManagement):
         self._sync = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout)
         self._async: httpx.AsyncClient | None = None
         self._async_loop: asyncio.AbstractEventLoop | None = None
-        self._socket: SocketHTTPClient | None = None
+        self._transport: SocketTransport | None = None  # the async client's, where it reads sockets
+        # Until an answer needs httpx's own transport (then the transport stops reading sockets).
         self._socket_usable = usable_for(self.base_url)
         # Rows seen, by (model, ids); sized in rows and in the bytes of the matrices they keep alive.
         self._cache = BufferLRU(cache_size, cache_bytes)
@@ -236,7 +216,7 @@ class AsyncGatewayLM(LoraManagement):
         self, content: bytes | bytearray | memoryview, count: int, segment: Segment | None
     ) -> np.ndarray:
         document = decode_dense_answer(content, count)
-        if document.object != SHARED_MEMORY_ANSWER:
+        if not isinstance(document, NextTokenLogprobsSharedMemoryResponse):
             if segment is not None and self._segments is not None:
                 # The gateway cannot see this process's memory (another host): stop asking.
                 self._ask_shared_memory = False
@@ -285,20 +265,8 @@ class AsyncGatewayLM(LoraManagement):
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     async def _post_dense(self, body: bytes) -> bytes | bytearray | memoryview:
-        """The body of a successful dense answer: off the socket when the URL allows, else httpx."""
-        self._same_loop()
-        if self._socket_usable:
-            if self._socket is None:
-                self._socket = SocketHTTPClient(self.base_url, self._headers, self._timeout)
-            try:
-                response = await self._socket.post("/v1/next_token_logprobs", body)
-            except UnsupportedResponse:  # something between us and the gateway recodes answers
-                self._socket_usable = False
-            else:
-                self.server_timing = response.headers.get("server-timing")
-                if response.status >= 400:
-                    raise error_from(response.status, response.body)
-                return response.body
+        """The body of a successful dense answer, in one buffer (the transport's own where it
+        read the socket)."""
         client = self._async_client()
         async with client.stream("POST", "/v1/next_token_logprobs", content=body) as response:
             self.server_timing = response.headers.get("server-timing")
@@ -311,17 +279,27 @@ class AsyncGatewayLM(LoraManagement):
         """Connections belong to the event loop that opened them: a new loop starts afresh."""
         loop = asyncio.get_running_loop()
         if self._async_loop is not loop:
-            self._async = None
-            if self._socket is not None:
-                self._socket.close()
-            self._socket = None
+            self._drop_async()
             self._async_loop = loop
+
+    def _drop_async(self) -> None:
+        """Forgets the async client, closing the sockets its transport pooled (which needs no
+        event loop); httpx's own connections go with the client."""
+        if self._transport is not None:
+            self._socket_usable = self._transport.reads_sockets
+            self._transport.close_sockets()
+        self._transport = None
+        self._async = None
 
     def _async_client(self) -> httpx.AsyncClient:
         self._same_loop()
         if self._async is None:
+            self._transport = SocketTransport() if self._socket_usable else None
             self._async = httpx.AsyncClient(
-                base_url=self.base_url, headers=self._headers, timeout=self._timeout
+                base_url=self.base_url,
+                headers=self._headers,
+                timeout=self._timeout,
+                transport=self._transport,
             )
         return self._async
 
@@ -416,66 +394,17 @@ class AsyncGatewayLM(LoraManagement):
         if self._segments is not None:
             self._segments.drop_idle()
 
-    # -- sampling (genlm's AsyncLM.sample: stop before an end-of-sequence token) ------------------
-
-    async def sample(
-        self,
-        prompt_token_ids: Sequence[int],
-        max_tokens: int,
-        eos_token_ids: Iterable[int],
-        temperature: float = 1.0,
-        seed: int | None = None,
-        lora_name: str | None = None,
-    ) -> list[int]:
-        """Up to `max_tokens` tokens drawn after the prompt from softmax(row / temperature),
-        stopping before the first of `eos_token_ids`. With torch installed the draws are genlm's
-        own (`torch.multinomial` with a `torch.Generator` seeded with `seed`, or torch's global
-        generator when `seed` is None), so a seed gives the tokens genlm's `AsyncLM.sample` gives
-        for the same rows. Without torch, numpy's `default_rng(seed)` draws: as reproducible,
-        but not the same tokens as genlm's."""
-        draw = _sampler(seed)
-        eos = set(eos_token_ids)
-        model = self._model_for(lora_name)
-        generated: list[int] = []
-        for _ in range(max_tokens):
-            logprobs = await self._row(RowKey(model, token_tuple(prompt_token_ids) + tuple(generated)))
-            token = draw(logprobs, temperature)
-            if token in eos:
-                break
-            generated.append(token)
-        return generated
-
-    async def batch_sample(
-        self,
-        prompt_token_ids_list: Sequence[Sequence[int]],
-        max_tokens: int,
-        eos_token_ids: Iterable[int],
-        temperature: float = 1.0,
-        seed: int | None = None,
-        lora_name: str | None = None,
-    ) -> list[list[int]]:
-        eos = list(eos_token_ids)
-        return list(
-            await asyncio.gather(
-                *(
-                    self.sample(p, max_tokens, eos, temperature, seed, lora_name)
-                    for p in prompt_token_ids_list
-                )
-            )
-        )
-
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
         if self._async is not None:
-            await self._async.aclose()
-            self._async = None
+            await self._async.aclose()  # its transport too: pooled sockets, httpx's connections
+        self._drop_async()
         self.close()
 
     def close(self) -> None:
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
+        if self._transport is not None:
+            self._transport.close_sockets()
         if self._segments is not None:
             self._segments.close()
         self._sync.close()

@@ -1,6 +1,6 @@
 """Memory of the client's process that a gateway on the same host writes dense answers into.
 
-The gateway's side, and why it is safe, is the server's gateway/shared_memory.py. Here: every large answer
+The gateway's side, and why it is safe, is the server's gateway/dense/shared_memory.py. Here: every large answer
 gets a segment of its own (a memfd named `logprob-gateway-<random>`, sealed so its size never
 changes, mapped read-write, its last 16 bytes a random key that every request naming it carries:
 the gateway writes only for requests holding it), and the matrix handed to the caller is a view of

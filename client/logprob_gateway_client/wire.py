@@ -15,7 +15,12 @@ import msgspec
 import numpy as np
 
 from logprob_gateway_client.encoding import ITEMSIZE, Dtype, decode_row
-from logprob_gateway_client.schemas import SHARED_MEMORY_ANSWER, DenseAnswer
+from logprob_gateway_client.schemas import (
+    SHARED_MEMORY_ANSWER,
+    DenseAnswer,
+    NextTokenLogprobsBinaryMatrixResponse,
+    NextTokenLogprobsSharedMemoryResponse,
+)
 
 
 def _as_int(value: Any) -> int:
@@ -72,7 +77,17 @@ class _BinaryRows(msgspec.Struct):
     data: list[_BinaryRow]
 
 
-_ANSWER_DECODER = msgspec.msgpack.Decoder(DenseAnswer)
+class _AnswerKind(msgspec.Struct):
+    """Which form a matrix answer takes: its `object` field alone (other fields are skipped, the
+    matrix without a copy). The answer types are not tagged structs, whose JSON Schema would
+    differ, so msgspec cannot pick between them by itself."""
+
+    object: str = ""
+
+
+_KIND_DECODER = msgspec.msgpack.Decoder(_AnswerKind)
+_MATRIX_DECODER = msgspec.msgpack.Decoder(NextTokenLogprobsBinaryMatrixResponse)
+_SHARED_MEMORY_DECODER = msgspec.msgpack.Decoder(NextTokenLogprobsSharedMemoryResponse)
 _ROWS_DECODER = msgspec.msgpack.Decoder(_BinaryRows)
 
 
@@ -86,40 +101,53 @@ def decode_msgpack_rows(content: bytes | bytearray, count: int, dtype: Dtype) ->
 
 
 def decode_dense_answer(content: bytes | bytearray | memoryview, count: int) -> DenseAnswer:
-    document = _ANSWER_DECODER.decode(content)
+    """The gateway's answer as its own type; a matrix in the body stays a view of `content`."""
+    shared = _KIND_DECODER.decode(content).object == SHARED_MEMORY_ANSWER
+    document: DenseAnswer = (_SHARED_MEMORY_DECODER if shared else _MATRIX_DECODER).decode(content)
     if document.rows != count:
         raise ValueError(f"a {document.rows}-row answer for {count} rows")
-    if document.object != SHARED_MEMORY_ANSWER and document.logprobs is None:
-        raise ValueError("a matrix answer without its matrix")
     return document
 
 
-def body_matrix(document: DenseAnswer, count: int) -> np.ndarray:
+def body_matrix(document: NextTokenLogprobsBinaryMatrixResponse, count: int) -> np.ndarray:
     """The matrix in an answer's body as float32 [count, vocab]: for float32, a view of the body
     (no copy); float16/bfloat16 are widened once."""
-    assert document.logprobs is not None
     if len(document.logprobs) != count * document.vocab_size * ITEMSIZE.get(document.dtype, 0):
         raise ValueError(f"a {count}-row matrix of {len(document.logprobs)} bytes")
-    matrix = decode_row(document.logprobs, document.dtype).reshape(count, document.vocab_size)  # type: ignore[arg-type]
+    matrix = decode_row(document.logprobs, document.dtype).reshape(count, document.vocab_size)
     return matrix if matrix.flags.writeable else matrix.copy()  # a view of immutable bytes: copied
 
 
 def decode_msgpack_matrix(content: bytes | bytearray | memoryview, count: int) -> np.ndarray:
     """A MessagePack `layout: matrix` response with the matrix in its body, as float32 [count, vocab]."""
-    return body_matrix(decode_dense_answer(content, count), count)
+    document = decode_dense_answer(content, count)
+    if not isinstance(document, NextTokenLogprobsBinaryMatrixResponse):
+        raise ValueError("a shared memory answer to a request that named no segment")
+    return body_matrix(document, count)
 
 
-async def read_into_buffer(response: httpx.Response) -> bytes | bytearray:
-    """An httpx response body in one buffer of its announced length, filled chunk by chunk:
-    joining the chunks afterwards would copy tens of megabytes once more."""
+async def read_into_buffer(response: httpx.Response) -> bytes | bytearray | memoryview:
+    """An httpx response body in one buffer of its announced length. A body that comes as one
+    chunk of that length (socket_transport's) is returned as it is; one in many chunks (httpx's own
+    transport) is gathered into a buffer as they come, as joining them afterwards would copy tens
+    of megabytes once more."""
     length = response.headers.get("content-length")
     if length is None or "content-encoding" in response.headers:
         return await response.aread()
-    buffer = bytearray(int(length))
-    view, filled = memoryview(buffer), 0
+    size = int(length)
+    whole: bytes | memoryview = b""
+    view: memoryview | None = None
+    filled = 0
     async for chunk in response.aiter_raw():
-        view[filled : filled + len(chunk)] = chunk
+        if filled == 0 and len(chunk) == size:
+            whole = chunk
+        else:
+            if filled + len(chunk) > size:
+                raise httpx.RemoteProtocolError(f"a response longer than its announced {size} bytes")
+            if view is None:
+                view = memoryview(bytearray(size))
+            view[filled : filled + len(chunk)] = chunk
         filled += len(chunk)
-    if filled != len(buffer):
-        raise httpx.ReadError(f"the response ended after {filled} of {len(buffer)} bytes")
-    return buffer
+    if filled != size:
+        raise httpx.ReadError(f"the response ended after {filled} of {size} bytes")
+    return whole if view is None else view

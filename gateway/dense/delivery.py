@@ -95,7 +95,7 @@ def _matrix(
         # The document with an empty matrix ends with the empty `bin` (0xc4 0x00), as the matrix is
         # its last field: swap that for the real header, and the array's memory follows unjoined.
         empty = msgspec.msgpack.encode(
-            NextTokenLogprobsBinaryMatrixResponse(**fields, dtype=body.dtype, logprobs=b"")
+            NextTokenLogprobsBinaryMatrixResponse(**fields, dtype=body.dtype, logprobs=memoryview(b""))
         )
         matrix = matrix_view(rows, body.dtype)
         return [empty[:-2] + msgpack_bin_header(len(matrix)), matrix]

@@ -9,7 +9,17 @@ import msgspec
 from gateway.schemas.chat import ChatMessage
 from gateway.schemas.common import TokenId
 from logprob_gateway_client.encoding import Dtype
-from logprob_gateway_client.schemas import SharedMemoryTarget
+
+# The MessagePack matrix answers and the fields they share are defined once, in the client's
+# schemas (the client decodes answers with them); the gateway's code imports them from here.
+from logprob_gateway_client.schemas import (
+    NextTokenLogprobsBinaryMatrixResponse,  # noqa: F401
+    NextTokenLogprobsDocument,
+    NextTokenLogprobsMatrixDocument,
+    NextTokenLogprobsSharedMemoryResponse,  # noqa: F401
+    NextTokenLogprobsUsage,  # noqa: F401
+    SharedMemoryTarget,
+)
 
 # A token-id list, several of them, a string, or several strings (see the completions prompt).
 Input = str | list[str | TokenId | list[TokenId]]
@@ -42,56 +52,21 @@ class NextTokenLogprobsBinaryRow(msgspec.Struct, kw_only=True):
     logprobs: bytes  # MessagePack: raw little-endian `dtype` bytes
 
 
-class NextTokenLogprobsUsage(msgspec.Struct, kw_only=True):
-    prompt_tokens: int
-    total_tokens: int
-    cache_hits: int = 0
-
-
-class _NextTokenLogprobsDocument(msgspec.Struct, kw_only=True):
-    object: Literal["list"] = "list"
-    model: str
-    vocab_size: int
-    dtype: Dtype
-    usage: NextTokenLogprobsUsage
-
-
-class NextTokenLogprobsResponse(_NextTokenLogprobsDocument, kw_only=True):
+class NextTokenLogprobsResponse(NextTokenLogprobsDocument, kw_only=True):
     data: list[NextTokenLogprobsRow]
 
 
-class NextTokenLogprobsBinaryResponse(_NextTokenLogprobsDocument, kw_only=True):
+class NextTokenLogprobsBinaryResponse(NextTokenLogprobsDocument, kw_only=True):
     """The MessagePack form (`Accept: application/msgpack`): rows as raw bytes."""
 
     data: list[NextTokenLogprobsBinaryRow]
 
 
-class _NextTokenLogprobsMatrixDocument(_NextTokenLogprobsDocument, kw_only=True):
-    object: Literal["next_token_logprobs.matrix"] = "next_token_logprobs.matrix"  # type: ignore[assignment]
-    rows: int  # the matrix is [rows, vocab_size], in input order
-
-
-class NextTokenLogprobsMatrixResponse(_NextTokenLogprobsMatrixDocument, kw_only=True):
+class NextTokenLogprobsMatrixResponse(NextTokenLogprobsMatrixDocument, kw_only=True):
     """`layout: matrix` as JSON: nested lists ("float", -inf as null), or the whole matrix's
     little-endian `dtype` bytes, base64-encoded ("base64")."""
 
     logprobs: list[list[float | None]] | str
-
-
-class NextTokenLogprobsBinaryMatrixResponse(_NextTokenLogprobsMatrixDocument, kw_only=True):
-    """`layout: matrix` as MessagePack: the whole matrix as one `bin` of little-endian `dtype` bytes.
-    It is the last field, so the body ends with the matrix."""
-
-    logprobs: bytes
-
-
-class NextTokenLogprobsSharedMemoryResponse(_NextTokenLogprobsMatrixDocument, kw_only=True):
-    """`shared_memory` honoured: the matrix's little-endian `dtype` bytes, row-major, were written
-    into the client's segment, `nbytes` of them from `offset`, before this answer was sent."""
-
-    object: Literal["next_token_logprobs.shared_memory"] = "next_token_logprobs.shared_memory"  # type: ignore[assignment]
-    offset: int
-    nbytes: int
 
 
 class _VocabularyDocument(msgspec.Struct, kw_only=True):

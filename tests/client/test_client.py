@@ -130,7 +130,8 @@ def test_a_batch_is_one_request_of_its_distinct_rows_read_without_copies(lm, ref
         )
 
     with_duplicates, distinct = asyncio.run(run())
-    assert lm.requests_sent == 2 and lm._socket is not None  # read off the socket, not through httpx
+    # one request per batch, read off the socket by the socket transport, not by httpx's own
+    assert lm.requests_sent == 2 and lm._transport is not None and lm._transport.reads_sockets
     assert tuple(with_duplicates.shape) == (5, 49152)
     assert torch.equal(with_duplicates[0], with_duplicates[2]) and torch.equal(
         with_duplicates[1], with_duplicates[4]
