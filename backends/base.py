@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
-GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+# Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS): logits divided by a
+# subnormal temperature overflow to infinities, and the sampler's probabilities to NaN.
+GREEDY_BELOW = 1e-5
 
 
 class EngineUnavailableError(RuntimeError):

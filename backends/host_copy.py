@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 import torch
 
-from backends.base import WrittenRows
+from backends.base import HostWrites, WrittenRows
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,30 @@ def write_rows_into(rows: torch.Tensor, into: np.ndarray, keep: bool) -> Written
     landed.record(stream)
     written.synchronize()
     return WrittenRows(own.numpy(), lambda: _until(landed))
+
+
+class CudaHostWrites(HostWrites):
+    """Host memory registered with the CUDA driver, and an engine's rows copied into it from the
+    GPU by `write` (on the engine's worker thread, as every model call: write_rows_into)."""
+
+    def __init__(
+        self,
+        write: Callable[
+            [Sequence[Sequence[int]], Sequence[str | None], np.ndarray, bool], Awaitable[WrittenRows]
+        ],
+    ) -> None:
+        self._write = write
+
+    def register(self, address: int, size: int) -> bool:
+        return register_host_memory(address, size)
+
+    def unregister(self, address: int) -> None:
+        unregister_host_memory(address)
+
+    async def write_rows(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], into: np.ndarray, keep: bool
+    ) -> WrittenRows:
+        return await self._write(rows, adapters, into, keep)
 
 
 # Looked up once (the check runs after every dense call): empty_host_cache is public from torch

@@ -106,7 +106,8 @@ class PrefixCache:
 
     def gather(self, picks: Sequence[tuple[Entry | None, int]], width: int) -> list[KV]:
         """Per layer, K/V [len(picks), heads, width, head_dim]: row i holds the first n_i cached
-        positions of entry_i, right-aligned, zeros before them (picks[i] = (entry_i, n_i))."""
+        positions of entry_i, right-aligned (picks[i] = (entry_i, n_i)); before them zeros, or
+        whatever the block held there, which the pass's attention mask hides."""
         # Rows that read the same columns of the same block are copied with one op per layer.
         groups: dict[tuple[int, int, int], tuple[KVBlock, list[int], list[int]]] = {}
         for i, (entry, n) in enumerate(picks):
@@ -117,6 +118,19 @@ class PrefixCache:
                 groups[key][1].append(i)
                 groups[key][2].append(entry.row)
         parts = [(block, dst, src, start, n) for (_, start, n), (block, dst, src) in groups.items()]
+        blocks = {id(block) for block, *_ in parts}
+        if len(blocks) == 1 and len(picks) == parts[0][0].rows:
+            block = parts[0][0]
+            rows_in_order = sorted(i for _, dst, *_ in parts for i in dst) == list(range(block.rows))
+            if (
+                rows_in_order
+                and all(dst == src for _, dst, src, _, _ in parts)
+                and all(start + n == block.width and width <= block.width for _, _, _, start, n in parts)
+            ):
+                # Every row of the last pass, one token longer (a generation step of every stream,
+                # an SMC step without resampling): its columns as they lie, no copy.
+                edge = block.width
+                return [(k[:, :, edge - width : edge], v[:, :, edge - width : edge]) for k, v in block.layers]
         if len(parts) == 1 and parts[0][4] == width and len(parts[0][1]) == len(picks):
             block, _, src, start, n = parts[0]  # every row, no padding: slices of one block
             if src == list(range(block.rows)):  # ... in the block's own order: views, no copy

@@ -30,10 +30,6 @@ def top_k(logprobs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, np.take_along_axis(logprobs, ids, axis=-1).astype(np.float32)
 
 
-# Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS): logits divided by a
-# subnormal temperature overflow to infinities, and the sampler's probabilities to NaN.
-
-
 class Sampler:
     """Per-request sampling state: the random generator and the counts for penalties."""
 

@@ -35,23 +35,18 @@ from backends.base import (
     AdapterError,
     Engine,
     EngineConfig,
-    HostWrites,
     PromptLogprobs,
     SamplingParams,
     TokenStep,
     WrittenRows,
     resolve_auto_dtype,
 )
+from backends.batch_layout import left_padded, mask_if_padded, plan_groups
 from backends.builtin_models import resolve_model_dir
-from backends.host_copy import (
-    register_host_memory,
-    release_pinned_memory,
-    rows_to_host,
-    unregister_host_memory,
-    write_rows_into,
-)
+from backends.host_copy import CudaHostWrites, release_pinned_memory, rows_to_host, write_rows_into
 from backends.prefix_cache import PrefixCache
 from backends.sampling import sample_tokens
+from backends.step_scheduler import StepScheduler
 
 log = logging.getLogger(__name__)
 
@@ -108,45 +103,6 @@ def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(found)
 
 
-def plan_groups(todo: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Rows (by index) into forward passes. A pass is as wide as its row with the most tokens to
-    compute, so rows are grouped by that count (sorted; a new group when it would more than double
-    plus 8, which keeps one-token extensions apart from fresh prompts) and each group holds at most
-    `max_tokens` padded tokens (at least one row)."""
-    groups: list[list[int]] = []
-    first = 0
-    for i in sorted(range(len(todo)), key=todo.__getitem__):
-        if groups and todo[i] <= 2 * first + 8 and (len(groups[-1]) + 1) * todo[i] <= max_tokens:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-            first = todo[i]
-    return groups
-
-
-def _left_padded(
-    rows: Sequence[Sequence[int]], skip: Sequence[int]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Input ids [rows, width] of every row without its first skip[i] tokens, left-padded; the
-    attention mask [rows, max(skip) + width] of the whole rows, right-aligned, and the ids' positions.
-    Built in numpy: per-row torch operations would each cost a dispatch on the engine's thread."""
-    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    width = int((lengths - np.asarray(skip, dtype=np.int64)).max())
-    total = max(skip) + width
-    ids = np.zeros((len(rows), width), dtype=np.int64)
-    for i, (row, s) in enumerate(zip(rows, skip, strict=True)):
-        ids[i, width - (len(row) - s) :] = row[s:]
-    mask = np.arange(total) >= (total - lengths)[:, None]
-    positions = np.maximum(np.arange(width) + (lengths - width)[:, None], 0)
-    return torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64)), torch.from_numpy(positions)
-
-
-def _mask_if_padded(mask: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """The attention mask, or None when no row is padded: attention kernels without a mask are
-    the fast ones, and transformers then applies the causal mask itself."""
-    return None if bool(mask.all()) else mask.to(device)
-
-
 class _DecodeState:
     """The KV cache of one generation request."""
 
@@ -154,25 +110,6 @@ class _DecodeState:
 
 
 BASE = "__base__"  # PEFT's name for "no adapter" in mixed-adapter batches
-
-
-class _CudaHostWrites(HostWrites):
-    """Host memory registered with the CUDA driver, and the engine's rows copied into it from the
-    GPU (on the engine's worker thread, as every model call)."""
-
-    def __init__(self, engine: TransformersEngine) -> None:
-        self._engine = engine
-
-    def register(self, address: int, size: int) -> bool:
-        return register_host_memory(address, size)
-
-    def unregister(self, address: int) -> None:
-        unregister_host_memory(address)
-
-    async def write_rows(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], into: np.ndarray, keep: bool
-    ) -> WrittenRows:
-        return await self._engine._run(self._engine._write_rows, rows, adapters, into, keep)
 
 
 class TransformersEngine(Engine):
@@ -199,7 +136,17 @@ class TransformersEngine(Engine):
         self._peft: Any = None  # the PeftModel wrapping `model` once an adapter is loaded
         self.max_batch_tokens = max_batch_tokens  # padded tokens per dense forward pass
         self.pinned_host_bytes = pinned_host_bytes
-        self.host_writes = _CudaHostWrites(self) if self.device.type == "cuda" else None
+        self.host_writes = (
+            None
+            if self.device.type != "cuda"
+            else CudaHostWrites(
+                lambda rows, adapters, into, keep: self._run(self._write_rows, rows, adapters, into, keep)
+            )
+        )
+        # Dense rows and generation steps of concurrent requests share forward passes.
+        self.steps = StepScheduler(
+            lambda rows, adapters: self._run(self._next_token_logprobs, rows, adapters)
+        )
         self.prefix_cache: PrefixCache | None = None
         if prefix_cache_bytes and supports_prefix_cache(model):
             self.prefix_cache = PrefixCache(prefix_cache_bytes)
@@ -287,7 +234,7 @@ class TransformersEngine(Engine):
     async def next_token_logprobs(
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None
     ) -> np.ndarray:
-        return await self._run(self._next_token_logprobs, rows, adapters or [None] * len(rows))
+        return await self.steps.rows(rows, adapters or [None] * len(rows))
 
     def _next_token_logprobs(
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]
@@ -336,11 +283,11 @@ class TransformersEngine(Engine):
     ) -> torch.Tensor:
         # Left padding keeps every row's last token in the final position; explicit position ids
         # and the attention mask make each row's result equal to its unpadded forward pass.
-        ids, mask, positions = _left_padded(rows, [0] * len(rows))
+        ids, mask, positions = left_padded(rows, [0] * len(rows))
         out = self._call(
             adapters,
             input_ids=ids.to(self.device),
-            attention_mask=_mask_if_padded(mask, self.device),
+            attention_mask=mask_if_padded(mask, self.device),
             position_ids=positions.to(self.device),
             use_cache=False,
             logits_to_keep=1,
@@ -361,7 +308,7 @@ class TransformersEngine(Engine):
         new = max(len(r) - min(depth, len(r) - 1) for r, (_, depth) in zip(rows, matches, strict=True))
         reused = [max(len(r) - new, 0) for r in rows]
         past = max(reused)
-        ids, mask, positions = _left_padded(rows, reused)
+        ids, mask, positions = left_padded(rows, reused)
         cache = DynamicCache(config=self.model.config)
         if past:
             picks = [(entry, n) for (entry, _), n in zip(matches, reused, strict=True)]
@@ -370,7 +317,7 @@ class TransformersEngine(Engine):
         out = self._call(
             adapters,
             input_ids=ids.to(self.device),
-            attention_mask=_mask_if_padded(mask, self.device),
+            attention_mask=mask_if_padded(mask, self.device),
             position_ids=positions.to(self.device),
             past_key_values=cache,
             use_cache=True,
@@ -414,10 +361,21 @@ class TransformersEngine(Engine):
     async def generate(
         self, ids: Sequence[int], params: SamplingParams, adapter: str | None = None
     ) -> AsyncIterator[TokenStep]:
+        """With prefix K/V reuse, each step is a dense row (the prompt and the tokens so far) in
+        the passes the engine shares among requests: concurrent streams decode together, and a
+        step costs one token. Without it (attention the prefix cache cannot hold), a stream keeps
+        its own K/V and runs alone."""
+        sequence = list(ids)
         state = _DecodeState()
 
         async def next_logits(token: int | None) -> np.ndarray:
-            return await self._run(self._forward, state, list(ids) if token is None else [token], adapter)
+            # log-probabilities, not logits: the sampler's choices and scores are the same (a
+            # constant shift of every logit changes neither).
+            if token is not None:
+                sequence.append(token)
+            if self.prefix_cache is not None:
+                return (await self.steps.rows([tuple(sequence)], [adapter]))[0]
+            return await self._run(self._forward, state, sequence if token is None else [token], adapter)
 
         async for step in sample_tokens(params, self.eos_token_ids, next_logits):
             yield step
@@ -432,4 +390,5 @@ class TransformersEngine(Engine):
         return out.logits[0, -1].float().cpu().numpy()
 
     async def aclose(self) -> None:
+        await self.steps.aclose()
         self._executor.shutdown(wait=False, cancel_futures=True)

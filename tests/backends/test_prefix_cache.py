@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from backends.base import EngineConfig
+from backends.batch_layout import plan_groups
 from backends.prefix_cache import PrefixCache
-from backends.transformers import TransformersEngine, plan_groups, prefix_cache_bytes
+from backends.transformers import TransformersEngine, prefix_cache_bytes
 from tests.conftest import last_row, load_peft_models, make_lora_adapter
 
 TOL = 1e-4
@@ -54,6 +55,20 @@ def test_gather_right_aligns_each_rows_cached_positions():
     # a shorter use of an entry, rows in another order than the block's
     (keys, _), _ = cache.gather([(picks[1][0], 2), (picks[0][0], 2)], 2)
     assert keys[:, 0, :, 0].tolist() == [[8, 9], [5, 6]]
+
+
+def test_every_row_of_the_last_pass_extended_reads_its_block_without_a_copy():
+    cache = PrefixCache(1 << 20)
+    rows = [[5, 6, 7], [8, 9]]
+    layers = fake_layers(rows)
+    layers[0][0][1, 0, 0, :] = 42.0  # the padding column before the shorter row: masked by the pass
+    cache.store([(None, r) for r in rows], layers)
+    picks = [cache.match(None, [5, 6, 7, 1]), cache.match(None, [8, 9, 1])]
+    (keys, values), _ = cache.gather(picks, 3)
+    assert keys.data_ptr() == layers[0][0].data_ptr()  # a view of the stored block
+    assert keys[:, 0, :, 0].tolist() == [[5, 6, 7], [42, 8, 9]] and torch.equal(values, layers[0][1])
+    (swapped, _), _ = cache.gather(picks[::-1], 3)  # another order: copied, zeros before
+    assert swapped[:, 0, :, 0].tolist() == [[0, 8, 9], [5, 6, 7]]
 
 
 def test_extending_a_row_replaces_its_entry():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import openai
 import pytest
 
 from tests.conftest import MODEL
@@ -169,6 +170,57 @@ def test_async_client_concurrent_requests_match_sequential(async_client, client)
     concurrent, streamed = asyncio.run(run())
     assert concurrent == sequential
     assert streamed == sequential[0]
+
+
+def test_concurrent_streams_decode_together_each_as_if_alone(gateway, client):
+    """Eight streams at once (the engine decodes them in shared passes), two of them streamed and
+    one more dropped mid-way: every text and token logprob as when the request ran alone."""
+    prompts = [
+        f"Tell me about {topic}:"
+        for topic in ("cats", "rain", "Paris", "tea", "chess", "ice", "bees", "jazz")
+    ]
+    alone = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0, logprobs=2).choices[0]
+        for p in prompts
+    ]
+
+    # A client of this test's own event loop: connections do not outlive the loop that opened them.
+    async_client = openai.AsyncOpenAI(base_url=gateway.base_url + "/v1", api_key="unused", max_retries=0)
+
+    async def whole(prompt: str):
+        answer = await async_client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, logprobs=2
+        )
+        return answer.choices[0].text, answer.choices[0].logprobs.token_logprobs
+
+    async def streamed(prompt: str, keep: int | None = None):
+        stream = await async_client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, logprobs=2, stream=True
+        )
+        text, logprobs = "", []
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                logprobs += chunk.choices[0].logprobs.token_logprobs
+                if keep is not None and len(logprobs) >= keep:
+                    await stream.close()  # the client leaves: its stream leaves the batch
+                    break
+        return text, logprobs
+
+    async def run():
+        async with async_client:
+            return await asyncio.gather(
+                *(whole(p) for p in prompts[:6]),
+                *(streamed(p) for p in prompts[6:]),
+                streamed(prompts[0], keep=3),
+            )
+
+    results = asyncio.run(run())
+    for (text, logprobs), single in zip(results[:8], alone, strict=True):
+        assert text == single.text
+        np.testing.assert_allclose(logprobs, single.logprobs.token_logprobs, rtol=0, atol=1e-4)
+    dropped_logprobs = results[8][1]
+    np.testing.assert_allclose(dropped_logprobs[:3], alone[0].logprobs.token_logprobs[:3], rtol=0, atol=1e-4)
 
 
 def test_logit_bias_forces_a_token(client, reference):

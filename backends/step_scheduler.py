@@ -1,0 +1,121 @@
+"""One forward pass for whatever concurrent requests need next: continuous batching of rows.
+
+Every dense-row call and every generation step of an engine is a list of rows (token-id prefixes,
+each with its adapter) whose next-token log-probabilities it needs. Submissions queue while the
+engine computes; each pass takes everything queued, so a stream that starts joins the running
+batch at its next step, and one that stops (its caller gone, its future cancelled) is dropped
+before the pass. The engine makes a pass cheap for rows that extend earlier ones (prefix K/V
+reuse), which is what a generation step is: its prompt and the tokens so far.
+
+The callers of a pass come back one after another, each having sampled its token on the event
+loop first; a pass that started with the first of them would leave the rest to the next one. So
+after a pass of several callers the next one waits for as many to come back, at most a quarter
+of a pass's time (`max_wait_s` at most).
+
+When a pass fails, its submissions are retried one by one, so only the one that causes the failure
+gets the error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+Rows = Sequence[Sequence[int]]
+Adapters = Sequence[str | None]
+Pass = Callable[[Rows, Adapters], Awaitable[np.ndarray]]
+
+
+@dataclass
+class _Submission:
+    rows: Rows
+    adapters: Adapters
+    future: asyncio.Future[np.ndarray]
+
+
+class StepScheduler:
+    def __init__(self, run_pass: Pass, *, max_rows: int = 1024, max_wait_s: float = 0.05) -> None:
+        self._run_pass = run_pass  # float32 [rows, vocab] for rows and their adapters, on the engine's thread
+        self.max_rows = max_rows  # rows per pass, beyond one submission's own
+        self.max_wait_s = max_wait_s
+        self._queue: asyncio.Queue[_Submission] = asyncio.Queue()
+        self._worker: asyncio.Task[None] | None = None
+        self._last_callers = 0  # submissions served by the last pass
+        self._last_pass_s = 0.0
+        self.passes = 0  # forward passes run, for tests and benches
+        self.largest = 0  # most submissions merged into one pass
+
+    async def rows(self, rows: Rows, adapters: Adapters) -> np.ndarray:
+        """float32 [len(rows), vocab]: the log-probabilities after each row, computed in a pass
+        shared with whatever else is waiting."""
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._run(), name="step-scheduler")
+        submission = _Submission(rows, adapters, asyncio.get_running_loop().create_future())
+        await self._queue.put(submission)
+        return await submission.future
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._gather(loop)
+            batch = [s for s in batch if not s.future.done()]  # callers that have gone
+            if batch:
+                started = loop.time()
+                await self._serve(batch)
+                self._last_callers, self._last_pass_s = len(batch), loop.time() - started
+
+    async def _gather(self, loop: asyncio.AbstractEventLoop) -> list[_Submission]:
+        batch = [await self._queue.get()]
+        count = len(batch[0].rows)
+        deadline = loop.time() + min(self.max_wait_s, self._last_pass_s / 4)
+        while count < self.max_rows:
+            try:
+                submission = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                remaining = deadline - loop.time()
+                if len(batch) >= self._last_callers or remaining <= 0:
+                    break
+                try:
+                    submission = await asyncio.wait_for(self._queue.get(), remaining)
+                except TimeoutError:
+                    break
+            batch.append(submission)
+            count += len(submission.rows)
+        return batch
+
+    async def _serve(self, batch: list[_Submission]) -> None:
+        rows = [row for s in batch for row in s.rows]
+        adapters = [a for s in batch for a in s.adapters]
+        self.passes += 1
+        self.largest = max(self.largest, len(batch))
+        try:
+            out = await self._run_pass(rows, adapters)
+        except Exception as exc:
+            if len(batch) > 1:
+                log.warning("a pass of %d submissions failed; retrying them one by one", len(batch))
+                for submission in batch:
+                    if not submission.future.done():
+                        await self._serve([submission])
+                return
+            if not batch[0].future.done():
+                batch[0].future.set_exception(exc)
+            return
+        start = 0
+        for submission in batch:
+            end = start + len(submission.rows)
+            if not submission.future.done():
+                submission.future.set_result(out if len(batch) == 1 else out[start:end])
+            start = end
+
+    async def aclose(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._worker

@@ -1,0 +1,172 @@
+"""Continuous batching in the transformers engine: concurrent generation streams and dense rows
+share forward passes, each stream's tokens and log-probabilities as if it ran alone; streams join
+a running batch and leave it at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from backends.base import EngineConfig, SamplingParams
+from backends.step_scheduler import StepScheduler
+from backends.transformers import TransformersEngine
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "The weather today is",
+    "My favourite food is",
+    "In 1969, astronauts",
+    "Water boils at",
+    "The quick brown fox",
+]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, top_logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return TransformersEngine.load(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
+
+
+@pytest.fixture()
+def passes(engine, monkeypatch):
+    """The rows of every forward pass the engine's scheduler runs."""
+    recorded: list[list[tuple[int, ...]]] = []
+    run = engine.steps._run_pass
+
+    async def recording(rows, adapters):
+        recorded.append([tuple(r) for r in rows])
+        return await run(rows, adapters)
+
+    monkeypatch.setattr(engine.steps, "_run_pass", recording)
+    return recorded
+
+
+class FakePass:
+    """A pass that takes `seconds`; each row's answer is its sum."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.sizes: list[int] = []
+
+    async def __call__(self, rows, adapters):
+        self.sizes.append(len(rows))
+        await asyncio.sleep(self.seconds)
+        return np.array([[float(sum(r))] for r in rows], np.float32)
+
+
+async def test_callers_of_a_pass_that_come_back_one_by_one_share_the_next_one():
+    fake = FakePass(0.2)
+    scheduler = StepScheduler(fake)
+
+    async def caller(i: int) -> list[float]:
+        got = []
+        for step in range(3):
+            got.append(float((await scheduler.rows([[i, step]], [None]))[0, 0]))
+            await asyncio.sleep(0.005 * i)  # sampling its token takes a while, longer for some
+        return got
+
+    results = await asyncio.gather(*(caller(i) for i in range(4)))
+    assert results == [[i, i + 1, i + 2] for i in range(4)]
+    assert fake.sizes == [4, 4, 4]  # waited for the stragglers, well inside a quarter pass
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await scheduler.rows([[1]], [None])  # a lone caller after a pass of four: it waits at most the window
+    await scheduler.rows([[2]], [None])  # and after a pass of one, not at all
+    assert loop.time() - started < 0.2 * 2 + 0.05 + 0.1
+    await scheduler.aclose()
+
+
+async def test_a_failing_submission_fails_alone():
+    async def run(rows, adapters):
+        if any(r[0] < 0 for r in rows):
+            raise ValueError("a negative token")
+        return np.array([[float(r[0])] for r in rows], np.float32)
+
+    scheduler = StepScheduler(run)
+    good, bad = await asyncio.gather(
+        scheduler.rows([[1], [2]], [None, None]), scheduler.rows([[-1]], [None]), return_exceptions=True
+    )
+    assert good[:, 0].tolist() == [1.0, 2.0] and isinstance(bad, ValueError)
+    await scheduler.aclose()
+
+
+def ids(engine, text: str) -> list[int]:
+    return engine.tokenizer(text).input_ids
+
+
+async def stream(engine, text: str, params: SamplingParams = GREEDY, stop_after: int | None = None):
+    steps = []
+    generator = engine.generate(ids(engine, text), params)
+    try:
+        async for step in generator:
+            steps.append(step)
+            if stop_after is not None and len(steps) == stop_after:
+                break
+    finally:
+        await generator.aclose()
+    return steps
+
+
+def assert_same(batched, alone) -> None:
+    assert [s.token_id for s in batched] == [s.token_id for s in alone]
+    np.testing.assert_allclose([s.logprob for s in batched], [s.logprob for s in alone], rtol=0, atol=1e-4)
+    for b, a in zip(batched, alone, strict=True):
+        assert b.top_ids.tolist() == a.top_ids.tolist() and b.finish_reason == a.finish_reason
+        np.testing.assert_allclose(b.top_logprobs, a.top_logprobs, rtol=0, atol=1e-4)
+
+
+async def test_concurrent_streams_share_passes_and_each_equals_its_run_alone(engine, passes):
+    alone = [await stream(engine, text) for text in PROMPTS]
+    solo_passes = len(passes)
+    assert solo_passes == sum(len(steps) for steps in alone)  # alone: one pass per step
+    passes.clear()
+    together = await asyncio.gather(*(stream(engine, text) for text in PROMPTS))
+    for batched, single in zip(together, alone, strict=True):
+        assert_same(batched, single)
+    assert max(len(rows) for rows in passes) == len(PROMPTS)  # every stream in one pass
+    assert len(passes) < solo_passes / 4
+
+
+async def test_a_stream_joins_a_running_batch_and_a_stopped_one_leaves_it_at_once(engine, passes):
+    first_alone, second_alone = await stream(engine, PROMPTS[0]), await stream(engine, PROMPTS[1])
+    passes.clear()
+    started = asyncio.Event()
+
+    async def first():
+        steps = []
+        async for step in engine.generate(ids(engine, PROMPTS[0]), GREEDY):
+            steps.append(step)
+            if len(steps) == 4:
+                started.set()
+        return steps
+
+    async def second():
+        await started.wait()  # the first stream is mid-run
+        return await stream(engine, PROMPTS[1], stop_after=5)
+
+    one, two = await asyncio.gather(first(), second())
+    assert_same(one, first_alone)
+    assert_same(two, second_alone[:5])
+    prompt_of_second = tuple(ids(engine, PROMPTS[1]))
+    joined = next(i for i, rows in enumerate(passes) if prompt_of_second in rows)
+    assert len(passes[joined]) == 2  # its prompt ran beside the first stream's next step
+    with_second = [
+        i
+        for i, rows in enumerate(passes)
+        if any(r[: len(prompt_of_second)] == prompt_of_second for r in rows)
+    ]
+    assert len(with_second) == 5  # five steps, then gone: no pass computes a row of it again
+    assert all(len(rows) == 1 for rows in passes[with_second[-1] + 1 :])
+
+
+async def test_dense_rows_and_generation_steps_share_a_pass(engine, passes):
+    rows = [ids(engine, text) for text in PROMPTS[2:5]]
+    alone = await engine.next_token_logprobs(rows)
+    steps, dense = await asyncio.gather(stream(engine, PROMPTS[0]), engine.next_token_logprobs(rows))
+    np.testing.assert_allclose(dense, alone, rtol=0, atol=1e-4)
+    assert any(len(rows_) == len(rows) + 1 for rows_ in passes)  # the rows and a generation step
+    assert len(steps) == GREEDY.max_tokens
