@@ -33,27 +33,35 @@ def top_k(logprobs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 class Sampler:
     """Per-request sampling state: the random generator and the counts for penalties."""
 
-    def __init__(self, params: SamplingParams, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, params: SamplingParams, eos_token_ids: frozenset[int], normalized: bool = False
+    ) -> None:
         self.params = params
         self.eos_token_ids = eos_token_ids
+        self.normalized = normalized  # rows are log-probabilities already (a log_softmax of the logits)
         # numpy refuses negative seeds: use the unsigned 64-bit seed they wrap to
         self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
         self.counts: Counter[int] = Counter()
         self.generated = 0
 
     def step(self, logits: np.ndarray) -> TokenStep:
-        """Pick a token from a [vocab] float32 logits row and report it."""
+        """Pick a token from a [vocab] float32 row of logits (or of log-probabilities, when
+        `normalized`) and report it."""
         p = self.params
-        logprobs = log_softmax(logits)
-        scores = logits.astype(np.float64)
-        if p.logit_bias:
-            ids = np.fromiter(p.logit_bias.keys(), np.int64)
-            scores[ids] += np.fromiter(p.logit_bias.values(), np.float64)
-        if self.counts and (p.presence_penalty or p.frequency_penalty):
-            ids = np.fromiter(self.counts.keys(), np.int64)
-            counts = np.fromiter(self.counts.values(), np.float64)
-            scores[ids] -= p.presence_penalty + p.frequency_penalty * counts
-        token = int(np.argmax(scores)) if p.temperature < GREEDY_BELOW else self._sample(scores)
+        logprobs = logits if self.normalized else log_softmax(logits)
+        penalised = bool(self.counts) and bool(p.presence_penalty or p.frequency_penalty)
+        if p.temperature < GREEDY_BELOW and not p.logit_bias and not penalised:
+            token = int(np.argmax(logits))  # float32 orders as float64 does: no copy for greedy
+        else:
+            scores = logits.astype(np.float64)
+            if p.logit_bias:
+                ids = np.fromiter(p.logit_bias.keys(), np.int64)
+                scores[ids] += np.fromiter(p.logit_bias.values(), np.float64)
+            if penalised:
+                ids = np.fromiter(self.counts.keys(), np.int64)
+                counts = np.fromiter(self.counts.values(), np.float64)
+                scores[ids] -= p.presence_penalty + p.frequency_penalty * counts
+            token = int(np.argmax(scores)) if p.temperature < GREEDY_BELOW else self._sample(scores)
         self.counts[token] += 1
         self.generated += 1
         top_ids, top_vals = top_k(logprobs, p.top_logprobs)
@@ -83,16 +91,17 @@ async def sample_tokens(
     params: SamplingParams,
     eos_token_ids: frozenset[int],
     next_logits: Callable[[int | None], Awaitable[np.ndarray]],
+    normalized: bool = False,
 ) -> AsyncIterator[TokenStep]:
     """The generation loop of the engines that sample themselves.
 
     `next_logits(None)` runs the prompt and returns its last logits row; `next_logits(token)`
-    appends the sampled token and returns the next row. Nothing runs ahead of the consumer, so a
+    appends the sampled token and returns the next row (rows of log-probabilities if `normalized`). Nothing runs ahead of the consumer, so a
     caller that stops iterating (stop string, disconnect) wastes no forward pass.
     """
     if params.max_tokens <= 0:
         return
-    sampler = Sampler(params, eos_token_ids)
+    sampler = Sampler(params, eos_token_ids, normalized)
     logits = await next_logits(None)
     while True:
         step = sampler.step(logits)

@@ -369,15 +369,17 @@ class TransformersEngine(Engine):
         state = _DecodeState()
 
         async def next_logits(token: int | None) -> np.ndarray:
-            # log-probabilities, not logits: the sampler's choices and scores are the same (a
-            # constant shift of every logit changes neither).
+            # Through the scheduler, rows of log-probabilities: the sampler's choices are those
+            # of the logits (a constant shift of every logit changes none), its scores the rows.
             if token is not None:
                 sequence.append(token)
             if self.prefix_cache is not None:
                 return (await self.steps.rows([tuple(sequence)], [adapter]))[0]
             return await self._run(self._forward, state, sequence if token is None else [token], adapter)
 
-        async for step in sample_tokens(params, self.eos_token_ids, next_logits):
+        async for step in sample_tokens(
+            params, self.eos_token_ids, next_logits, self.prefix_cache is not None
+        ):
             yield step
 
     @torch.inference_mode()

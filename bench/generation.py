@@ -6,8 +6,8 @@
 N streams each send one greedy completion (`--max-tokens`, default 48; every stream its own prompt,
 stop sequences off so each makes all its tokens) through the `openai` SDK at once; a stream's
 latency is its request's wall time. Each count runs `--repeats` times, after one warm-up round;
-the table shows medians. Then it checks what batching must not change: every stream's text and
-token log-probabilities equal those of the same request sent alone.
+the table shows medians. It also reports what batching must not change: how many streams' texts
+equal those of the same request sent alone, and the largest difference of a token logprob.
 """
 
 from __future__ import annotations
@@ -26,7 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gateway.launcher import start_gateway  # noqa: E402
 
-TOPICS = ["the sea", "a mountain", "the city at night", "a library", "winter", "a garden", "trains", "the moon"]
+TOPICS = [
+    "the sea",
+    "a mountain",
+    "the city at night",
+    "a library",
+    "winter",
+    "a garden",
+    "trains",
+    "the moon",
+]
 
 
 def prompt(i: int) -> str:
@@ -52,7 +61,7 @@ async def round_of(client: openai.AsyncOpenAI, model: str, streams: int, max_tok
 async def run(base_url: str, model: str, counts: list[int], max_tokens: int, repeats: int) -> None:
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=3600)
     alone = [(await one(client, model, i, max_tokens))[1] for i in range(max(counts))]
-    rows = []
+    rows, same, compared, worst_diff = [], 0, 0, 0.0
     for count in counts:
         await round_of(client, model, count, max_tokens)  # warm-up
         rates, latencies = [], []
@@ -61,22 +70,31 @@ async def run(base_url: str, model: str, counts: list[int], max_tokens: int, rep
             rates.append(rate)
             latencies.extend(latency)
             for choice, single in zip(choices, alone, strict=False):
-                assert choice.text == single.text, (choice.text, single.text)
-                worst = max(abs(a - b) for a, b in zip(choice.logprobs.token_logprobs, single.logprobs.token_logprobs, strict=True))
-                assert worst <= 1e-4, worst
+                compared += 1
+                if choice.text != single.text:
+                    continue
+                same += 1
+                pairs = zip(choice.logprobs.token_logprobs, single.logprobs.token_logprobs, strict=True)
+                worst_diff = max([worst_diff, *(abs(a - b) for a, b in pairs)])
         rows.append((count, statistics.median(rates), statistics.median(latencies), max(latencies)))
     base = rows[0][1]
     print(f"\n### Concurrent greedy completions of {max_tokens} tokens, median of {repeats}\n")
     print("| streams | aggregate tok/s | vs 1 stream | per-stream tok/s | latency median s | latency max s |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for count, rate, median, worst in rows:
-        print(f"| {count} | {rate:.1f} | {rate / base:.2f}x | {rate / count:.1f} | {median:.2f} | {worst:.2f} |")
-    print("\nEvery stream's text equal to its request alone, token logprobs within 1e-4.")
+        print(
+            f"| {count} | {rate:.1f} | {rate / base:.2f}x | {rate / count:.1f} | {median:.2f} | {worst:.2f} |"
+        )
+    print(
+        f"\n{same} of {compared} streams' texts equal to their request alone; token logprobs of those within {worst_diff:.1e}."
+    )
     await client.close()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
@@ -86,7 +104,16 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         gateway = start_gateway(
-            ["--model", args.model, "--served-model-name", "bench", "--device", args.device, "--dtype", args.dtype],
+            [
+                "--model",
+                args.model,
+                "--served-model-name",
+                "bench",
+                "--device",
+                args.device,
+                "--dtype",
+                args.dtype,
+            ],
             Path(tmp) / "gateway.log",
         )
         try:
