@@ -11,6 +11,9 @@ on the CPU and bfloat16 on Apple silicon's GPU, whatever dtype the checkpoint wa
 Generation reuses KV state across requests: prompts are prefilled from the longest cached prefix
 of the same adapter (mlx-lm's LRUPromptCache, bounded by the `prompt_cache_bytes` option,
 256 MiB by default), so chat turns and shared system prompts cost only their new tokens.
+Concurrent streams decode together (backends/step_scheduler.py): each pass merges the K/V of the
+streams that wait for a token into one mlx-lm BatchKVCache, runs one forward pass, and hands each
+stream its K/V back; a stream that starts joins at its next step, one that stops is dropped.
 
 LoRA adapters (PEFT format) apply per row, so one forward pass serves several adapters and the
 base (see mlx_lora.py).
@@ -29,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
-from mlx_lm.models.cache import BatchKVCache, LRUPromptCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, LRUPromptCache, make_prompt_cache, trim_prompt_cache
 from transformers import AutoTokenizer
 
 from backends.base import (
@@ -43,10 +46,24 @@ from backends.base import (
 from backends.builtin_models import resolve_model_dir
 from backends.mlx_lora import AdapterSet
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
+from backends.step_scheduler import StepScheduler
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+class _Stream:
+    """A generation stream: its K/V per layer (empty until its prompt has run) and its adapter."""
+
+    __slots__ = ("cache", "adapter")
+
+    def __init__(self, adapter: str | None) -> None:
+        self.cache: list[Any] = []
+        self.adapter = adapter
+
+
+Step = tuple[_Stream, list[int]]  # a stream and the tokens to run: its prompt, or its last token
 
 
 def _log_softmax(logits: mx.array) -> np.ndarray:
@@ -79,6 +96,7 @@ class MlxEngine(Engine):
         self._adapters = AdapterSet(model)
         self._prompt_cache = LRUPromptCache(max_size=64, max_bytes=prompt_cache_bytes)
         self.prompt_tokens_computed = 0  # prompt tokens prefilled (not served from the prompt cache)
+        self.steps: StepScheduler[Step] = StepScheduler(lambda steps: self._run(self._step_pass, steps))
 
     def _float32_head(self) -> mx.array | None:
         """The output projection in float32, for llama-family models run in a 16-bit dtype."""
@@ -165,17 +183,42 @@ class MlxEngine(Engine):
     async def generate(
         self, ids: Sequence[int], params: SamplingParams, adapter: str | None = None
     ) -> AsyncIterator[TokenStep]:
-        cache: list[Any] = []
+        stream = _Stream(adapter)
 
         async def next_logits(token: int | None) -> np.ndarray:
-            if token is None:
-                prompt_cache, logits = await self._run(self._prefill, list(ids), adapter)
-                cache.extend(prompt_cache)
-                return logits
-            return await self._run(self._forward, cache, [token], adapter)
+            return (await self.steps.submit([(stream, list(ids) if token is None else [token])]))[0]
 
         async for step in sample_tokens(params, self.eos_token_ids, next_logits):
             yield step
+
+    def _step_pass(self, steps: list[Step]) -> np.ndarray:
+        """Logits after each step: prompts prefilled one by one, the streams' next tokens in one
+        forward pass over their merged K/V (alone when a cache is not plain KVCache, e.g. a
+        sliding window's)."""
+        out = np.empty((len(steps), self.vocab_size), dtype=np.float32)
+        decoding = []
+        for i, (stream, ids) in enumerate(steps):
+            if not stream.cache:
+                stream.cache, out[i] = self._prefill(ids, stream.adapter)
+            elif len(steps) > 1 and all(type(layer) is KVCache for layer in stream.cache):
+                decoding.append(i)
+            else:
+                out[i] = self._forward(stream.cache, ids, stream.adapter)
+        if len(decoding) == 1:
+            stream, ids = steps[decoding[0]]
+            out[decoding[0]] = self._forward(stream.cache, ids, stream.adapter)
+        elif decoding:
+            streams = [steps[i][0] for i in decoding]
+            batch = [
+                BatchKVCache.merge([s.cache[layer] for s in streams])
+                for layer in range(len(streams[0].cache))
+            ]
+            self._adapters.set_rows([s.adapter for s in streams])
+            logits = self.model(mx.array([steps[i][1] for i in decoding]), cache=batch)[:, -1]
+            out[decoding] = np.array(logits.astype(mx.float32))
+            for row, s in enumerate(streams):
+                s.cache = [layer.extract(row) for layer in batch]
+        return out
 
     def _prefill(self, ids: list[int], adapter: str | None) -> tuple[list[Any], np.ndarray]:
         """Start from the cached KV state of the longest known prefix (of the same adapter), run
@@ -198,4 +241,5 @@ class MlxEngine(Engine):
         return np.array(logits.astype(mx.float32))
 
     async def aclose(self) -> None:
+        await self.steps.aclose()
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,7 +1,8 @@
-"""One forward pass for whatever concurrent requests need next: continuous batching of rows.
+"""One forward pass for whatever concurrent requests need next: continuous batching.
 
-Every dense-row call and every generation step of an engine is a list of rows (token-id prefixes,
-each with its adapter) whose next-token log-probabilities it needs. Submissions queue while the
+Every dense-row call and every generation step of an engine is a list of items (for the
+transformers engine a token-id prefix and its adapter; for MLX a stream's state and its next
+token) whose next-token rows it needs. Submissions queue while the
 engine computes; each pass takes everything queued, so a stream that starts joins the running
 batch at its next step, and one that stops (its caller gone, its future cancelled) is dropped
 before the pass. The engine makes a pass cheap for rows that extend earlier ones (prefix K/V
@@ -23,41 +24,45 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
-Rows = Sequence[Sequence[int]]
-Adapters = Sequence[str | None]
-Pass = Callable[[Rows, Adapters], Awaitable[np.ndarray]]
+Item = TypeVar("Item")
 
 
 @dataclass
-class _Submission:
-    rows: Rows
-    adapters: Adapters
+class _Submission(Generic[Item]):
+    items: Sequence[Item]
     future: asyncio.Future[np.ndarray]
 
 
-class StepScheduler:
-    def __init__(self, run_pass: Pass, *, max_rows: int = 1024, max_wait_s: float = 0.05) -> None:
-        self._run_pass = run_pass  # float32 [rows, vocab] for rows and their adapters, on the engine's thread
-        self.max_rows = max_rows  # rows per pass, beyond one submission's own
+class StepScheduler(Generic[Item]):
+    def __init__(
+        self,
+        run_pass: Callable[[list[Item]], Awaitable[np.ndarray]],
+        *,
+        max_rows: int = 1024,
+        max_wait_s: float = 0.05,
+    ) -> None:
+        self._run_pass = run_pass  # float32 [items, vocab], in item order, on the engine's thread
+        self.max_rows = max_rows  # items per pass, beyond one submission's own
         self.max_wait_s = max_wait_s
-        self._queue: asyncio.Queue[_Submission] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Submission[Item]] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None
         self._last_callers = 0  # submissions served by the last pass
         self._last_pass_s = 0.0
         self.passes = 0  # forward passes run, for tests and benches
         self.largest = 0  # most submissions merged into one pass
 
-    async def rows(self, rows: Rows, adapters: Adapters) -> np.ndarray:
-        """float32 [len(rows), vocab]: the log-probabilities after each row, computed in a pass
-        shared with whatever else is waiting."""
+    async def submit(self, items: Sequence[Item]) -> np.ndarray:
+        """float32 [len(items), vocab], a row per item, computed in a pass shared with whatever
+        else is waiting."""
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run(), name="step-scheduler")
-        submission = _Submission(rows, adapters, asyncio.get_running_loop().create_future())
+        submission = _Submission(items, asyncio.get_running_loop().create_future())
         await self._queue.put(submission)
         return await submission.future
 
@@ -71,9 +76,9 @@ class StepScheduler:
                 await self._serve(batch)
                 self._last_callers, self._last_pass_s = len(batch), loop.time() - started
 
-    async def _gather(self, loop: asyncio.AbstractEventLoop) -> list[_Submission]:
+    async def _gather(self, loop: asyncio.AbstractEventLoop) -> list[_Submission[Item]]:
         batch = [await self._queue.get()]
-        count = len(batch[0].rows)
+        count = len(batch[0].items)
         deadline = loop.time() + min(self.max_wait_s, self._last_pass_s / 4)
         while count < self.max_rows:
             try:
@@ -87,16 +92,15 @@ class StepScheduler:
                 except TimeoutError:
                     break
             batch.append(submission)
-            count += len(submission.rows)
+            count += len(submission.items)
         return batch
 
-    async def _serve(self, batch: list[_Submission]) -> None:
-        rows = [row for s in batch for row in s.rows]
-        adapters = [a for s in batch for a in s.adapters]
+    async def _serve(self, batch: list[_Submission[Item]]) -> None:
+        items = [item for s in batch for item in s.items]
         self.passes += 1
         self.largest = max(self.largest, len(batch))
         try:
-            out = await self._run_pass(rows, adapters)
+            out = await self._run_pass(items)
         except Exception as exc:
             if len(batch) > 1:
                 log.warning("a pass of %d submissions failed; retrying them one by one", len(batch))
@@ -109,7 +113,7 @@ class StepScheduler:
             return
         start = 0
         for submission in batch:
-            end = start + len(submission.rows)
+            end = start + len(submission.items)
             if not submission.future.done():
                 submission.future.set_result(out if len(batch) == 1 else out[start:end])
             start = end

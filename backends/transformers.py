@@ -144,9 +144,7 @@ class TransformersEngine(Engine):
             )
         )
         # Dense rows and generation steps of concurrent requests share forward passes.
-        self.steps = StepScheduler(
-            lambda rows, adapters: self._run(self._next_token_logprobs, rows, adapters)
-        )
+        self.steps: StepScheduler[tuple[Sequence[int], str | None]] = StepScheduler(self._pass)
         self.prefix_cache: PrefixCache | None = None
         if prefix_cache_bytes and supports_prefix_cache(model):
             self.prefix_cache = PrefixCache(prefix_cache_bytes)
@@ -234,7 +232,10 @@ class TransformersEngine(Engine):
     async def next_token_logprobs(
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None
     ) -> np.ndarray:
-        return await self.steps.rows(rows, adapters or [None] * len(rows))
+        return await self.steps.submit(list(zip(rows, adapters or [None] * len(rows), strict=True)))
+
+    async def _pass(self, items: list[tuple[Sequence[int], str | None]]) -> np.ndarray:
+        return await self._run(self._next_token_logprobs, [r for r, _ in items], [a for _, a in items])
 
     def _next_token_logprobs(
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]
@@ -374,7 +375,7 @@ class TransformersEngine(Engine):
             if token is not None:
                 sequence.append(token)
             if self.prefix_cache is not None:
-                return (await self.steps.rows([tuple(sequence)], [adapter]))[0]
+                return (await self.steps.submit([(tuple(sequence), adapter)]))[0]
             return await self._run(self._forward, state, sequence if token is None else [token], adapter)
 
         async for step in sample_tokens(

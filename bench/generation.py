@@ -2,6 +2,7 @@
 
     python bench/generation.py                                  # SmolLM2-135M, CPU, float32, 1 and 8 streams
     python bench/generation.py --streams 1 8 32 64 --device cuda --dtype bfloat16 --model DIR
+    python bench/generation.py --backend mlx                     # the MLX engine (CPU build on Linux)
 
 N streams each send one greedy completion (`--max-tokens`, default 48; every stream its own prompt,
 stop sequences off so each makes all its tokens) through the `openai` SDK at once; a stream's
@@ -96,6 +97,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--backend", default="transformers")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])

@@ -123,6 +123,48 @@ def peft_row(model, ids):
         return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1).numpy()
 
 
+async def test_concurrent_streams_decode_together_each_as_if_alone(model_dir, lora, reference, monkeypatch):
+    import asyncio
+
+    paths, _ = lora
+    engine = MlxEngine.load(EngineConfig(model=str(model_dir)))
+    await engine.load_adapter("a", str(paths["a"]))
+    prompts = [reference.tokenizer(t).input_ids for t in [*TEXTS, "Once upon a time", "def f(x):"]]
+    adapters = [None, "a", None, "a", None]
+    params = SamplingParams(max_tokens=12, temperature=0, top_logprobs=2)
+
+    async def run(ids, adapter, stop_after=None):
+        steps = []
+        generator = engine.generate(ids, params, adapter)
+        async for step in generator:
+            steps.append(step)
+            if stop_after is not None and len(steps) == stop_after:
+                break
+        await generator.aclose()
+        return steps
+
+    alone = [await run(ids, a) for ids, a in zip(prompts, adapters, strict=True)]
+    sizes = []
+    run_pass = engine.steps._run_pass
+
+    async def recording(steps):
+        sizes.append(sum(1 for stream, _ in steps if stream.cache))  # streams decoding in it
+        return await run_pass(steps)
+
+    monkeypatch.setattr(engine.steps, "_run_pass", recording)
+    together = await asyncio.gather(
+        *(run(ids, a) for ids, a in zip(prompts, adapters, strict=True)), run(prompts[0], None, stop_after=3)
+    )
+    for batched, single in zip(together, alone, strict=False):
+        assert [s.token_id for s in batched] == [s.token_id for s in single]
+        np.testing.assert_allclose(
+            [s.logprob for s in batched], [s.logprob for s in single], rtol=0, atol=1e-4
+        )
+    assert [s.token_id for s in together[-1]] == [s.token_id for s in alone[0][:3]]
+    assert max(sizes) == len(prompts) + 1  # every stream decoding in one pass
+    assert len(sizes) < sum(len(steps) for steps in alone) / 3
+
+
 async def test_lora_rows_match_peft_in_mixed_batches(model_dir, lora, reference):
     paths, references = lora
     engine = MlxEngine.load(EngineConfig(model=str(model_dir)))

@@ -37,9 +37,9 @@ def passes(engine, monkeypatch):
     recorded: list[list[tuple[int, ...]]] = []
     run = engine.steps._run_pass
 
-    async def recording(rows, adapters):
-        recorded.append([tuple(r) for r in rows])
-        return await run(rows, adapters)
+    async def recording(items):
+        recorded.append([tuple(r) for r, _ in items])
+        return await run(items)
 
     monkeypatch.setattr(engine.steps, "_run_pass", recording)
     return recorded
@@ -52,7 +52,7 @@ class FakePass:
         self.seconds = seconds
         self.sizes: list[int] = []
 
-    async def __call__(self, rows, adapters):
+    async def __call__(self, rows):
         self.sizes.append(len(rows))
         await asyncio.sleep(self.seconds)
         return np.array([[float(sum(r))] for r in rows], np.float32)
@@ -65,7 +65,7 @@ async def test_callers_of_a_pass_that_come_back_one_by_one_share_the_next_one():
     async def caller(i: int) -> list[float]:
         got = []
         for step in range(3):
-            got.append(float((await scheduler.rows([[i, step]], [None]))[0, 0]))
+            got.append(float((await scheduler.submit([[i, step]]))[0, 0]))
             await asyncio.sleep(0.005 * i)  # sampling its token takes a while, longer for some
         return got
 
@@ -74,21 +74,21 @@ async def test_callers_of_a_pass_that_come_back_one_by_one_share_the_next_one():
     assert fake.sizes == [4, 4, 4]  # waited for the stragglers, well inside a quarter pass
     loop = asyncio.get_running_loop()
     started = loop.time()
-    await scheduler.rows([[1]], [None])  # a lone caller after a pass of four: it waits at most the window
-    await scheduler.rows([[2]], [None])  # and after a pass of one, not at all
+    await scheduler.submit([[1]])  # a lone caller after a pass of four: it waits at most the window
+    await scheduler.submit([[2]])  # and after a pass of one, not at all
     assert loop.time() - started < 0.2 * 2 + 0.05 + 0.1
     await scheduler.aclose()
 
 
 async def test_a_failing_submission_fails_alone():
-    async def run(rows, adapters):
+    async def run(rows):
         if any(r[0] < 0 for r in rows):
             raise ValueError("a negative token")
         return np.array([[float(r[0])] for r in rows], np.float32)
 
     scheduler = StepScheduler(run)
     good, bad = await asyncio.gather(
-        scheduler.rows([[1], [2]], [None, None]), scheduler.rows([[-1]], [None]), return_exceptions=True
+        scheduler.submit([[1], [2]]), scheduler.submit([[-1]]), return_exceptions=True
     )
     assert good[:, 0].tolist() == [1.0, 2.0] and isinstance(bad, ValueError)
     await scheduler.aclose()
