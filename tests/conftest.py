@@ -49,6 +49,15 @@ def require_engine_library(name: str) -> None:
         pytest.skip(f"{name} is not installed", allow_module_level=True)
 
 
+def requires_cuda(test: Callable) -> Callable:
+    """Marked `cuda` (`pytest -m cuda` on a GPU machine), skipped without a CUDA GPU."""
+    import torch
+
+    return pytest.mark.cuda(
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test)
+    )
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     return resolve_model_dir(MODEL)

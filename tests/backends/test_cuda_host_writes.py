@@ -13,22 +13,14 @@ import threading
 import time
 
 import numpy as np
-import pytest
 import torch
 from litestar.testing import TestClient
 
 from backends.host_copy import _until
 from gateway.app import serving_app
 from gateway.settings import CacheSettings, ModelSettings, Settings
+from tests.conftest import requires_cuda as cuda
 from tests.gateway.test_direct_rows import ask, memfd
-
-
-def cuda(test):
-    """Marked `cuda` (`pytest -m cuda` on a GPU machine), skipped without a GPU."""
-    return pytest.mark.cuda(
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test)
-    )
-
 
 ROWS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]
 

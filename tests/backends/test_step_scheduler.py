@@ -12,6 +12,7 @@ import pytest
 from backends.base import EngineConfig, SamplingParams
 from backends.step_scheduler import StepScheduler
 from backends.transformers import TransformersEngine
+from tests.conftest import requires_cuda
 
 PROMPTS = [
     "The capital of France is",
@@ -170,3 +171,17 @@ async def test_dense_rows_and_generation_steps_share_a_pass(engine, passes):
     np.testing.assert_allclose(dense, alone, rtol=0, atol=1e-4)
     assert any(len(rows_) == len(rows) + 1 for rows_ in passes)  # the rows and a generation step
     assert len(steps) == GREEDY.max_tokens
+
+
+@requires_cuda
+async def test_on_the_gpu_concurrent_streams_equal_their_runs_alone(model_dir):
+    gpu = TransformersEngine.load(EngineConfig(model=str(model_dir), dtype="float32", device="cuda"))
+    try:
+        alone = [await stream(gpu, text) for text in PROMPTS]
+        passes = gpu.steps.passes
+        together = await asyncio.gather(*(stream(gpu, text) for text in PROMPTS))
+        for batched, single in zip(together, alone, strict=True):
+            assert_same(batched, single)
+        assert gpu.steps.largest == len(PROMPTS) and gpu.steps.passes - passes < sum(map(len, alone)) / 4
+    finally:
+        await gpu.aclose()
