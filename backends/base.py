@@ -109,6 +109,10 @@ class WrittenRows:
     landed: Callable[[], Awaitable[None]]
 
 
+async def already_landed() -> None:
+    """`WrittenRows.landed` of rows that are in place when the call returns."""
+
+
 class HostWrites(ABC):
     """An engine capability (`Engine.host_writes`): rows written from the engine's device straight
     into host memory that the caller registered with it, one copy where going through memory of

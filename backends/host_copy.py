@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import numpy as np
 import torch
 
-from backends.base import HostWrites, WrittenRows
+from backends.base import HostWrites, WrittenRows, already_landed
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +50,6 @@ def unregister_host_memory(address: int) -> None:
         log.warning("cannot unregister host memory from CUDA: %s", error)
 
 
-async def _landed_already() -> None:
-    return None
-
-
 async def _until(event: torch.cuda.Event) -> None:
     # By the caller's next engine call the copy has long landed: a thread that waits for it would
     # only cost wake-ups, so the event is asked first.
@@ -70,7 +66,7 @@ def write_rows_into(rows: torch.Tensor, into: np.ndarray, keep: bool) -> Written
     written.record(stream)
     if not keep:
         written.synchronize()
-        return WrittenRows(into, _landed_already)
+        return WrittenRows(into, already_landed)
     own = _page_locked_like(rows).copy_(rows, non_blocking=True)
     landed = torch.cuda.Event()
     landed.record(stream)

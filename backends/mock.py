@@ -26,10 +26,6 @@ from backends.builtin_models import resolve_model_dir
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
 
 
-async def _landed() -> None:
-    return None
-
-
 class MockHostWrites(base.HostWrites):
     """Writes rows into the caller's memory itself, as a GPU engine does; registrations are
     recorded (`calls`), and so is each write's `keep`."""
@@ -52,7 +48,7 @@ class MockHostWrites(base.HostWrites):
         out = await self.engine.next_token_logprobs(rows, adapters)
         into[...] = out
         self.keeps.append(keep)
-        return base.WrittenRows(out if keep else into, _landed)
+        return base.WrittenRows(out if keep else into, base.already_landed)
 
 
 class MockEngine(Engine):

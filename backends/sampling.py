@@ -96,8 +96,9 @@ async def sample_tokens(
     """The generation loop of the engines that sample themselves.
 
     `next_logits(None)` runs the prompt and returns its last logits row; `next_logits(token)`
-    appends the sampled token and returns the next row (rows of log-probabilities if `normalized`). Nothing runs ahead of the consumer, so a
-    caller that stops iterating (stop string, disconnect) wastes no forward pass.
+    appends the sampled token and returns the next row (rows of log-probabilities if
+    `normalized`). Nothing runs ahead of the consumer, so a caller that stops iterating (stop
+    string, disconnect) wastes no forward pass.
     """
     if params.max_tokens <= 0:
         return
