@@ -43,6 +43,7 @@ from backends.base import (
 )
 from backends.batch_layout import left_padded, mask_if_padded, plan_groups
 from backends.builtin_models import resolve_model_dir
+from backends.decode_lane import DecodeLane, lane_supported
 from backends.host_copy import CudaHostWrites, release_pinned_memory, rows_to_host, write_rows_into
 from backends.prefix_cache import PrefixCache
 from backends.sampling import sample_tokens
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_TOKENS = 16384  # bounds a dense forward pass's activations, whatever the row count
 DEFAULT_PINNED_BYTES = 1 << 30  # page-locked host memory kept cached, beyond which unused blocks go
+DEFAULT_LANE_ROWS = 512  # most rows a decode-lane step holds (CUDA; off on the CPU)
 T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -123,6 +125,7 @@ class TransformersEngine(Engine):
         prefix_cache_bytes: int = 0,
         max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
         pinned_host_bytes: int = DEFAULT_PINNED_BYTES,
+        decode_lane_rows: int = 0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -150,6 +153,11 @@ class TransformersEngine(Engine):
             self.prefix_cache = PrefixCache(prefix_cache_bytes)
         elif prefix_cache_bytes:
             log.info("%s: no prefix K/V reuse for this attention type", model_path)
+        self.lane: DecodeLane | None = None
+        if decode_lane_rows and self.prefix_cache is not None and lane_supported():
+            self.lane = DecodeLane(
+                model, max_slots=decode_lane_rows, max_bytes=prefix_cache_bytes, graphs=self.device.type == "cuda"
+            )
 
     @classmethod
     def load(cls, config: EngineConfig) -> TransformersEngine:
@@ -175,6 +183,9 @@ class TransformersEngine(Engine):
             prefix_cache_bytes=prefix_cache_bytes(config.options, device),
             max_batch_tokens=_positive_int(config.options, "max_batch_tokens", DEFAULT_BATCH_TOKENS),
             pinned_host_bytes=_positive_int(config.options, "pinned_host_bytes", DEFAULT_PINNED_BYTES, 0),
+            decode_lane_rows=_positive_int(
+                config.options, "decode_lane_rows", DEFAULT_LANE_ROWS if device.type == "cuda" else 0, 0
+            ),
         )
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -198,6 +209,8 @@ class TransformersEngine(Engine):
 
         if self.prefix_cache is not None:  # K/V computed under an earlier adapter of this name
             self.prefix_cache.drop_adapter(name)
+        if self.lane is not None:  # its graphs call the modules PEFT is about to wrap
+            self.lane.clear()
         try:
             if self._peft is None:
                 self._peft = PeftModel.from_pretrained(
@@ -224,6 +237,9 @@ class TransformersEngine(Engine):
         if len(self._peft.peft_config) == 1:  # the last one: back to the plain model
             self.model = self._peft.unload()
             self._peft = None
+            if self.lane is not None:
+                self.lane.clear()
+                self.lane.model = self.model
         else:
             self._peft.delete_adapter(name)
 
@@ -258,26 +274,55 @@ class TransformersEngine(Engine):
     @torch.inference_mode()
     def _device_logprobs(self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]) -> torch.Tensor:
         """float32 [len(rows), vocab] on the model's device."""
-        cache = self.prefix_cache
-        matches = [cache.match(a, r) if cache else (None, 0) for a, r in zip(adapters, rows, strict=True)]
-        # Tokens each row must run through the model: those after its cached prefix, at least one.
-        todo = [len(r) - min(depth, len(r) - 1) for r, (_, depth) in zip(rows, matches, strict=True)]
         out: torch.Tensor | None = None  # [rows, vocab] float32 on the model's device
+
+        def place(group: list[int], logprobs: torch.Tensor) -> None:
+            nonlocal out
+            if group == list(range(len(rows))):
+                out = logprobs  # one pass, rows in order: its result is the answer
+                return
+            if out is None:
+                out = logprobs.new_empty((len(rows), self.vocab_size))
+            out[torch.tensor(group, device=self.device)] = logprobs
+
+        lane = self.lane if self._peft is None else None  # base-model rows only
+        parents = lane.parents(rows) if lane is not None else [None] * len(rows)
+        parents = [p if a is None else None for p, a in zip(parents, adapters, strict=True)]
+        stepped = [i for i, p in enumerate(parents) if p is not None]
+        if lane is not None and stepped and lane.fits(len(stepped), max(len(rows[i]) for i in stepped) + 1):
+            part = [rows[i] for i in stepped]
+            place(stepped, lane.step(part, [parents[i] for i in stepped]))  # type: ignore[misc]
+            self._count_tokens(part, reused=sum(map(len, part)) - len(part))
+        else:
+            stepped = []
+        rest = [i for i in range(len(rows)) if not stepped or parents[i] is None]
+        if not rest:
+            assert out is not None
+            return out
+        cache = self.prefix_cache
+        matches = [cache.match(adapters[i], rows[i]) if cache else (None, 0) for i in rest]
+        # Tokens each row must run through the model: those after its cached prefix, at least one.
+        todo = [len(rows[i]) - min(depth, len(rows[i]) - 1) for i, (_, depth) in zip(rest, matches, strict=True)]
+        passes = []  # (K/V, rows) of each forward pass, for the decode lane
         for group in plan_groups(todo, self.max_batch_tokens):
-            part = [rows[i] for i in group]
-            names = [adapters[i] for i in group]
+            part = [rows[rest[j]] for j in group]
+            names = [adapters[rest[j]] for j in group]
             if cache is None:
                 logprobs = self._uncached_logprobs(part, names)
             else:
-                logprobs = self._cached_logprobs(part, names, [matches[i] for i in group], cache)
-            if group == list(range(len(rows))):
-                out = logprobs  # one pass, rows in order: its result is the answer
-            else:
-                if out is None:
-                    out = logprobs.new_empty((len(rows), self.vocab_size))
-                out[torch.tensor(group, device=self.device)] = logprobs
+                logprobs, layers = self._cached_logprobs(part, names, [matches[j] for j in group], cache)
+                passes.append((layers, part))
+            place([rest[j] for j in group], logprobs)
+        if lane is not None and passes:
+            own = lane.own_rows() if stepped else None
+            lane.refill(([own] if own else []) + passes)
         assert out is not None
         return out
+
+    def _count_tokens(self, rows: Sequence[Sequence[int]], reused: int) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.stats.reused_tokens += reused
+            self.prefix_cache.stats.computed_tokens += sum(map(len, rows)) - reused
 
     def _uncached_logprobs(
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]
@@ -301,7 +346,7 @@ class TransformersEngine(Engine):
         adapters: Sequence[str | None],
         matches: Sequence[tuple[Any, int]],
         prefix_cache: PrefixCache,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         # The batch's layout is the uncached one, [pad][row], with the first `past` columns taken
         # from the cache: rows whose cached prefix ends earlier than their share of those columns
         # recompute the rest in the new-token window, where they would otherwise hold padding.
@@ -328,9 +373,8 @@ class TransformersEngine(Engine):
         # Stored while the GPU still computes: the trie's bookkeeping overlaps the forward pass.
         layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         prefix_cache.store(list(zip(adapters, rows, strict=True)), layers)
-        prefix_cache.stats.reused_tokens += sum(reused)
-        prefix_cache.stats.computed_tokens += sum(len(r) for r in rows) - sum(reused)
-        return logprobs
+        self._count_tokens(rows, sum(reused))
+        return logprobs, layers
 
     # -- prompt scoring -------------------------------------------------------------------------
 

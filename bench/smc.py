@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -257,8 +258,10 @@ def start_bench_gateway(
     cache = (
         "enabled = false" if mode == "gateway-nocache" else cache_bytes and f"memory_bytes = {cache_bytes}"
     )
+    options = ", ".join(f"{key} = {value}" for key, value in args.engine_option)
     toml.write_text(
         f'[[models]]\nname = "smc"\nmodel = "{model_dir}"\ndtype = "{args.dtype}"\ndevice = "{args.device}"\n'
+        + f"options = {{{options}}}\n"
         + (f"[cache]\n{cache}\n" if cache else "")
     )
     gateway = start_gateway(["--config", str(toml), *args.gateway_arg], tmp / f"{mode}.log")
@@ -324,7 +327,12 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
     async with contextlib.AsyncExitStack() as stack:
         if "engine" in args.modes:
             engine = TransformersEngine.load(
-                EngineConfig(model=str(model_dir), dtype=args.dtype, device=args.device)
+                EngineConfig(
+                    model=str(model_dir),
+                    dtype=args.dtype,
+                    device=args.device,
+                    options={key: tomllib.loads(f"v = {value}")["v"] for key, value in args.engine_option},
+                )
             )
             stack.push_async_callback(engine.aclose)
             ways["engine"] = lambda p, r: engine_rows(engine)
@@ -409,6 +417,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=Path("smc.png"))
     parser.add_argument("--gateway-arg", action="append", default=[], help="extra `serve` flags")
+    parser.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        type=lambda text: tuple(text.split("=", 1)),
+        metavar="KEY=VALUE",
+        help="an engine option (a TOML value) for the engine and every gateway, e.g. decode_lane_rows=0",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--replot", type=Path, help="print and plot the results of an earlier --json")
     args = parser.parse_args()

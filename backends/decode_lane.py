@@ -1,0 +1,252 @@
+"""The decode lane: dense rows that extend the last pass's rows by one token, in one fixed-shape step.
+
+Sequential Monte Carlo and concurrent generation streams ask, pass after pass, for rows one token
+longer than rows of the pass before (SMC's resampling repeats and drops some). The lane keeps the
+keys/values of the last pass's rows in a transformers `StaticCache` of `slots` rows by `width`
+columns, so such a pass is one decode step of fixed shape: on CUDA replayed from a CUDA graph
+captured once per shape, with no Python or kernel launches per layer.
+
+Layout. Every row is right-aligned at the write column: row i's n tokens sit in columns
+column-n..column-1, and the step writes each row's new token at `column` (the cache's own
+write position, which every layer keeps). The attention mask, built inside the step from the rows'
+positions, keeps columns column-position..column of each row; whatever lies left of a row (another
+row's old tokens, zeros) is masked. A step first gathers the parents into slot order when they are
+not already there (SMC's resampling), so the lane holds exactly the rows of the last pass.
+
+Shapes. Slots are a power of two (at least 8), width a multiple of 64 with room to grow; a pass
+with more rows or a longer row moves the rows into a larger shape, and a much smaller pass into a
+smaller one. Each shape is captured once and kept (least recently used first out past the byte
+budget), so a workload that keeps its shape replays one graph.
+
+The lane runs on the engine's worker thread, like every model call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import StaticCache
+
+log = logging.getLogger(__name__)
+
+KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [rows, heads, columns, head_dim]
+MIN_SLOTS = 8
+WIDTH_STEP = 64  # columns are added in these steps, so a growing row changes shape rarely
+HEADROOM = 16  # columns at least left free for the rows to grow into
+
+
+def lane_supported() -> bool:
+    """The lane moves the write position of transformers' static cache layers itself."""
+    from transformers.cache_utils import StaticLayer
+
+    return hasattr(StaticLayer(max_cache_len=1), "cumulative_length") and hasattr(
+        StaticCache, "early_initialization"
+    )
+
+
+def _slots_for(rows: int) -> int:
+    return max(MIN_SLOTS, 1 << (rows - 1).bit_length())
+
+
+def _width_for(longest: int) -> int:
+    """Room for the longest row and a quarter more (at least HEADROOM columns) to grow into."""
+    need = longest + max(HEADROOM, longest // 4)
+    return -(-need // WIDTH_STEP) * WIDTH_STEP
+
+
+class _Shape:
+    """One static cache of slots x width and the step that extends each of its rows by a token."""
+
+    def __init__(self, model: Any, slots: int, width: int, graphs: bool) -> None:
+        self.model = model
+        self.slots, self.width = slots, width
+        parameter = next(model.parameters())
+        device = parameter.device
+        text = model.config.get_text_config(decoder=True)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.cache = StaticCache(config=model.config, max_cache_len=width)
+        self.cache.early_initialization(slots, text.num_key_value_heads, head_dim, parameter.dtype, device)
+        self.nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers)
+        self.ids = torch.zeros((slots, 1), dtype=torch.long, device=device)
+        self.positions = torch.zeros((slots, 1), dtype=torch.long, device=device)
+        self.columns = torch.arange(width, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        if graphs:
+            self._capture(device)
+
+    @property
+    def layers(self) -> list[KV]:
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+    def set_column(self, column: int) -> None:
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(column)
+
+    def _forward(self) -> torch.Tensor:
+        column = self.cache.layers[0].cumulative_length  # where this step writes, on the device
+        mask = (self.columns >= column - self.positions) & (self.columns <= column)
+        out = self.model(
+            input_ids=self.ids,
+            position_ids=self.positions,
+            attention_mask=mask[:, None, None, :],
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+
+    def _capture(self, device: torch.device) -> None:
+        # Warm-up runs on a side stream first (kernel selection, workspaces), as CUDA graphs ask;
+        # they write at columns the next real step overwrites or masks.
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: host memory registered from another thread during capture is no error
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.out = self._forward()
+
+    def step(self) -> torch.Tensor:
+        """[slots, vocab] float32 log-probabilities; a graph's output is overwritten by its next step."""
+        if self.graph is None:
+            return self._forward()
+        self.graph.replay()
+        assert self.out is not None
+        return self.out
+
+
+class DecodeLane:
+    def __init__(self, model: Any, *, max_slots: int, max_bytes: int, graphs: bool) -> None:
+        self.model = model
+        self.max_slots = max_slots
+        self.max_bytes = max_bytes
+        self.graphs = graphs
+        self._shapes: OrderedDict[tuple[int, int], _Shape] = OrderedDict()
+        self._shape: _Shape | None = None  # the one holding the rows below
+        self._slot_of: dict[tuple[int, ...], int] = {}
+        self._lengths = np.zeros(0, dtype=np.int64)  # per slot
+        self._column = 0
+        self.steps = 0  # passes served by the lane
+
+    def clear(self) -> None:
+        """Forget the rows and every captured shape (the weights they were computed with changed)."""
+        self._shapes.clear()
+        self._shape = None
+        self._slot_of = {}
+
+    def parents(self, rows: Sequence[Sequence[int]]) -> list[int | None]:
+        """Per row, the slot of the row it extends by one token, if the lane holds it."""
+        slot_of = self._slot_of
+        if not slot_of:
+            return [None] * len(rows)
+        return [slot_of.get(tuple(row[:-1])) if len(row) > 1 else None for row in rows]
+
+    def fits(self, rows: int, longest: int) -> bool:
+        slots, width = _slots_for(rows), _width_for(longest)
+        return slots <= self.max_slots and _kv_bytes(self.model, slots, width) <= self.max_bytes
+
+    def step(self, rows: Sequence[Sequence[int]], parents: Sequence[int]) -> torch.Tensor:
+        """Log-probabilities [len(rows), vocab] of rows whose parents the lane holds (a view of
+        the lane's output, valid until its next step)."""
+        shape = self._shape
+        assert shape is not None
+        slots = _slots_for(len(rows))
+        if slots > shape.slots or 4 * slots <= shape.slots or self._column >= shape.width:
+            # Into a shape that fits: the rows' parents, in the rows' order.
+            own = self.own_rows()
+            assert own is not None
+            self._refill([(own[0], list(parents))], [tuple(row[:-1]) for row in rows])
+            shape = self._shape
+            assert shape is not None
+        elif any(p != i for i, p in enumerate(parents)):
+            index = torch.tensor(list(parents), device=shape.ids.device)
+            for keys, values in shape.layers:
+                keys[: len(parents), :, : self._column] = keys[index, :, : self._column]
+                values[: len(parents), :, : self._column] = values[index, :, : self._column]
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        inputs = np.zeros((2, shape.slots, 1), dtype=np.int64)
+        inputs[0, : len(rows), 0] = [row[-1] for row in rows]
+        inputs[1, : len(rows), 0] = lengths - 1
+        shape.ids.copy_(torch.from_numpy(inputs[0]))
+        shape.positions.copy_(torch.from_numpy(inputs[1]))
+        out = shape.step()[: len(rows)]  # the step moves the cache's write column on by one
+        self._column += 1
+        self._slot_of = {tuple(row): i for i, row in enumerate(rows)}
+        self._lengths = lengths
+        self.steps += 1
+        return out
+
+    def own_rows(self) -> tuple[list[KV], list[tuple[int, ...]]] | None:
+        """The lane's rows as a source for `refill`: K/V right-aligned at the write column, and
+        the rows by slot."""
+        if self._shape is None or not self._slot_of:
+            return None
+        rows = [()] * len(self._lengths)
+        for row, slot in self._slot_of.items():
+            rows[slot] = row
+        return [(k[:, :, : self._column], v[:, :, : self._column]) for k, v in self._shape.layers], rows
+
+    def refill(self, sources: Sequence[tuple[list[KV], Sequence[Sequence[int]]]]) -> None:
+        """Hold exactly the rows of these sources: a forward pass's K/V (row i right-aligned at its
+        last column) and the rows it holds, in order."""
+        rows = [tuple(row) for _, part in sources for row in part]
+        if not rows or not self.fits(len(rows), max(map(len, rows)) + 1):
+            self._slot_of = {}
+            return
+        self._refill([(layers, list(range(len(part)))) for layers, part in sources], rows)
+
+    def _refill(self, sources: Sequence[tuple[list[KV], list[int]]], rows: list[tuple[int, ...]]) -> None:
+        # sources: (K/V right-aligned at their last column, which of their rows), in slot order.
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        longest = int(lengths.max())
+        shape = self._shape_for(_slots_for(len(rows)), _width_for(longest + 1))
+        device = shape.ids.device
+        parts = []  # copied out first: a source may be the target shape itself
+        for layers, which in sources:
+            end = layers[0][0].shape[2]
+            n = min(longest, end)
+            index = torch.tensor(which, device=device)
+            parts.append([(k[index, :, end - n : end], v[index, :, end - n : end]) for k, v in layers])
+        first = 0
+        for part in parts:
+            count, n = part[0][0].shape[0], part[0][0].shape[2]
+            for (keys, values), (k, v) in zip(shape.layers, part, strict=True):
+                keys[first : first + count, :, longest - n : longest] = k
+                values[first : first + count, :, longest - n : longest] = v
+            first += count
+        shape.set_column(longest)
+        self._shape = shape
+        self._column = longest
+        self._slot_of = {row: i for i, row in enumerate(rows) if row}
+        self._lengths = lengths
+
+    def _shape_for(self, slots: int, width: int) -> _Shape:
+        key = (slots, width)
+        shape = self._shapes.get(key)
+        if shape is None:
+            need = _kv_bytes(self.model, slots, width)
+            for old in list(self._shapes):
+                if sum(s.nbytes for s in self._shapes.values()) + need <= self.max_bytes:
+                    break
+                if self._shapes[old] is not self._shape:
+                    del self._shapes[old]
+            shape = self._shapes[key] = _Shape(self.model, slots, width, self.graphs)
+            log.info("decode lane: %d rows x %d columns%s", slots, width, ", captured" if self.graphs else "")
+        self._shapes.move_to_end(key)
+        return shape
+
+
+def _kv_bytes(model: Any, slots: int, width: int) -> int:
+    text = model.config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    itemsize = next(model.parameters()).element_size()
+    return 2 * text.num_hidden_layers * slots * text.num_key_value_heads * width * head_dim * itemsize

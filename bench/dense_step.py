@@ -1,0 +1,115 @@
+"""The transformers engine's next-token call alone, step by step, as an SMC loop makes it.
+
+P particles extend their rows by a random token per step and are resampled every 4 steps; no
+sampler runs in between, so the table is the engine's own time per call (rows in host memory
+included), with and without the decode lane, beside a plain transformers decode. `--profile`
+prints torch's profile of a few steps of the first way.
+
+    python bench/dense_step.py --random-model llama-1b --device cuda --dtype bfloat16 --particles 16 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backends.base import EngineConfig  # noqa: E402
+from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
+from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
+from bench.smc import SHAPES, PlainDecode, random_model_dir  # noqa: E402
+
+WAYS = {"lane": {"decode_lane_rows": 512}, "no lane": {"decode_lane_rows": 0}}
+
+
+async def steps(call, prompt: list[int], particles: int, count: int, vocab: int, seed: int) -> list[float]:
+    """Seconds of each call."""
+    rng = np.random.default_rng(seed)
+    rows = [list(prompt) for _ in range(particles)]
+    seconds = []
+    for step in range(count):
+        unique = [list(r) for r in dict.fromkeys(map(tuple, rows))]
+        started = time.perf_counter()
+        await call(unique)
+        seconds.append(time.perf_counter() - started)
+        rows = [r + [int(t)] for r, t in zip(rows, rng.integers(0, vocab, particles), strict=True)]
+        if step % 4 == 3:
+            rows = [rows[i] for i in rng.choice(particles, particles)]
+    return seconds
+
+
+async def run(args: argparse.Namespace, tmp: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if args.random_model:
+        model_dir = random_model_dir(args.random_model, dtype, device, tmp / "model", args.tokenizer)
+    else:
+        model_dir = resolve_model_dir(args.model)
+    engines = {
+        name: TransformersEngine.load(
+            EngineConfig(model=str(model_dir), dtype=args.dtype, device=args.device, options=options)
+        )
+        for name, options in WAYS.items()
+    }
+    calls = {name: engine.next_token_logprobs for name, engine in engines.items()}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    vocab = next(iter(engines.values())).vocab_size
+    print(f"| P | way | call ms median | p90 | min |\n| ---: | --- | ---: | ---: | ---: |")
+    for p in args.particles:
+        for name in [*calls, "decode"]:
+            times = []
+            for r in range(args.repeats + 1):
+                call = PlainDecode(model) if name == "decode" else calls[name]
+                prompt = [1 + (p * 7 + r * 13 + i) % 1000 for i in range(args.prompt_tokens)]
+                got = await steps(call, prompt, p, args.steps, vocab, seed=r)
+                if r:  # the first run warms up (shapes captured, blocks allocated)
+                    times += got[1:]
+            ms = sorted(t * 1e3 for t in times)
+            print(f"| {p} | {name} | {statistics.median(ms):.2f} | {ms[int(0.9 * len(ms))]:.2f} | {ms[0]:.2f} |")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        name, engine = next(iter(engines.items()))
+        prompt = list(range(1, args.prompt_tokens + 1))
+        await steps(engine.next_token_logprobs, prompt, args.particles[-1], 8, vocab, seed=99)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        prof = profile(activities=activities)
+        await engine._run(prof.__enter__)  # the engine's model calls run on its worker thread
+        await steps(engine.next_token_logprobs, prompt + [7], args.particles[-1], 9, vocab, seed=99)
+        await engine._run(prof.__exit__, None, None, None)
+        print(f"profile of {name}, P = {args.particles[-1]}, 9 steps")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    for engine in engines.values():
+        await engine.aclose()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--particles", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=24)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--random-model", choices=list(SHAPES))
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer files for --random-model")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(run(args, Path(tmp)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The transformers engine's decode lane (backends/decode_lane.py): rows that extend the last
+pass's rows by a token, served from a static cache, equal an uncached forward pass of each row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from backends import decode_lane
+from backends.base import AdapterError, EngineConfig
+from backends.transformers import TransformersEngine
+from tests.conftest import requires_cuda
+
+
+def load(model_dir, device: str, **options) -> TransformersEngine:
+    return TransformersEngine.load(
+        EngineConfig(model=str(model_dir), dtype="float32", device=device, options=options)
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    engine = load(model_dir, "cpu", decode_lane_rows=64)
+    assert engine.lane is not None
+    return engine
+
+
+@pytest.fixture()
+def tight(monkeypatch):
+    """Shapes with little room to grow, so a short run changes shape several times."""
+    monkeypatch.setattr(decode_lane, "WIDTH_STEP", 4)
+    monkeypatch.setattr(decode_lane, "HEADROOM", 2)
+
+
+def ids(engine, text: str) -> list[int]:
+    return engine.tokenizer(text).input_ids
+
+
+async def smc_run(engine, reference, steps: int, seed: int) -> tuple[float, int]:
+    """An SMC-like loop: particles extended by a random common token per step, resampled every 3 steps,
+    a newcomer of another length joining, most particles dying late. Returns the largest
+    |difference| from an uncached forward pass over the rows checked, and the rows checked."""
+    rng = np.random.default_rng(seed)
+    rows = [ids(engine, f"Once upon a time, in village {seed},")] * 10
+    worst, checked = 0.0, 0
+    for step in range(steps):
+        unique = [list(r) for r in dict.fromkeys(map(tuple, rows))]
+        out = await engine.next_token_logprobs(unique)
+        for i in {0, len(unique) // 2, len(unique) - 1}:
+            worst = max(worst, float(np.abs(out[i] - reference.logprobs(unique[i])[-1]).max()))
+            checked += 1
+        rows = [r + [int(t)] for r, t in zip(rows, rng.integers(100, 2000, len(rows)), strict=True)]
+        if step % 3 == 2:
+            rows = [rows[i] for i in rng.choice(len(rows), len(rows))]
+        if step == 4:
+            rows.append(ids(engine, "The capital of France is"))
+        if step == steps - 4:
+            rows = rows[:2]
+    return worst, checked
+
+
+async def test_smc_steps_through_the_lane_equal_uncached_rows(engine, reference, tight):
+    lane_steps = engine.lane.steps
+    worst, checked = await smc_run(engine, reference, steps=14, seed=0)
+    assert worst < 1e-4 and checked >= 30
+    # every pass but the first and the newcomer's went through the lane, across several shapes
+    assert engine.lane.steps - lane_steps >= 11
+    assert len(engine.lane._shapes) >= 3
+
+
+async def test_duplicate_rows_and_repeated_passes(engine, reference):
+    base = ids(engine, "My favourite food is")
+    await engine.next_token_logprobs([base])
+    rows = [base + [5], base + [5], base + [6]]
+    out = await engine.next_token_logprobs(rows)
+    assert np.abs(out[0] - out[1]).max() == 0
+    again = await engine.next_token_logprobs(rows)  # the same rows again: not one token longer
+    extended = await engine.next_token_logprobs([r + [7] for r in rows])
+    for i, row in enumerate(rows):
+        assert np.abs(again[i] - reference.logprobs(row)[-1]).max() < 1e-4
+        assert np.abs(extended[i] - reference.logprobs(row + [7])[-1]).max() < 1e-4
+
+
+async def test_rows_of_an_adapter_never_take_the_base_models_lane(engine):
+    row = ids(engine, "Water boils at")
+    await engine.next_token_logprobs([row])
+    with pytest.raises(AdapterError):  # no adapter is loaded: refused, not served by the base model
+        await engine.next_token_logprobs([row + [264]], ["missing"])
+
+
+async def test_off_on_the_cpu_by_default(model_dir):
+    plain = load(model_dir, "cpu")
+    try:
+        assert plain.lane is None
+    finally:
+        await plain.aclose()
+
+
+@requires_cuda
+async def test_on_the_gpu_lane_steps_are_graph_replays_equal_to_uncached_rows(model_dir, reference):
+    gpu = load(model_dir, "cuda")
+    try:
+        assert gpu.lane is not None and gpu.lane.graphs  # the default on CUDA
+        worst, checked = await smc_run(gpu, reference, steps=14, seed=1)
+        assert worst < 1e-4 and checked >= 30
+        assert gpu.lane.steps >= 11
+    finally:
+        await gpu.aclose()
