@@ -44,6 +44,7 @@ from backends.base import (
 from backends.batch_layout import left_padded, mask_if_padded, plan_groups
 from backends.builtin_models import resolve_model_dir
 from backends.decode_lane import DecodeLane, lane_supported
+from backends.grouped_attention import use_grouped_attention
 from backends.host_copy import CudaHostWrites, release_pinned_memory, rows_to_host, write_rows_into
 from backends.prefix_cache import PrefixCache
 from backends.sampling import sample_tokens
@@ -174,6 +175,8 @@ class TransformersEngine(Engine):
             log.info("cuDNN attention turned off (flash / memory-efficient attention instead)")
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        if device.type == "cuda":
+            use_grouped_attention(model)
         context = getattr(model.config, "max_position_embeddings", None) or 2048
         return cls(
             model,

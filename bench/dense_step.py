@@ -89,7 +89,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
         await steps(engine.next_token_logprobs, prompt + [7], args.particles[-1], 9, vocab, seed=99)
         await engine._run(prof.__exit__, None, None, None)
         print(f"profile of {name}, P = {args.particles[-1]}, 9 steps")
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+        print(prof.key_averages().table(sort_by=args.sort, row_limit=30))
     for engine in engines.values():
         await engine.aclose()
 
@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--random-model", choices=list(SHAPES))
     parser.add_argument("--tokenizer", type=Path, help="tokenizer files for --random-model")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--sort", default="self_cuda_time_total", help="the profile table's order")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         asyncio.run(run(args, Path(tmp)))
