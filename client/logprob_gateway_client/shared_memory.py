@@ -78,6 +78,7 @@ class SharedSegments:
         self.max_segments = max_segments
         self.evict = evict  # drops the client's own references to an answer (its cached rows)
         self.created = 0  # segments made so far, for diagnostics and tests
+        self._largest = 0  # the largest answer leased so far: new segments take at least that
         self._segments: list[Segment] = []
         self._leases = count()
         self._pid = os.getpid()
@@ -107,7 +108,11 @@ class SharedSegments:
         return min(fits, key=lambda s: s.size) if fits else None
 
     def _grow(self, nbytes: int) -> Segment | None:
-        size = -(-(nbytes + KEY_BYTES) // _GRAIN) * _GRAIN
+        # As large as the largest answer yet: steps vary in size (SMC's resampling repeats rows,
+        # which are sent once), and a segment that holds any of them is never closed and made
+        # again, nor mapped and registered again by the gateway.
+        self._largest = max(self._largest, nbytes)
+        size = -(-(self._largest + KEY_BYTES) // _GRAIN) * _GRAIN
         for idle in sorted((s for s in self._segments if not s.busy), key=lambda s: s.size):
             if self._room_for(size):
                 break

@@ -406,6 +406,22 @@ def test_a_larger_answer_takes_the_place_of_smaller_ones(lm):
     assert len(lm._segments._segments) == 2
 
 
+def test_steps_of_varying_size_keep_their_segments(lm):
+    """SMC's resampling repeats rows, which go once: step sizes vary. Once a large step has come,
+    segments are made that large, so smaller and larger steps take turns in the same ones and
+    the gateway maps (and registers with its GPU) no new segment per step."""
+    lm._segments.max_bytes = 14 << 20  # three or four segments of these steps, recycled
+    rng = np.random.default_rng(5)
+    rows = prefixes(16, 80)
+    for step in range(16):
+        answer = lm.batch_next_token_logprobs_sync(rows)
+        rows = [r + [int(t)] for r, t in zip(rows, rng.integers(100, 40000, len(rows)), strict=True)]
+        if step % 4 == 3:  # resampled: some particles twice, so fewer distinct rows next step
+            rows = [rows[i] for i in rng.choice(len(rows), len(rows))]
+        del answer
+    assert lm.shared_memory_answers >= 16 and lm._segments.created <= 3
+
+
 def test_answers_the_caller_keeps_are_never_written_over(lm, socket_lm):
     lm._segments.max_bytes = 0
     kept = []
