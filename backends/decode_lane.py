@@ -62,8 +62,9 @@ def _width_for(longest: int) -> int:
 class _Shape:
     """One static cache of slots x width and the step that extends each of its rows by a token."""
 
-    def __init__(self, model: Any, slots: int, width: int, graphs: bool) -> None:
+    def __init__(self, model: Any, slots: int, width: int, graphs: bool, forward: Any = None) -> None:
         self.model = model
+        self.forward = model if forward is None else forward  # or torch.compile's version of it
         self.slots, self.width = slots, width
         parameter = next(model.parameters())
         device = parameter.device
@@ -75,7 +76,9 @@ class _Shape:
         self.ids = torch.zeros((slots, 1), dtype=torch.long, device=device)
         self.positions = torch.zeros((slots, 1), dtype=torch.long, device=device)
         self.columns = torch.arange(width, device=device)
+        self.parents = torch.arange(slots, device=device)  # slot i takes the rows of slot parents[i]
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.gather_graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         if graphs:
             self._capture(device)
@@ -91,7 +94,7 @@ class _Shape:
     def _forward(self) -> torch.Tensor:
         column = self.cache.layers[0].cumulative_length  # where this step writes, on the device
         mask = (self.columns >= column - self.positions) & (self.columns <= column)
-        out = self.model(
+        out = self.forward(
             input_ids=self.ids,
             position_ids=self.positions,
             attention_mask=mask[:, None, None, :],
@@ -101,19 +104,37 @@ class _Shape:
         )
         return torch.log_softmax(out.logits[:, -1].float(), dim=-1)
 
+    def _gather(self, columns: int) -> None:
+        for layer in self.cache.layers:
+            layer.keys[:, :, :columns] = layer.keys[self.parents, :, :columns]
+            layer.values[:, :, :columns] = layer.values[self.parents, :, :columns]
+
     def _capture(self, device: torch.device) -> None:
         # Warm-up runs on a side stream first (kernel selection, workspaces), as CUDA graphs ask;
-        # they write at columns the next real step overwrites or masks.
+        # they write at columns the next real step overwrites or masks, and gather in place.
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(2):
                 self._forward()
+                self._gather(self.width)
         torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph, self.gather_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         # thread_local: host memory registered from another thread during capture is no error
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.out = self._forward()
+        with torch.cuda.graph(self.gather_graph, capture_error_mode="thread_local"):
+            self._gather(self.width)  # every column: a graph has one shape
+
+    def gather(self, parents: Sequence[int], columns: int) -> None:
+        """Slot i takes the keys/values of slot parents[i] (the rest stay), in the first `columns`."""
+        index = np.arange(self.slots)
+        index[: len(parents)] = parents
+        self.parents.copy_(torch.from_numpy(index))
+        if self.gather_graph is None:
+            self._gather(columns)
+        else:
+            self.gather_graph.replay()
 
     def step(self) -> torch.Tensor:
         """[slots, vocab] float32 log-probabilities; a graph's output is overwritten by its next step."""
@@ -125,8 +146,13 @@ class _Shape:
 
 
 class DecodeLane:
-    def __init__(self, model: Any, *, max_slots: int, max_bytes: int, graphs: bool) -> None:
+    def __init__(
+        self, model: Any, *, max_slots: int, max_bytes: int, graphs: bool, compiled: bool = False
+    ) -> None:
         self.model = model
+        # torch.compile's fused kernels, traced once for every shape (sizes symbolic)
+        self._forward = torch.compile(model, dynamic=True) if compiled else None
+        self.compiled = compiled
         self.max_slots = max_slots
         self.max_bytes = max_bytes
         self.graphs = graphs
@@ -137,11 +163,23 @@ class DecodeLane:
         self._column = 0
         self.steps = 0  # passes served by the lane
 
+    def prepare(self) -> None:
+        """Build (and on CUDA capture, and compile) the smallest shape now rather than at the
+        first request: with torch.compile that takes a while, once for every shape."""
+        self._shape_for(MIN_SLOTS, WIDTH_STEP).step()
+
     def clear(self) -> None:
         """Forget the rows and every captured shape (the weights they were computed with changed)."""
         self._shapes.clear()
         self._shape = None
         self._slot_of = {}
+
+    def reset(self, model: Any) -> None:
+        """Serve `model` from now on (the engine's model object changed)."""
+        self.clear()
+        self.model = model
+        if self.compiled:
+            self._forward = torch.compile(model, dynamic=True)
 
     def parents(self, rows: Sequence[Sequence[int]]) -> list[int | None]:
         """Per row, the slot of the row it extends by one token, if the lane holds it."""
@@ -168,10 +206,7 @@ class DecodeLane:
             shape = self._shape
             assert shape is not None
         elif any(p != i for i, p in enumerate(parents)):
-            index = torch.tensor(list(parents), device=shape.ids.device)
-            for keys, values in shape.layers:
-                keys[: len(parents), :, : self._column] = keys[index, :, : self._column]
-                values[: len(parents), :, : self._column] = values[index, :, : self._column]
+            shape.gather(parents, self._column)
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
         inputs = np.zeros((2, shape.slots, 1), dtype=np.int64)
         inputs[0, : len(rows), 0] = [row[-1] for row in rows]
@@ -239,7 +274,7 @@ class DecodeLane:
                     break
                 if self._shapes[old] is not self._shape:
                     del self._shapes[old]
-            shape = self._shapes[key] = _Shape(self.model, slots, width, self.graphs)
+            shape = self._shapes[key] = _Shape(self.model, slots, width, self.graphs, self._forward)
             log.info("decode lane: %d rows x %d columns%s", slots, width, ", captured" if self.graphs else "")
         self._shapes.move_to_end(key)
         return shape

@@ -41,7 +41,15 @@ def grouped_sdpa_forward(
     groups = heads // key.shape[1]
     if attention_mask is None or length != 1 or groups == 1 or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
         )
     # One new token per row: the query heads that share a key/value head become that head's query
     # positions, which all see the same keys under the same mask (the mask has no query axis).
@@ -56,11 +64,7 @@ def use_grouped_attention(model: Any) -> bool:
     """Switch a model on transformers' SDPA with grouped key/value heads to the grouped version."""
     text = model.config.get_text_config(decoder=True)
     heads, kv_heads = text.num_attention_heads, getattr(text, "num_key_value_heads", None)
-    if (
-        model.config._attn_implementation != "sdpa"
-        or not kv_heads
-        or kv_heads == heads
-    ):
+    if model.config._attn_implementation != "sdpa" or not kv_heads or kv_heads == heads:
         return False
     AttentionInterface.register(NAME, grouped_sdpa_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)

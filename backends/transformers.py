@@ -41,9 +41,9 @@ from backends.base import (
     WrittenRows,
     resolve_auto_dtype,
 )
-from backends.batch_layout import left_padded, mask_if_padded, plan_groups
 from backends.builtin_models import resolve_model_dir
 from backends.decode_lane import DecodeLane, lane_supported
+from backends.dense_rows import DenseRows
 from backends.grouped_attention import use_grouped_attention
 from backends.host_copy import CudaHostWrites, release_pinned_memory, rows_to_host, write_rows_into
 from backends.prefix_cache import PrefixCache
@@ -127,6 +127,7 @@ class TransformersEngine(Engine):
         max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
         pinned_host_bytes: int = DEFAULT_PINNED_BYTES,
         decode_lane_rows: int = 0,
+        decode_lane_compile: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -138,7 +139,6 @@ class TransformersEngine(Engine):
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-engine")
         self._peft: Any = None  # the PeftModel wrapping `model` once an adapter is loaded
-        self.max_batch_tokens = max_batch_tokens  # padded tokens per dense forward pass
         self.pinned_host_bytes = pinned_host_bytes
         self.host_writes = (
             None
@@ -157,8 +157,21 @@ class TransformersEngine(Engine):
         self.lane: DecodeLane | None = None
         if decode_lane_rows and self.prefix_cache is not None and lane_supported():
             self.lane = DecodeLane(
-                model, max_slots=decode_lane_rows, max_bytes=prefix_cache_bytes, graphs=self.device.type == "cuda"
+                model,
+                max_slots=decode_lane_rows,
+                max_bytes=prefix_cache_bytes,
+                graphs=self.device.type == "cuda",
+                compiled=decode_lane_compile,
             )
+        self.dense = DenseRows(
+            self._call,
+            model.config,
+            self.vocab_size,
+            self.device,
+            max_batch_tokens=max_batch_tokens,
+            prefix_cache=self.prefix_cache,
+            lane=self.lane,
+        )
 
     @classmethod
     def load(cls, config: EngineConfig) -> TransformersEngine:
@@ -178,7 +191,7 @@ class TransformersEngine(Engine):
         if device.type == "cuda":
             use_grouped_attention(model)
         context = getattr(model.config, "max_position_embeddings", None) or 2048
-        return cls(
+        engine = cls(
             model,
             tokenizer,
             max_model_len=config.max_model_len or context,
@@ -189,7 +202,13 @@ class TransformersEngine(Engine):
             decode_lane_rows=_positive_int(
                 config.options, "decode_lane_rows", DEFAULT_LANE_ROWS if device.type == "cuda" else 0, 0
             ),
+            decode_lane_compile=bool(config.options.get("decode_lane_compile", device.type == "cuda")),
         )
+        if engine.lane is not None and engine.lane.compiled:
+            log.info("compiling the decode lane's step (torch.compile)")
+            with torch.inference_mode():
+                engine.lane.prepare()
+        return engine
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -241,8 +260,7 @@ class TransformersEngine(Engine):
             self.model = self._peft.unload()
             self._peft = None
             if self.lane is not None:
-                self.lane.clear()
-                self.lane.model = self.model
+                self.lane.reset(self.model)
         else:
             self._peft.delete_adapter(name)
 
@@ -259,125 +277,20 @@ class TransformersEngine(Engine):
     def _next_token_logprobs(
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]
     ) -> np.ndarray:
-        host = rows_to_host(self._device_logprobs(rows, adapters))
+        host = rows_to_host(self.dense(rows, adapters, lane=self._peft is None))
         self._release_pinned_memory()
         return host
 
     def _write_rows(
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], into: np.ndarray, keep: bool
     ) -> WrittenRows:
-        written = write_rows_into(self._device_logprobs(rows, adapters), into, keep)
+        written = write_rows_into(self.dense(rows, adapters, lane=self._peft is None), into, keep)
         self._release_pinned_memory()
         return written
 
     def _release_pinned_memory(self) -> None:
         if self.device.type == "cuda" and release_pinned_memory(self.pinned_host_bytes):
             log.info("released unused page-locked memory (over %d bytes)", self.pinned_host_bytes)
-
-    @torch.inference_mode()
-    def _device_logprobs(self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]) -> torch.Tensor:
-        """float32 [len(rows), vocab] on the model's device."""
-        out: torch.Tensor | None = None  # [rows, vocab] float32 on the model's device
-
-        def place(group: list[int], logprobs: torch.Tensor) -> None:
-            nonlocal out
-            if group == list(range(len(rows))):
-                out = logprobs  # one pass, rows in order: its result is the answer
-                return
-            if out is None:
-                out = logprobs.new_empty((len(rows), self.vocab_size))
-            out[torch.tensor(group, device=self.device)] = logprobs
-
-        lane = self.lane if self._peft is None else None  # base-model rows only
-        parents = lane.parents(rows) if lane is not None else [None] * len(rows)
-        parents = [p if a is None else None for p, a in zip(parents, adapters, strict=True)]
-        stepped = [i for i, p in enumerate(parents) if p is not None]
-        if lane is not None and stepped and lane.fits(len(stepped), max(len(rows[i]) for i in stepped) + 1):
-            part = [rows[i] for i in stepped]
-            place(stepped, lane.step(part, [parents[i] for i in stepped]))  # type: ignore[misc]
-            self._count_tokens(part, reused=sum(map(len, part)) - len(part))
-        else:
-            stepped = []
-        rest = [i for i in range(len(rows)) if not stepped or parents[i] is None]
-        if not rest:
-            assert out is not None
-            return out
-        cache = self.prefix_cache
-        matches = [cache.match(adapters[i], rows[i]) if cache else (None, 0) for i in rest]
-        # Tokens each row must run through the model: those after its cached prefix, at least one.
-        todo = [len(rows[i]) - min(depth, len(rows[i]) - 1) for i, (_, depth) in zip(rest, matches, strict=True)]
-        passes = []  # (K/V, rows) of each forward pass, for the decode lane
-        for group in plan_groups(todo, self.max_batch_tokens):
-            part = [rows[rest[j]] for j in group]
-            names = [adapters[rest[j]] for j in group]
-            if cache is None:
-                logprobs = self._uncached_logprobs(part, names)
-            else:
-                logprobs, layers = self._cached_logprobs(part, names, [matches[j] for j in group], cache)
-                passes.append((layers, part))
-            place([rest[j] for j in group], logprobs)
-        if lane is not None and passes:
-            own = lane.own_rows() if stepped else None
-            lane.refill(([own] if own else []) + passes)
-        assert out is not None
-        return out
-
-    def _count_tokens(self, rows: Sequence[Sequence[int]], reused: int) -> None:
-        if self.prefix_cache is not None:
-            self.prefix_cache.stats.reused_tokens += reused
-            self.prefix_cache.stats.computed_tokens += sum(map(len, rows)) - reused
-
-    def _uncached_logprobs(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]
-    ) -> torch.Tensor:
-        # Left padding keeps every row's last token in the final position; explicit position ids
-        # and the attention mask make each row's result equal to its unpadded forward pass.
-        ids, mask, positions = left_padded(rows, [0] * len(rows))
-        out = self._call(
-            adapters,
-            input_ids=ids.to(self.device),
-            attention_mask=mask_if_padded(mask, self.device),
-            position_ids=positions.to(self.device),
-            use_cache=False,
-            logits_to_keep=1,
-        )
-        return torch.log_softmax(out.logits[:, -1, :].float(), dim=-1)
-
-    def _cached_logprobs(
-        self,
-        rows: Sequence[Sequence[int]],
-        adapters: Sequence[str | None],
-        matches: Sequence[tuple[Any, int]],
-        prefix_cache: PrefixCache,
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        # The batch's layout is the uncached one, [pad][row], with the first `past` columns taken
-        # from the cache: rows whose cached prefix ends earlier than their share of those columns
-        # recompute the rest in the new-token window, where they would otherwise hold padding.
-        # Every row keeps at least its last token to compute (its logits).
-        new = max(len(r) - min(depth, len(r) - 1) for r, (_, depth) in zip(rows, matches, strict=True))
-        reused = [max(len(r) - new, 0) for r in rows]
-        past = max(reused)
-        ids, mask, positions = left_padded(rows, reused)
-        cache = DynamicCache(config=self.model.config)
-        if past:
-            picks = [(entry, n) for (entry, _), n in zip(matches, reused, strict=True)]
-            for layer, (keys, values) in enumerate(prefix_cache.gather(picks, past)):
-                cache.update(keys, values, layer)
-        out = self._call(
-            adapters,
-            input_ids=ids.to(self.device),
-            attention_mask=mask_if_padded(mask, self.device),
-            position_ids=positions.to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logprobs = torch.log_softmax(out.logits[:, -1, :].float(), dim=-1)
-        # Stored while the GPU still computes: the trie's bookkeeping overlaps the forward pass.
-        layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        prefix_cache.store(list(zip(adapters, rows, strict=True)), layers)
-        self._count_tokens(rows, sum(reused))
-        return logprobs, layers
 
     # -- prompt scoring -------------------------------------------------------------------------
 

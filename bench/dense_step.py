@@ -28,7 +28,11 @@ from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir  # noqa: E4
 from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
 from bench.smc import SHAPES, PlainDecode, random_model_dir  # noqa: E402
 
-WAYS = {"lane": {"decode_lane_rows": 512}, "no lane": {"decode_lane_rows": 0}}
+WAYS = {
+    "lane": {"decode_lane_rows": 512},
+    "lane, compiled": {"decode_lane_rows": 512, "decode_lane_compile": True},
+    "no lane": {"decode_lane_rows": 0},
+}
 
 
 async def steps(call, prompt: list[int], particles: int, count: int, vocab: int, seed: int) -> list[float]:

@@ -1,0 +1,152 @@
+"""The transformers engine's dense rows: next-token log-probabilities of batches of token rows.
+
+A pass serves each row the cheapest way it can. Rows one token longer than rows of the last pass
+take the decode lane (backends/decode_lane.py: one fixed-shape step). The others reuse the
+attention keys/values of their longest cached prefix (backends/prefix_cache.py) and are grouped
+into forward passes by how many tokens each must compute, at most `max_batch_tokens` padded
+tokens per pass (backends/batch_layout.py); their K/V then fill the lane for the next pass.
+Without a prefix cache (attention it cannot hold) every row runs whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from backends.batch_layout import left_padded, mask_if_padded, plan_groups
+from backends.decode_lane import DecodeLane
+from backends.prefix_cache import PrefixCache
+
+
+class DenseRows:
+    def __init__(
+        self,
+        call: Callable[..., Any],
+        config: Any,
+        vocab_size: int,
+        device: torch.device,
+        *,
+        max_batch_tokens: int,
+        prefix_cache: PrefixCache | None,
+        lane: DecodeLane | None,
+    ) -> None:
+        self._call = call  # a forward pass, row i with adapter i (the engine's PEFT dispatch)
+        self.config = config
+        self.vocab_size = vocab_size
+        self.device = device
+        self.max_batch_tokens = max_batch_tokens
+        self.prefix_cache = prefix_cache
+        self.lane = lane
+
+    @torch.inference_mode()
+    def __call__(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], *, lane: bool
+    ) -> torch.Tensor:
+        """float32 [len(rows), vocab] on the model's device; `lane`: the decode lane may serve
+        rows without an adapter (the model is not wrapped by PEFT)."""
+        out: torch.Tensor | None = None  # [rows, vocab] float32 on the model's device
+
+        def place(group: list[int], logprobs: torch.Tensor) -> None:
+            nonlocal out
+            if group == list(range(len(rows))):
+                out = logprobs  # one pass, rows in order: its result is the answer
+                return
+            if out is None:
+                out = logprobs.new_empty((len(rows), self.vocab_size))
+            out[torch.tensor(group, device=self.device)] = logprobs
+
+        lane = self.lane if lane else None
+        parents = lane.parents(rows) if lane is not None else [None] * len(rows)
+        parents = [p if a is None else None for p, a in zip(parents, adapters, strict=True)]
+        stepped = [i for i, p in enumerate(parents) if p is not None]
+        if lane is not None and stepped and lane.fits(len(stepped), max(len(rows[i]) for i in stepped) + 1):
+            part = [rows[i] for i in stepped]
+            place(stepped, lane.step(part, [parents[i] for i in stepped]))  # type: ignore[misc]
+            self._count_tokens(part, reused=sum(map(len, part)) - len(part))
+        else:
+            stepped = []
+        rest = [i for i in range(len(rows)) if not stepped or parents[i] is None]
+        if not rest:
+            assert out is not None
+            return out
+        cache = self.prefix_cache
+        matches = [cache.match(adapters[i], rows[i]) if cache else (None, 0) for i in rest]
+        # Tokens each row must run through the model: those after its cached prefix, at least one.
+        todo = [
+            len(rows[i]) - min(depth, len(rows[i]) - 1) for i, (_, depth) in zip(rest, matches, strict=True)
+        ]
+        passes = []  # (K/V, rows) of each forward pass, for the decode lane
+        for group in plan_groups(todo, self.max_batch_tokens):
+            part = [rows[rest[j]] for j in group]
+            names = [adapters[rest[j]] for j in group]
+            if cache is None:
+                logprobs = self._uncached_logprobs(part, names)
+            else:
+                logprobs, layers = self._cached_logprobs(part, names, [matches[j] for j in group], cache)
+                passes.append((layers, part))
+            place([rest[j] for j in group], logprobs)
+        if lane is not None and passes:
+            own = lane.own_rows() if stepped else None
+            lane.refill(([own] if own else []) + passes)
+        assert out is not None
+        return out
+
+    def _count_tokens(self, rows: Sequence[Sequence[int]], reused: int) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.stats.reused_tokens += reused
+            self.prefix_cache.stats.computed_tokens += sum(map(len, rows)) - reused
+
+    def _uncached_logprobs(
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]
+    ) -> torch.Tensor:
+        # Left padding keeps every row's last token in the final position; explicit position ids
+        # and the attention mask make each row's result equal to its unpadded forward pass.
+        ids, mask, positions = left_padded(rows, [0] * len(rows))
+        out = self._call(
+            adapters,
+            input_ids=ids.to(self.device),
+            attention_mask=mask_if_padded(mask, self.device),
+            position_ids=positions.to(self.device),
+            use_cache=False,
+            logits_to_keep=1,
+        )
+        return torch.log_softmax(out.logits[:, -1, :].float(), dim=-1)
+
+    def _cached_logprobs(
+        self,
+        rows: Sequence[Sequence[int]],
+        adapters: Sequence[str | None],
+        matches: Sequence[tuple[Any, int]],
+        prefix_cache: PrefixCache,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        # The batch's layout is the uncached one, [pad][row], with the first `past` columns taken
+        # from the cache: rows whose cached prefix ends earlier than their share of those columns
+        # recompute the rest in the new-token window, where they would otherwise hold padding.
+        # Every row keeps at least its last token to compute (its logits).
+        new = max(len(r) - min(depth, len(r) - 1) for r, (_, depth) in zip(rows, matches, strict=True))
+        reused = [max(len(r) - new, 0) for r in rows]
+        past = max(reused)
+        ids, mask, positions = left_padded(rows, reused)
+        cache = DynamicCache(config=self.config)
+        if past:
+            picks = [(entry, n) for (entry, _), n in zip(matches, reused, strict=True)]
+            for layer, (keys, values) in enumerate(prefix_cache.gather(picks, past)):
+                cache.update(keys, values, layer)
+        out = self._call(
+            adapters,
+            input_ids=ids.to(self.device),
+            attention_mask=mask_if_padded(mask, self.device),
+            position_ids=positions.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logprobs = torch.log_softmax(out.logits[:, -1, :].float(), dim=-1)
+        # Stored while the GPU still computes: the trie's bookkeeping overlaps the forward pass.
+        layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        prefix_cache.store(list(zip(adapters, rows, strict=True)), layers)
+        self._count_tokens(rows, sum(reused))
+        return logprobs, layers
