@@ -2,7 +2,8 @@
 
 P particles extend their rows by a random token per step and are resampled every 4 steps; no
 sampler runs in between, so the table is the engine's own time per call (rows in host memory
-included), with and without the decode lane, beside a plain transformers decode. `--profile`
+included) as it ships, without compiling the decode lane, and without the lane, beside a plain
+transformers decode. `--profile`
 prints torch's profile of a few steps of the first way.
 
     python bench/dense_step.py --random-model llama-1b --device cuda --dtype bfloat16 --particles 16 64 256
@@ -28,9 +29,9 @@ from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir  # noqa: E4
 from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
 from bench.smc import SHAPES, PlainDecode, random_model_dir  # noqa: E402
 
-WAYS = {
-    "lane": {"decode_lane_rows": 512},
-    "lane, compiled": {"decode_lane_rows": 512, "decode_lane_compile": True},
+WAYS = {  # engine options: the defaults (on CUDA: the decode lane, compiled), then without each
+    "lane": {},
+    "lane, not compiled": {"decode_lane_compile": False},
     "no lane": {"decode_lane_rows": 0},
 }
 
