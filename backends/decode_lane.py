@@ -151,8 +151,8 @@ class DecodeLane:
     ) -> None:
         self.model = model
         # torch.compile's fused kernels, traced once for every shape (sizes symbolic)
-        self._forward = torch.compile(model, dynamic=True) if compiled else None
         self.compiled = compiled
+        self._forward = _compiled(model) if compiled else None
         self.max_slots = max_slots
         self.max_bytes = max_bytes
         self.graphs = graphs
@@ -179,7 +179,7 @@ class DecodeLane:
         self.clear()
         self.model = model
         if self.compiled:
-            self._forward = torch.compile(model, dynamic=True)
+            self._forward = _compiled(model)
 
     def parents(self, rows: Sequence[Sequence[int]]) -> list[int | None]:
         """Per row, the slot of the row it extends by one token, if the lane holds it."""
@@ -278,6 +278,15 @@ class DecodeLane:
             log.info("decode lane: %d rows x %d columns%s", slots, width, ", captured" if self.graphs else "")
         self._shapes.move_to_end(key)
         return shape
+
+
+def _compiled(model: Any) -> Any:
+    # Rounded between fused operations as the eager model rounds (bfloat16 after each), so the
+    # lane's rows stay as close to a plain forward pass as eager ones.
+    import torch._inductor.config
+
+    torch._inductor.config.emulate_precision_casts = True
+    return torch.compile(model, dynamic=True)
 
 
 def _kv_bytes(model: Any, slots: int, width: int) -> int:
