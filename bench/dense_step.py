@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -70,7 +69,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
     calls = {name: engine.next_token_logprobs for name, engine in engines.items()}
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     vocab = next(iter(engines.values())).vocab_size
-    print(f"| P | way | call ms median | p90 | min |\n| ---: | --- | ---: | ---: | ---: |")
+    print("| P | way | call ms median | p90 | min |\n| ---: | --- | ---: | ---: | ---: |")
     for p in args.particles:
         for name in [*calls, "decode"]:
             times = []
@@ -81,7 +80,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
                 if r:  # the first run warms up (shapes captured, blocks allocated)
                     times += got[1:]
             ms = sorted(t * 1e3 for t in times)
-            print(f"| {p} | {name} | {statistics.median(ms):.2f} | {ms[int(0.9 * len(ms))]:.2f} | {ms[0]:.2f} |")
+            print(
+                f"| {p} | {name} | {statistics.median(ms):.2f} | {ms[int(0.9 * len(ms))]:.2f} | {ms[0]:.2f} |"
+            )
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -100,7 +101,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--particles", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=2)
