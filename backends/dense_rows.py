@@ -104,16 +104,28 @@ class DenseRows:
     ) -> torch.Tensor:
         # Left padding keeps every row's last token in the final position; explicit position ids
         # and the attention mask make each row's result equal to its unpadded forward pass.
-        ids, mask, positions = left_padded(rows, [0] * len(rows))
+        return self._last_logprobs(adapters, *left_padded(rows, [0] * len(rows)), None)[0]
+
+    def _last_logprobs(
+        self,
+        adapters: Sequence[str | None],
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DynamicCache | None,
+    ) -> tuple[torch.Tensor, Any]:
+        """The forward pass of a left-padded batch: the log-probabilities after each row's last
+        token, and the model's output (its K/V when `cache` is given)."""
         out = self._call(
             adapters,
             input_ids=ids.to(self.device),
             attention_mask=mask_if_padded(mask, self.device),
             position_ids=positions.to(self.device),
-            use_cache=False,
+            past_key_values=cache,
+            use_cache=cache is not None,
             logits_to_keep=1,
         )
-        return torch.log_softmax(out.logits[:, -1, :].float(), dim=-1)
+        return torch.log_softmax(out.logits[:, -1, :].float(), dim=-1), out
 
     def _cached_logprobs(
         self,
@@ -135,16 +147,7 @@ class DenseRows:
             picks = [(entry, n) for (entry, _), n in zip(matches, reused, strict=True)]
             for layer, (keys, values) in enumerate(prefix_cache.gather(picks, past)):
                 cache.update(keys, values, layer)
-        out = self._call(
-            adapters,
-            input_ids=ids.to(self.device),
-            attention_mask=mask_if_padded(mask, self.device),
-            position_ids=positions.to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logprobs = torch.log_softmax(out.logits[:, -1, :].float(), dim=-1)
+        logprobs, out = self._last_logprobs(adapters, ids, mask, positions, cache)
         # Stored while the GPU still computes: the trie's bookkeeping overlaps the forward pass.
         layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         prefix_cache.store(list(zip(adapters, rows, strict=True)), layers)

@@ -24,13 +24,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.base import EngineConfig  # noqa: E402
-from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
+from backends.builtin_models import resolve_model_dir  # noqa: E402
 from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
-from bench.smc import SHAPES, PlainDecode, random_model_dir  # noqa: E402
+from bench.smc import PlainDecode, add_model_arguments, random_model_dir  # noqa: E402
 
 WAYS = {  # engine options: the defaults (on CUDA: the decode lane, compiled), then without each
-    "lane": {},
-    "lane, not compiled": {"decode_lane_compile": False},
+    "as shipped": {},
+    "lane not compiled": {"decode_lane_compile": False},
     "no lane": {"decode_lane_rows": 0},
 }
 
@@ -108,11 +108,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=24)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--random-model", choices=list(SHAPES))
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer files for --random-model")
+    add_model_arguments(parser)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--sort", default="self_cuda_time_total", help="the profile table's order")
     args = parser.parse_args()

@@ -397,6 +397,17 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
     return report
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model a bench runs and where: --device, --dtype, --model, --random-model, --tokenizer."""
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a Hugging Face directory or a built-in name")
+    parser.add_argument("--random-model", choices=list(SHAPES), help="random weights of this shape instead")
+    parser.add_argument(
+        "--tokenizer", type=Path, help="tokenizer directory of --random-model (default: SmolLM2's)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -406,13 +417,7 @@ def main() -> None:
     parser.add_argument("--resample-every", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup-steps", type=int, default=8, help="steps of each way's warm-up run")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="a Hugging Face directory or a built-in name")
-    parser.add_argument("--random-model", choices=list(SHAPES), help="random weights of this shape instead")
-    parser.add_argument(
-        "--tokenizer", type=Path, help="tokenizer directory of --random-model (default: SmolLM2's)"
-    )
+    add_model_arguments(parser)
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=Path("smc.png"))

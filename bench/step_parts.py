@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import smc as bench  # noqa: E402
 
 from backends.base import EngineConfig  # noqa: E402
-from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
+from backends.builtin_models import resolve_model_dir  # noqa: E402
 from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
 from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
 
@@ -125,11 +125,7 @@ def main() -> None:
     parser.add_argument("--particles", type=int, default=16)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=4)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--random-model", choices=list(bench.SHAPES))
-    parser.add_argument("--tokenizer", type=Path)
+    bench.add_model_arguments(parser)
     parser.add_argument("--no-cache", action="store_true", help="the gateway's output cache off")
     parser.add_argument("--cache-bytes", type=int, help="the size of the gateway's in-process output cache")
     args = parser.parse_args()
