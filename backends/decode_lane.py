@@ -165,8 +165,18 @@ class DecodeLane:
 
     def prepare(self) -> None:
         """Build (and on CUDA capture, and compile) the smallest shape now rather than at the
-        first request: with torch.compile that takes a while, once for every shape."""
-        self._shape_for(MIN_SLOTS, WIDTH_STEP).step()
+        first request: with torch.compile that takes a while, once for every shape. Where
+        torch.compile cannot build the step (no compiler, an unsupported model), the lane runs
+        the model as it is."""
+        try:
+            self._shape_for(MIN_SLOTS, WIDTH_STEP).step()
+        except Exception as exc:  # inductor's and dynamo's errors have no common base
+            if not self.compiled:
+                raise
+            log.warning("decode lane: torch.compile failed (%s: %s); not compiled", type(exc).__name__, exc)
+            self.compiled = False
+            self.reset(self.model)
+            self._shape_for(MIN_SLOTS, WIDTH_STEP).step()
 
     def clear(self) -> None:
         """Forget the rows and every captured shape (the weights they were computed with changed)."""
@@ -178,8 +188,7 @@ class DecodeLane:
         """Serve `model` from now on (the engine's model object changed)."""
         self.clear()
         self.model = model
-        if self.compiled:
-            self._forward = _compiled(model)
+        self._forward = _compiled(model) if self.compiled else None
 
     def parents(self, rows: Sequence[Sequence[int]]) -> list[int | None]:
         """Per row, the slot of the row it extends by one token, if the lane holds it."""
