@@ -3,6 +3,8 @@ pass's rows by a token, served from a static cache, equal an uncached forward pa
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -123,3 +125,17 @@ async def test_a_step_torch_compile_cannot_build_runs_uncompiled(model_dir, refe
         assert worst < 1e-4 and engine.lane.steps >= 4
     finally:
         await engine.aclose()
+
+
+async def test_concurrent_generation_streams_share_lane_steps(engine):
+    """Streams of different prompt lengths, joining at different times, step together in the
+    lane; each stream's tokens and log-probabilities equal its run alone."""
+    from tests.backends.test_step_scheduler import PROMPTS, assert_same, stream
+
+    prompts = PROMPTS[:4]
+    alone = [await stream(engine, text) for text in prompts]
+    lane_steps = engine.lane.steps
+    together = await asyncio.gather(*(stream(engine, text) for text in prompts))
+    for batched, single in zip(together, alone, strict=True):
+        assert_same(batched, single)
+    assert engine.lane.steps - lane_steps >= len(alone[0]) - 2
