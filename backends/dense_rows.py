@@ -43,9 +43,9 @@ class DenseRows:
 
     @torch.inference_mode()
     def __call__(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], *, lane: bool
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], *, use_lane: bool
     ) -> torch.Tensor:
-        """float32 [len(rows), vocab] on the model's device; `lane`: the decode lane may serve
+        """float32 [len(rows), vocab] on the model's device; `use_lane`: the decode lane may serve
         rows without an adapter (the model is not wrapped by PEFT)."""
         out: torch.Tensor | None = None  # [rows, vocab] float32 on the model's device
 
@@ -58,7 +58,7 @@ class DenseRows:
                 out = logprobs.new_empty((len(rows), self.vocab_size))
             out[torch.tensor(group, device=self.device)] = logprobs
 
-        lane = self.lane if lane else None
+        lane = self.lane if use_lane else None
         parents = lane.parents(rows) if lane is not None else [None] * len(rows)
         parents = [p if a is None else None for p, a in zip(parents, adapters, strict=True)]
         stepped = [i for i, p in enumerate(parents) if p is not None]

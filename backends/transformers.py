@@ -277,14 +277,14 @@ class TransformersEngine(Engine):
     def _next_token_logprobs(
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]
     ) -> np.ndarray:
-        host = rows_to_host(self.dense(rows, adapters, lane=self._peft is None))
+        host = rows_to_host(self.dense(rows, adapters, use_lane=self._peft is None))
         self._release_pinned_memory()
         return host
 
     def _write_rows(
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], into: np.ndarray, keep: bool
     ) -> WrittenRows:
-        written = write_rows_into(self.dense(rows, adapters, lane=self._peft is None), into, keep)
+        written = write_rows_into(self.dense(rows, adapters, use_lane=self._peft is None), into, keep)
         self._release_pinned_memory()
         return written
 
