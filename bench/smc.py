@@ -150,6 +150,19 @@ async def smc(
     return seconds, in_calls, kept
 
 
+async def one_after_another(
+    runs: dict[str, AsyncIterator[tuple[float, float]]],
+) -> dict[str, tuple[float, float]]:
+    """Every run's (seconds in all, seconds in calls), each run whole before the next: on one GPU,
+    ways in different processes (a gateway beside the in-process engine) then never switch the
+    GPU between their contexts mid-run, which lockstep makes them do at every step."""
+    totals = {}
+    for name, run in runs.items():
+        steps = [step async for step in run]
+        totals[name] = (sum(s for s, _ in steps), sum(c for _, c in steps))
+    return totals
+
+
 async def lockstep(runs: dict[str, AsyncIterator[tuple[float, float]]]) -> dict[str, tuple[float, float]]:
     """Every run's (seconds in all, seconds in calls), its steps taken in turn with the others'
     (the order rotating every step): a slow spell of the machine, seconds long on the lent GPU
@@ -379,7 +392,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
                     )
                     for mode, make in ways.items()
                 }
-                for mode, (seconds, in_calls) in (await lockstep(runs)).items():
+                take = one_after_another if args.one_after_another else lockstep
+                for mode, (seconds, in_calls) in (await take(runs)).items():
                     report["results"].setdefault((p, mode), []).append(p * args.steps / seconds)
                     report["calls"].setdefault((p, mode), []).append(in_calls / args.steps * 1e3)
                     if mode.startswith(("engine", "gateway")):
@@ -419,6 +433,9 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=8, help="steps of each way's warm-up run")
     add_model_arguments(parser)
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    parser.add_argument(
+        "--one-after-another", action="store_true", help="each way's run whole in turn, not in lockstep"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=Path("smc.png"))
     parser.add_argument("--gateway-arg", action="append", default=[], help="extra `serve` flags")
