@@ -68,10 +68,9 @@ class _Shape:
         self.slots, self.width = slots, width
         parameter = next(model.parameters())
         device = parameter.device
-        text = model.config.get_text_config(decoder=True)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        _, kv_heads, head_dim = _kv_layout(model)
         self.cache = StaticCache(config=model.config, max_cache_len=width)
-        self.cache.early_initialization(slots, text.num_key_value_heads, head_dim, parameter.dtype, device)
+        self.cache.early_initialization(slots, kv_heads, head_dim, parameter.dtype, device)
         self.nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers)
         self.ids = torch.zeros((slots, 1), dtype=torch.long, device=device)
         self.positions = torch.zeros((slots, 1), dtype=torch.long, device=device)
@@ -159,7 +158,7 @@ class DecodeLane:
         self._shapes: OrderedDict[tuple[int, int], _Shape] = OrderedDict()
         self._shape: _Shape | None = None  # the one holding the rows below
         self._slot_of: dict[tuple[int, ...], int] = {}
-        self._lengths = np.zeros(0, dtype=np.int64)  # per slot
+        self._used = 0  # slots holding the last pass's rows (some empty where a row repeated)
         self._column = 0
         self.steps = 0  # passes served by the lane
 
@@ -225,7 +224,7 @@ class DecodeLane:
         out = shape.step()[: len(rows)]  # the step moves the cache's write column on by one
         self._column += 1
         self._slot_of = {tuple(row): i for i, row in enumerate(rows)}
-        self._lengths = lengths
+        self._used = len(rows)
         self.steps += 1
         return out
 
@@ -234,7 +233,7 @@ class DecodeLane:
         the rows by slot."""
         if self._shape is None or not self._slot_of:
             return None
-        rows = [()] * len(self._lengths)
+        rows = [()] * self._used
         for row, slot in self._slot_of.items():
             rows[slot] = row
         return [(k[:, :, : self._column], v[:, :, : self._column]) for k, v in self._shape.layers], rows
@@ -250,8 +249,7 @@ class DecodeLane:
 
     def _refill(self, sources: Sequence[tuple[list[KV], list[int]]], rows: list[tuple[int, ...]]) -> None:
         # sources: (K/V right-aligned at their last column, which of their rows), in slot order.
-        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-        longest = int(lengths.max())
+        longest = max(map(len, rows))
         shape = self._shape_for(_slots_for(len(rows)), _width_for(longest + 1))
         device = shape.ids.device
         parts = []  # copied out first: a source may be the target shape itself
@@ -271,7 +269,7 @@ class DecodeLane:
         self._shape = shape
         self._column = longest
         self._slot_of = {row: i for i, row in enumerate(rows) if row}
-        self._lengths = lengths
+        self._used = len(rows)
 
     def _shape_for(self, slots: int, width: int) -> _Shape:
         key = (slots, width)
@@ -299,7 +297,13 @@ def _compiled(model: Any) -> Any:
 
 
 def _kv_bytes(model: Any, slots: int, width: int) -> int:
+    layers, kv_heads, head_dim = _kv_layout(model)
+    itemsize = next(model.parameters()).element_size()
+    return 2 * layers * slots * kv_heads * width * head_dim * itemsize
+
+
+def _kv_layout(model: Any) -> tuple[int, int, int]:
+    """Layers, key/value heads and head size of the model's attention."""
     text = model.config.get_text_config(decoder=True)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    itemsize = next(model.parameters()).element_size()
-    return 2 * text.num_hidden_layers * slots * text.num_key_value_heads * width * head_dim * itemsize
+    return text.num_hidden_layers, text.num_key_value_heads, head_dim
