@@ -102,8 +102,9 @@ class PromptLogprobs:
 @dataclass(frozen=True)
 class WrittenRows:
     """What `HostWrites.write_rows` returns once the rows are in the caller's memory: `rows` are
-    the engine's own copy of them (asked with `keep`), else the caller's memory itself. Its own
-    copy may still be arriving from the device: read it only once `landed()` has returned."""
+    the engine's own copy of the distinct rows it computed (asked with `keep`), else the caller's
+    memory itself. Its own copy may still be arriving from the device: read it only once
+    `landed()` has returned."""
 
     rows: np.ndarray
     landed: Callable[[], Awaitable[None]]
@@ -128,11 +129,18 @@ class HostWrites(ABC):
 
     @abstractmethod
     async def write_rows(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], into: np.ndarray, keep: bool
+        self,
+        rows: Sequence[Sequence[int]],
+        adapters: Sequence[str | None],
+        into: np.ndarray,
+        keep: bool,
+        positions: Sequence[int] | None = None,
     ) -> WrittenRows:
         """`Engine.next_token_logprobs` of `rows`, written into `into` (float32 [len(rows), vocab]
-        in registered memory); with `keep`, the engine also returns a copy of its own, which the
-        caller may keep after `into` has been handed on."""
+        in registered memory), or with `positions` row positions[i] into into[i] (a request whose
+        rows repeat, as resampled particles do: the device copies the repeats, not the host); with
+        `keep`, the engine also returns a copy of its own of `rows`' rows, which the caller may
+        keep after `into` has been handed on."""
 
 
 class Engine(ABC):

@@ -57,11 +57,15 @@ async def _until(event: torch.cuda.Event) -> None:
         await asyncio.to_thread(event.synchronize)
 
 
-def write_rows_into(rows: torch.Tensor, into: np.ndarray, keep: bool) -> WrittenRows:
-    """Rows from the GPU straight into the caller's registered memory `into`; with `keep`, also
-    into page-locked memory of the engine's own, which lands while the answer leaves."""
+def write_rows_into(
+    rows: torch.Tensor, into: np.ndarray, keep: bool, positions: Sequence[int] | None = None
+) -> WrittenRows:
+    """Rows from the GPU straight into the caller's registered memory `into` (row positions[i]
+    into into[i], gathered on the device, when given); with `keep`, `rows` also into page-locked
+    memory of the engine's own, which lands while the answer leaves."""
     stream = torch.cuda.current_stream(rows.device)
-    torch.from_numpy(into).copy_(rows, non_blocking=True)
+    answer = rows if positions is None else rows[torch.tensor(positions, device=rows.device)]
+    torch.from_numpy(into).copy_(answer, non_blocking=True)
     written = torch.cuda.Event()
     written.record(stream)
     if not keep:
@@ -81,7 +85,8 @@ class CudaHostWrites(HostWrites):
     def __init__(
         self,
         write: Callable[
-            [Sequence[Sequence[int]], Sequence[str | None], np.ndarray, bool], Awaitable[WrittenRows]
+            [Sequence[Sequence[int]], Sequence[str | None], np.ndarray, bool, Sequence[int] | None],
+            Awaitable[WrittenRows],
         ],
     ) -> None:
         self._write = write
@@ -93,9 +98,14 @@ class CudaHostWrites(HostWrites):
         unregister_host_memory(address)
 
     async def write_rows(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], into: np.ndarray, keep: bool
+        self,
+        rows: Sequence[Sequence[int]],
+        adapters: Sequence[str | None],
+        into: np.ndarray,
+        keep: bool,
+        positions: Sequence[int] | None = None,
     ) -> WrittenRows:
-        return await self._write(rows, adapters, into, keep)
+        return await self._write(rows, adapters, into, keep, positions)
 
 
 # Looked up once (the check runs after every dense call): empty_host_cache is public from torch

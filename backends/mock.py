@@ -43,10 +43,15 @@ class MockHostWrites(base.HostWrites):
         self.calls.append(("unregister", address))
 
     async def write_rows(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], into: np.ndarray, keep: bool
+        self,
+        rows: Sequence[Sequence[int]],
+        adapters: Sequence[str | None],
+        into: np.ndarray,
+        keep: bool,
+        positions: Sequence[int] | None = None,
     ) -> base.WrittenRows:
         out = await self.engine.next_token_logprobs(rows, adapters)
-        into[...] = out
+        into[...] = out if positions is None else out[list(positions)]
         self.keeps.append(keep)
         return base.WrittenRows(out if keep else into, base.already_landed)
 

@@ -143,9 +143,7 @@ class TransformersEngine(Engine):
         self.host_writes = (
             None
             if self.device.type != "cuda"
-            else CudaHostWrites(
-                lambda rows, adapters, into, keep: self._run(self._write_rows, rows, adapters, into, keep)
-            )
+            else CudaHostWrites(lambda *args: self._run(self._write_rows, *args))
         )
         # Dense rows and generation steps of concurrent requests share forward passes.
         self.steps: StepScheduler[tuple[Sequence[int], str | None]] = StepScheduler(self._pass)
@@ -282,9 +280,15 @@ class TransformersEngine(Engine):
         return host
 
     def _write_rows(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], into: np.ndarray, keep: bool
+        self,
+        rows: Sequence[Sequence[int]],
+        adapters: Sequence[str | None],
+        into: np.ndarray,
+        keep: bool,
+        positions: Sequence[int] | None,
     ) -> WrittenRows:
-        written = write_rows_into(self.dense(rows, adapters, use_lane=self._peft is None), into, keep)
+        dense = self.dense(rows, adapters, use_lane=self._peft is None)
+        written = write_rows_into(dense, into, keep, positions)
         self._release_pinned_memory()
         return written
 

@@ -363,12 +363,16 @@ class AsyncGatewayLM(LoraManagement, Sampling):
         for key in keys:
             positions.setdefault(key, len(positions))
         if self._cache.isdisjoint(positions) and self._pending.keys().isdisjoint(positions):
-            # All new (an SMC step): one request of the distinct rows, and the answer as it is when
-            # no row repeats; else one gather of it (particles that resampling duplicated).
+            # All new (an SMC step): one request, and its answer as it is. Rows that repeat
+            # (particles that resampling duplicated) are asked for as they are when the gateway
+            # writes into this process's memory: it copies them on its side (a GPU engine on its
+            # device); over a socket the distinct rows travel once and are gathered here.
+            if len(positions) == len(keys) or self._ask_shared_memory:
+                matrix = await self._fetch(model, [key.ids for key in keys])
+                self._cache.put_rows(keys, matrix)
+                return _as_output(matrix)
             matrix = await self._fetch(model, [key.ids for key in positions])
             self._cache.put_rows(list(positions), matrix)
-            if len(positions) == len(keys):
-                return _as_output(matrix)
             return _as_output(matrix[[positions[k] for k in keys]])
         rows = await asyncio.gather(*(self._row(key) for key in keys))
         return _as_output(np.stack(rows))
@@ -381,6 +385,10 @@ class AsyncGatewayLM(LoraManagement, Sampling):
         # Rows taken from the cache before fetching: storing the fetched ones may evict them.
         found = {k: row for k in dict.fromkeys(keys) if (row := self._cache.get(k)) is not None}
         missing = [k for k in dict.fromkeys(keys) if k not in found]
+        if not found and self._ask_shared_memory:  # all new, repeats copied by the gateway
+            matrix = self._fetch_sync(model, [key.ids for key in keys])
+            self._cache.put_rows(keys, matrix)
+            return _as_output(matrix)
         if missing:
             matrix = self._fetch_sync(model, [key.ids for key in missing])
             self._cache.put_rows(missing, matrix)

@@ -7,9 +7,10 @@ while traffic is concurrent (the last engine call served several requests): a lo
 as an SMC loop that sends one request per step and waits for it, would pay the window every step. Rows of
 different adapters share an engine call: the engine applies each row's adapter.
 
-A request alone in its engine call, its rows distinct, may name memory to write its rows `into`
-(a client's shared memory registered with the engine, backends.base.HostWrites): the engine then
-writes them there itself, and the request gets the engine's WrittenRows instead of the rows.
+A request alone in its engine call may name memory to write its rows `into` (a client's shared
+memory registered with the engine, backends.base.HostWrites): the engine then writes them there
+itself, rows that repeat included (copied on its device), and the request gets the engine's
+WrittenRows (of its distinct rows, in the order they first appear) instead of the rows.
 
 Requests whose clients have gone (their futures cancelled) are dropped before each engine call.
 When an engine call fails, its requests are retried one by one, so only the request that causes
@@ -23,6 +24,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -32,7 +34,21 @@ log = logging.getLogger(__name__)
 
 Row = tuple[str | None, tuple[int, ...]]  # (adapter, token ids)
 EngineCall = Callable[[Sequence[Sequence[int]], Sequence[str | None]], Awaitable[np.ndarray]]
-EngineWrite = Callable[[Sequence[Sequence[int]], Sequence[str | None], np.ndarray], Awaitable[WrittenRows]]
+
+
+class EngineWrite(Protocol):
+    """backends.base.HostWrites.write_rows, its `keep` chosen."""
+
+    def __call__(
+        self,
+        rows: Sequence[Sequence[int]],
+        adapters: Sequence[str | None],
+        into: np.ndarray,
+        *,
+        positions: Sequence[int] | None,
+    ) -> Awaitable[WrittenRows]: ...
+
+
 Result = np.ndarray | WrittenRows
 
 
@@ -149,12 +165,11 @@ class RowBatcher:
                 self._on_batch(len(chunk))
                 ids, adapters = [ids for _, ids in chunk], [a for a, _ in chunk]
                 into = batch[0].into if len(batch) == 1 else None
-                if (
-                    into is not None
-                    and self._engine_write is not None
-                    and len(unique) == len(batch[0].rows) <= self.max_batch_rows
-                ):  # the engine's rows are the answer as they are: written where it goes
-                    parts.append(await self._engine_write(ids, adapters, into))
+                if into is not None and self._engine_write is not None and len(unique) <= self.max_batch_rows:
+                    # The engine's rows are the answer: written where it goes, repeats included.
+                    rows = batch[0].rows
+                    positions = None if len(unique) == len(rows) else [index[row] for row in rows]
+                    parts.append(await self._engine_write(ids, adapters, into, positions=positions))
                 else:
                     parts.append(await self._engine_call(ids, adapters))
             self.stats.engine_rows += len(unique)

@@ -106,8 +106,8 @@ class DenseService:
         usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens, cache_hits=hits)
         computed_at = time.perf_counter()
         if isinstance(computed, WrittenRows):  # a few hundred bytes to say so: no thread hop
-            assert destination is not None
-            parts = delivery.in_shared_memory(computed.rows, body, usage, binary, destination.view, True)
+            assert into is not None and destination is not None
+            parts = delivery.in_shared_memory(into, body, usage, binary, destination.view, True)
         # Copying or encoding megabytes of floats would stall the event loop: a worker thread does.
         elif destination is not None:
             parts = await asyncio.to_thread(
@@ -160,8 +160,8 @@ class DenseService:
         missing = [i for i, row in enumerate(cached) if row is None]
         if len(missing) == len(rows):  # nothing cached (every SMC step): the engine's rows as they are
             computed = await batcher.submit(rows, adapter, into)
-            if isinstance(computed, WrittenRows):
-                cache.store_later(keys, computed.rows, computed.landed)
+            if isinstance(computed, WrittenRows):  # the engine's copy of the distinct rows
+                cache.store_later(list(dict.fromkeys(keys)), computed.rows, computed.landed)
             else:
                 cache.store_later(keys, computed)
             return computed, 0

@@ -84,9 +84,9 @@ def _recording(engine, monkeypatch) -> tuple[list[bool], list]:
     keeps, copies = [], []
     write = engine.host_writes.write_rows
 
-    async def recorded(rows, adapters, into, keep):
+    async def recorded(rows, adapters, into, keep, positions=None):
         keeps.append(keep)
-        return await write(rows, adapters, into, keep)
+        return await write(rows, adapters, into, keep, positions)
 
     monkeypatch.setattr(engine.host_writes, "write_rows", recorded)
     monkeypatch.setattr("gateway.dense.delivery.copy_into", lambda *args: copies.append(args))
@@ -158,5 +158,22 @@ def test_rows_written_with_a_copy_kept_land_in_both_places(model_dir):
         alone = write_rows_into(rows * 2, into, keep=False)
         asyncio.run(alone.landed())
         assert alone.rows is into and np.array_equal(into, (rows * 2).cpu().numpy())
+    finally:
+        unregister_host_memory(into.ctypes.data)
+
+
+@cuda
+def test_rows_that_repeat_are_copied_on_the_device(model_dir):
+    from backends.host_copy import register_host_memory, unregister_host_memory, write_rows_into
+
+    rows = torch.randn(3, 1000, device="cuda")
+    positions = [2, 0, 2, 1, 0, 2]
+    into = np.zeros((len(positions), 1000), np.float32)
+    assert register_host_memory(into.ctypes.data, into.nbytes)
+    try:
+        written = write_rows_into(rows, into, keep=True, positions=positions)
+        asyncio.run(written.landed())
+        assert np.array_equal(into, rows.cpu().numpy()[positions])
+        assert np.array_equal(written.rows, rows.cpu().numpy())  # the distinct rows, for the cache
     finally:
         unregister_host_memory(into.ctypes.data)

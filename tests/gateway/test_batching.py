@@ -65,26 +65,34 @@ async def _landed() -> None:
     return None
 
 
-async def test_memory_to_write_into_reaches_the_engine_only_for_a_request_alone_with_distinct_rows():
+async def test_memory_to_write_into_reaches_the_engine_only_for_a_request_alone_in_its_call():
     engine = RecordingEngine()
     targets = []
 
-    async def write(rows, adapters, into):
-        targets.append(into)
-        into[...] = await engine(rows, adapters)
-        return WrittenRows(into, _landed)
+    async def write(rows, adapters, into, *, positions):
+        targets.append((into, positions))
+        out = await engine(rows, adapters)
+        into[...] = out if positions is None else out[positions]
+        return WrittenRows(out, _landed)
 
     batcher = RowBatcher(engine, window_s=0.05, engine_write=write)
     into = np.zeros((3, 3), np.float32)
     alone = await batcher.submit([[1, 2], [3], [4, 5, 6]], None, into)
-    assert isinstance(alone, WrittenRows) and alone.rows is into
-    assert len(targets) == 1 and targets[0] is into and into[:, 0].tolist() == [3, 3, 15]
-    twice = await batcher.submit([[1], [1]], None, np.zeros((2, 3), np.float32))  # a row twice
-    assert isinstance(twice, np.ndarray) and twice[:, 0].tolist() == [1, 1]
+    assert isinstance(alone, WrittenRows) and len(alone.rows) == 3
+    assert len(targets) == 1 and targets[0] == (into, None) and into[:, 0].tolist() == [3, 3, 15]
+    # Rows that repeat: computed once each, every repeat written by the engine.
+    twice = np.zeros((3, 3), np.float32)
+    written = await batcher.submit([[1], [2], [1]], None, twice)
+    assert (
+        isinstance(written, WrittenRows)
+        and len(written.rows) == 2
+        and engine.outputs[-1][:, 0].tolist() == [1, 2]
+    )
+    assert targets[-1][1] == [0, 1, 0] and twice[:, 0].tolist() == [1, 2, 1]
     await asyncio.gather(batcher.submit([[7]]), batcher.submit([[8]]))  # concurrent: window on
     shared, _ = await asyncio.gather(
         batcher.submit([[9]], None, np.zeros((1, 3), np.float32)), batcher.submit([[10]])
     )  # shares its engine call
     assert isinstance(shared, np.ndarray) and shared[:, 0].tolist() == [9]
-    assert len(targets) == 1 and len(engine.outputs) == 4
+    assert len(targets) == 2 and len(engine.outputs) == 4
     await batcher.aclose()

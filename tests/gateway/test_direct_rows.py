@@ -39,7 +39,7 @@ class Registrar:
     def unregister(self, address: int) -> None:
         self.calls.append(("unregister", address))
 
-    async def write_rows(self, rows, adapters, into, keep):
+    async def write_rows(self, rows, adapters, into, keep, positions=None):
         raise AssertionError("the writer never computes rows")
 
 
@@ -149,6 +149,36 @@ def test_the_engine_writes_a_registered_segment_itself_and_the_gateway_does_not_
         # An offset that splits a float: no target for the engine, the gateway copies.
         ask(client, [[7, 8]], {"pid": os.getpid(), "fd": fd, "name": name, "key": key, "offset": 2})
         assert len(writes.keeps) == written + 1 and len(copies) == 2
+    finally:
+        os.close(fd)
+
+
+def test_rows_that_repeat_are_written_by_the_engine_and_cached_once_each(writing_app, monkeypatch):
+    """Resampled particles: the request names a row several times; the engine computes each row
+    once and writes every repeat itself, and the output cache gets each distinct row once."""
+    litestar_app, client = writing_app
+    engine = litestar_app.state.registry.models["mock"].engine
+    writes = engine.host_writes
+    copies = []
+    monkeypatch.setattr("gateway.dense.delivery.copy_into", lambda *args: copies.append(args))
+    rows = [[11, 12], [13], [11, 12], [14, 15, 16], [13], [11, 12]]
+    fd, name, key = memfd(len(rows) * VOCAB * 4)
+    calls = engine.calls
+    try:
+        written = len(writes.keeps)
+        document = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
+        assert document["rows"] == len(rows) and document["nbytes"] == len(rows) * VOCAB * 4
+        assert writes.keeps[written:] == [True] and copies == [] and engine.calls == calls + 1
+        got = np.frombuffer(os.pread(fd, len(rows) * VOCAB * 4, 0), "<f4").reshape(len(rows), VOCAB)
+        assert np.array_equal(got, np.stack([engine.logits(r) for r in rows]))
+        # Each distinct row is in the cache under its own key: asked again alone, none is computed.
+        monkeypatch.undo()  # the gateway copies cached rows
+        for row in [[11, 12], [13], [14, 15, 16]]:
+            again = ask(client, [row], {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
+            assert again["usage"]["cache_hits"] == 1
+            got = np.frombuffer(os.pread(fd, VOCAB * 4, 0), "<f4")
+            assert np.array_equal(got, engine.logits(row))
+        assert engine.calls == calls + 1
     finally:
         os.close(fd)
 

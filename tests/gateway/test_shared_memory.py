@@ -407,19 +407,39 @@ def test_a_larger_answer_takes_the_place_of_smaller_ones(lm):
 
 
 def test_steps_of_varying_size_keep_their_segments(lm):
-    """SMC's resampling repeats rows, which go once: step sizes vary. Once a large step has come,
+    """Step sizes vary (particles that die, a caller's own batching). Once a large step has come,
     segments are made that large, so smaller and larger steps take turns in the same ones and
     the gateway maps (and registers with its GPU) no new segment per step."""
     lm._segments.max_bytes = 14 << 20  # three or four segments of these steps, recycled
     rng = np.random.default_rng(5)
     rows = prefixes(16, 80)
     for step in range(16):
-        answer = lm.batch_next_token_logprobs_sync(rows)
+        answer = lm.batch_next_token_logprobs_sync(rows[: 16 - step % 4 * 2])
         rows = [r + [int(t)] for r, t in zip(rows, rng.integers(100, 40000, len(rows)), strict=True)]
-        if step % 4 == 3:  # resampled: some particles twice, so fewer distinct rows next step
-            rows = [rows[i] for i in rng.choice(len(rows), len(rows))]
         del answer
     assert lm.shared_memory_answers >= 16 and lm._segments.created <= 3
+
+
+def test_resampled_rows_are_asked_for_as_they_are_and_copied_by_the_gateway(lm, socket_lm, http):
+    """Particles that resampling duplicated: in shared memory the request names every row, repeats
+    included, and the gateway copies the repeats (a GPU engine on its device), so the client
+    gathers nothing; over a socket the distinct rows travel once and the client gathers them."""
+    distinct = prefixes(6, 90)
+    rows = [distinct[i] for i in (0, 1, 0, 2, 3, 1, 4, 5, 0, 5)]
+    stats = f"/v1/models/{MODEL}/stats"
+    before = http.get(stats).json()
+    got = asyncio.run(lm.batch_next_token_logprobs(rows))
+    after = http.get(stats).json()
+    assert after["rows"] - before["rows"] == len(rows) and after["engine_rows"] - before["engine_rows"] == 6
+    assert lm.shared_memory_answers == 1 and in_segment(lm, got)
+    sync = lm.batch_next_token_logprobs_sync([r + [7] for r in rows])
+    assert lm.shared_memory_answers == 2 and in_segment(lm, sync)
+    assert http.get(stats).json()["rows"] - after["rows"] == len(rows)
+    over_socket = socket_lm.batch_next_token_logprobs_sync(rows)  # 6 rows, from the output cache
+    assert socket_lm.requests_sent == 1 and http.get(stats).json()["rows"] - after["rows"] == len(rows)
+    assert torch.equal(got, over_socket)
+    for i, j in ((0, 2), (0, 8), (1, 5), (7, 9)):
+        assert torch.equal(got[i], got[j])
 
 
 def test_answers_the_caller_keeps_are_never_written_over(lm, socket_lm):
