@@ -28,6 +28,15 @@ class AdapterError(ValueError):
     """An adapter cannot be loaded into (or unloaded from) this engine; the message says why."""
 
 
+class WeightsError(ValueError):
+    """New weights that this engine cannot load in place (another architecture, a missing or
+    misshapen tensor); nothing was changed. The message says why."""
+
+
+class WeightsUpdateUnsupported(NotImplementedError):
+    """This engine cannot load new weights without a restart."""
+
+
 class RequestRejectedError(ValueError):
     """The engine refuses a request's parameters (a limit of its own); the message says why."""
 
@@ -190,6 +199,12 @@ class Engine(ABC):
 
     async def unload_adapter(self, name: str) -> None:
         raise AdapterError(f"the {type(self).__name__} backend does not support adapters")
+
+    async def update_weights(self, path: str) -> None:
+        """Load new weights of the same architecture from the Hugging Face directory `path` in
+        place, between forward passes; raises WeightsError (nothing changed) if they do not fit.
+        Whatever the engine kept of earlier passes (prefix keys/values) is dropped."""
+        raise WeightsUpdateUnsupported(f"the {type(self).__name__} cannot load new weights without a restart")
 
     def is_healthy(self) -> bool:
         return True

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import numpy as np
 from transformers import AutoTokenizer
@@ -24,6 +25,11 @@ from backends import base
 from backends.base import AdapterError, Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
 from backends.builtin_models import resolve_model_dir
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
+
+
+def _base_row(seed: int, vocab_size: int) -> np.ndarray:
+    """Every row is this one rolled: the mock's weights."""
+    return log_softmax(np.random.default_rng(seed).standard_normal(vocab_size, dtype=np.float32) * 3.0)
 
 
 class MockHostWrites(base.HostWrites):
@@ -81,8 +87,7 @@ class MockEngine(Engine):
         self.fatal_token = options.get("fatal_token")
         self.dead = False
         self.host_writes = MockHostWrites(self) if options.get("host_writes") else None
-        base = np.random.default_rng(0).standard_normal(vocab_size, dtype=np.float32) * 3.0
-        self._base = log_softmax(base)
+        self._base = _base_row(0, vocab_size)
 
     @classmethod
     def load(cls, config: EngineConfig) -> MockEngine:
@@ -123,6 +128,20 @@ class MockEngine(Engine):
 
     def is_healthy(self) -> bool:
         return not self.dead
+
+    async def update_weights(self, path: str) -> None:
+        """The mock's "weights" are its base row: new ones drawn from the directory's files, so
+        rows change with what the directory holds."""
+        directory = Path(path)
+        if not (directory / "config.json").is_file():
+            raise base.WeightsError(f"{path} has no config.json")
+        digest = hashlib.sha256()
+        for file in sorted(directory.iterdir()):
+            if file.is_file():
+                digest.update(file.name.encode() + b"\0" + file.read_bytes())
+        await asyncio.sleep(self.delay_s)
+        self._base = _base_row(int.from_bytes(digest.digest()[:8], "little"), self.vocab_size)
+        self.model_path = str(path)
 
     async def load_adapter(self, name: str, path: str) -> None:
         self.adapters[name] = path  # the mock's "adapter" only changes the hash of its rows

@@ -49,6 +49,7 @@ from backends.host_copy import CudaHostWrites, release_pinned_memory, rows_to_ho
 from backends.prefix_cache import PrefixCache
 from backends.sampling import sample_tokens
 from backends.step_scheduler import StepScheduler
+from backends.weights import copy_weights_in_place
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +220,20 @@ class TransformersEngine(Engine):
             return self.model(**kwargs)
         return self._peft(**kwargs, adapter_names=[a or BASE for a in adapters])
 
-    # -- adapters (loaded and unloaded on the worker thread, so never during a forward pass) ----
+    # -- new weights and adapters (on the worker thread, so never during a forward pass) ------
+
+    async def update_weights(self, path: str) -> None:
+        await self._run(self._update_weights, path)
+
+    def _update_weights(self, path: str) -> None:
+        copy_weights_in_place(self.model, path)
+        # Keys/values computed with the old weights; the lane's graphs read the weights in place.
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        if self.lane is not None:
+            self.lane.clear()
+        self.model_path = str(path)
+        log.info("new weights loaded from %s", path)
 
     async def load_adapter(self, name: str, path: str) -> None:
         await self._run(self._load_adapter, name, path)

@@ -96,6 +96,14 @@ class ModelNotReadyError(GatewayError):
     code = "model_not_ready"
 
 
+class NotSupportedError(GatewayError):
+    """What this engine cannot do (and a restart or another backend can)."""
+
+    status_code = 501
+    error_type = "not_implemented"
+    code = "not_supported"
+
+
 class EngineError(GatewayError):
     status_code = 500
     error_type = "internal_error"

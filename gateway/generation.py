@@ -103,13 +103,24 @@ async def run_choice(
     adapter: str | None = None,
 ) -> AsyncIterator[Piece]:
     engine = served.require_engine()
+    async with served.weights.reading():  # a choice is generated with one set of weights
+        pieces = _pieces(engine.generate(prompt_ids, params, adapter), served, stops)
+        try:
+            async for piece in pieces:
+                yield piece
+        finally:
+            await pieces.aclose()  # the engine frees the stream's state now, not when collected
+
+
+async def _pieces(
+    generator: AsyncIterator[TokenStep], served: ServedModel, stops: Sequence[str]
+) -> AsyncIterator[Piece]:
     text = IncrementalText(served.token_bytes, served.special_ids)
     pending = ""
     steps: list[TokenStep] = []
     first_token = served.metrics.time_to_first_token.labels(served.name)
     between_tokens = served.metrics.inter_token_latency.labels(served.name)
     last = started = time.perf_counter()
-    generator = engine.generate(prompt_ids, params, adapter)
     try:
         async for step in generator:
             now = time.perf_counter()

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backends.base import AdapterError, Engine, engine_class
+from backends.base import AdapterError, Engine, WeightsError, WeightsUpdateUnsupported, engine_class
 from backends.vocab import token_bytes_table
 from gateway.adapters import adapter_fingerprint, check_adapter_dir, check_adapter_name
-from gateway.errors import InvalidRequestError, ModelNotFoundError, ModelNotReadyError
+from gateway.errors import InvalidRequestError, ModelNotFoundError, ModelNotReadyError, NotSupportedError
 from gateway.metrics import Metrics
 from gateway.settings import ModelSettings
+from gateway.weights import WeightsLock, weight_files_stat
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ class ServedModel:
     special_ids: frozenset[int] = frozenset()  # tokens that add no text to completions
     tokenizer_files: dict[str, str] = field(default_factory=dict)
     fingerprint: str = ""  # identity of the weights, for cache keys
+    weights: WeightsLock = field(default_factory=WeightsLock, repr=False)  # held by whoever reads them
+    weight_version: str = "default"  # what the last weights update called its weights
+    weight_updates: int = 0
     metrics: Metrics = field(default_factory=Metrics, repr=False)
     adapters: dict[str, AdapterInfo] = field(default_factory=dict)
     loaded: bool = False  # the engine and the configured adapters are all in place
@@ -126,6 +130,35 @@ class ServedModel:
             del self.adapters[name]  # new requests stop seeing it before the weights go
             await engine.unload_adapter(name)
         log.info("model %r: adapter %r unloaded", self.name, name)
+
+    async def update_weights(self, path: Path, version: str | None = None) -> None:
+        """New weights of the same architecture from the directory `path`, once the requests
+        reading the old ones have finished; the fingerprint (every output-cache key) changes with
+        them. Weights that do not fit change nothing (400); an engine that cannot, 501."""
+        engine = self.require_engine()
+        async with self.weights.writing():
+            try:
+                await engine.update_weights(str(path))
+            except WeightsError as exc:
+                raise InvalidRequestError(str(exc), param="model_path") from None
+            except WeightsUpdateUnsupported as exc:
+                raise NotSupportedError(str(exc)) from None
+            except BaseException:
+                # Weights partly written, perhaps: rows computed from now on must match no old key.
+                self.fingerprint = f"{self.fingerprint}:update-failed-{self.weight_updates + 1}"
+                self.weight_updates += 1
+                raise
+            self.fingerprint = await asyncio.to_thread(
+                weights_fingerprint,
+                path,
+                self.settings.backend,
+                engine.dtype,
+                str(engine.vocab_size),
+                *weight_files_stat(path),
+            )
+            self.weight_updates += 1
+            self.weight_version = version or str(self.weight_updates)
+        log.info("model %r: weights %r loaded from %s", self.name, self.weight_version, path)
 
     def _no_adapter_message(self, adapter: str) -> str:
         available = ", ".join(f"{self.name}:{a}" for a in self.adapters) or "none"

@@ -97,7 +97,8 @@ class DenseService:
         into = _engine_target(body, destination, engine.vocab_size)
         started = time.perf_counter()
         try:
-            computed, hits = await self._rows(served, adapter, rows, into)
+            async with served.weights.reading():  # keys and rows of the same weights
+                computed, hits = await self._rows(served, adapter, rows, into)
         except GatewayError:
             raise
         except Exception as exc:

@@ -181,9 +181,10 @@ class _Run:
         """The prompt's text and, with logprobs, its tokens scored (the first one has no score)."""
         if not self.want_logprobs:
             return prompt.text, None
-        scores = await self.served.require_engine().prompt_logprobs(
-            prompt.ids, self.params.top_logprobs, self.adapter
-        )
+        async with self.served.weights.reading():
+            scores = await self.served.require_engine().prompt_logprobs(
+                prompt.ids, self.params.top_logprobs, self.adapter
+            )
         return prompt.text, _LogprobsBuilder(self.served, 0).prompt(prompt.ids, scores)
 
     def _response(self, choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:

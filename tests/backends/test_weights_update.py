@@ -1,0 +1,113 @@
+"""New weights loaded in place into a running transformers engine: its rows are then those of a
+forward pass of the new weights, with nothing kept from the old (prefix keys/values), and
+weights that do not fit change nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from backends.base import EngineConfig, WeightsError
+from backends.transformers import TransformersEngine
+from tests.conftest import Reference
+
+pytestmark = pytest.mark.slow
+PREFIXES = [[504, 3575, 282, 4649, 314], [410, 2251, 30], [504, 3575, 282]]
+
+
+@pytest.fixture(scope="module")
+def scaled_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model with one layer's MLP output scaled: same shapes, other numbers."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[3].mlp.down_proj.weight.mul_(1.5)
+    path = tmp_path_factory.mktemp("scaled")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def scaled(scaled_dir: Path, reference: Reference) -> Reference:
+    model = AutoModelForCausalLM.from_pretrained(scaled_dir, dtype=torch.float32).eval()
+    return Reference(model, reference.tokenizer)
+
+
+async def rows(engine: TransformersEngine, prefixes: list[list[int]]) -> np.ndarray:
+    return await engine.next_token_logprobs(prefixes)
+
+
+async def test_rows_after_an_update_are_the_new_weights_and_no_old_keys_values_are_reused(
+    model_dir, scaled_dir, reference, scaled
+):
+    engine = TransformersEngine.load(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
+    before = await rows(engine, PREFIXES)  # fills the prefix cache with keys/values of the old weights
+    for row, ids in zip(before, PREFIXES, strict=True):
+        np.testing.assert_allclose(row, reference.logprobs(ids)[-1], rtol=0, atol=1e-4)
+    await engine.update_weights(str(scaled_dir))
+    assert engine.model_path == str(scaled_dir)
+    extended = [ids + [13] for ids in PREFIXES]  # would extend cached prefixes of the old weights
+    after = await rows(engine, PREFIXES + extended)
+    for row, ids in zip(after, PREFIXES + extended, strict=True):
+        np.testing.assert_allclose(row, scaled.logprobs(ids)[-1], rtol=0, atol=1e-4)
+    assert np.abs(after[: len(PREFIXES)] - before).max() > 0.01  # the weights did change
+    scores = await engine.prompt_logprobs(PREFIXES[0], 0)
+    expected = scaled.logprobs(PREFIXES[0])
+    want = [expected[i, t] for i, t in enumerate(PREFIXES[0][1:])]
+    np.testing.assert_allclose(scores.token_logprobs, want, rtol=0, atol=1e-4)
+    await engine.aclose()
+
+
+def _broken(source: Path, target: Path, change) -> Path:
+    shutil.copytree(source, target)
+    (weights,) = target.glob("*.safetensors")
+    tensors = load_file(weights)
+    change(tensors, target)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return target
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("missing", "has no tensor 'model.layers.2.mlp.up_proj.weight'"),
+        ("shape", "has shape"),
+        ("architecture", "holds a MistralForCausalLM"),
+        ("empty", "has no .safetensors weights"),
+        ("no directory", "is not a directory"),
+    ],
+)
+async def test_weights_that_do_not_fit_change_nothing(model_dir, scaled_dir, reference, tmp_path, case, words):
+    def change(tensors: dict, target: Path) -> None:
+        if case == "missing":
+            del tensors["model.layers.2.mlp.up_proj.weight"]
+        elif case == "shape":
+            tensors["model.layers.5.self_attn.o_proj.weight"] = tensors[
+                "model.layers.5.self_attn.o_proj.weight"
+            ][:, :-1].contiguous()
+        elif case == "architecture":
+            config = json.loads((target / "config.json").read_text())
+            config["architectures"] = ["MistralForCausalLM"]
+            (target / "config.json").write_text(json.dumps(config))
+
+    if case == "empty":
+        path = tmp_path / "empty"
+        path.mkdir()
+        shutil.copy(scaled_dir / "config.json", path)
+    elif case == "no directory":
+        path = tmp_path / "nowhere"
+    else:
+        path = _broken(scaled_dir, tmp_path / case, change)
+    engine = TransformersEngine.load(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
+    with pytest.raises(WeightsError, match=words):
+        await engine.update_weights(str(path))
+    for row, ids in zip(await rows(engine, PREFIXES), PREFIXES, strict=True):
+        np.testing.assert_allclose(row, reference.logprobs(ids)[-1], rtol=0, atol=1e-4)
+    assert engine.model_path != str(path)
+    await engine.aclose()
