@@ -83,7 +83,9 @@ def _broken(source: Path, target: Path, change) -> Path:
         ("no directory", "is not a directory"),
     ],
 )
-async def test_weights_that_do_not_fit_change_nothing(model_dir, scaled_dir, reference, tmp_path, case, words):
+async def test_weights_that_do_not_fit_change_nothing(
+    model_dir, scaled_dir, reference, tmp_path, case, words
+):
     def change(tensors: dict, target: Path) -> None:
         if case == "missing":
             del tensors["model.layers.2.mlp.up_proj.weight"]
