@@ -18,7 +18,7 @@ from gateway.errors import EXCEPTION_HANDLERS
 from gateway.guard import guard
 from gateway.metrics import Metrics, StateCollector, instrument
 from gateway.registry import ModelRegistry
-from gateway.routes.admin import load_lora_adapter, unload_lora_adapter
+from gateway.routes.admin import load_lora_adapter, unload_lora_adapter, update_weights_from_disk
 from gateway.routes.chat import create_chat_completion
 from gateway.routes.completions import create_completion
 from gateway.routes.logprobs import batching_stats, next_token_logprobs
@@ -41,6 +41,7 @@ ROUTES = [
     detokenize_route,
     load_lora_adapter,
     unload_lora_adapter,
+    update_weights_from_disk,
     health,
     prometheus_metrics,
     openapi_document,

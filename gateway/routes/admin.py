@@ -1,14 +1,23 @@
-"""Run-time LoRA adapter management (vLLM's endpoint names), behind the admin key."""
+"""Run-time changes of served models behind the admin key: LoRA adapters (vLLM's endpoint names)
+and new weights (SGLang's)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from litestar import Request, Response, post
 
 from gateway.adapters import confine
-from gateway.errors import AuthenticationError, ForbiddenError, InvalidRequestError
+from gateway.errors import AuthenticationError, ForbiddenError, GatewayError, InvalidRequestError
 from gateway.http import access, decode_json, json_response, registry, resolve_model, settings
 from gateway.registry import ServedModel
-from gateway.schemas.models import AdapterStatus, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from gateway.schemas.models import (
+    AdapterStatus,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDiskResponse,
+)
 
 
 def require_admin(request: Request) -> None:
@@ -48,3 +57,32 @@ async def unload_lora_adapter(request: Request) -> Response:
     served = _base_model(request, body.model)
     await served.remove_adapter(body.lora_name)
     return json_response(AdapterStatus(id=f"{served.name}:{body.lora_name}", status="unloaded"))
+
+
+@post("/update_weights_from_disk", status_code=200, summary="Load new weights in place (admin; SGLang's)")
+async def update_weights_from_disk(request: Request) -> Response:
+    """New weights of the same architecture, without a restart. Requests reading the old weights
+    finish on them first; the model's fingerprint, and every output-cache key, changes with them.
+    Answers SGLang's {success, message}; a failure (4xx, 501) adds this API's error object."""
+    require_admin(request)
+    body = await decode_json(request, UpdateWeightsFromDiskRequest)
+    try:
+        served = _base_model(request, body.model)
+        if body.load_format not in (None, "auto", "safetensors"):
+            raise InvalidRequestError(
+                f"load_format {body.load_format!r} is not supported: safetensors weights only",
+                param="load_format",
+            )
+        if body.abort_all_requests:
+            raise InvalidRequestError(
+                "abort_all_requests is not supported: an update waits for the requests in flight",
+                param="abort_all_requests",
+            )
+        await served.update_weights(Path(body.model_path), body.weight_version)
+    except GatewayError as exc:
+        error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}
+        return json_response(
+            UpdateWeightsFromDiskResponse(success=False, message=exc.message, error=error), exc.status_code
+        )
+    message = f"Succeeded to update model weights. Weight version updated to {served.weight_version}."
+    return json_response(UpdateWeightsFromDiskResponse(success=True, message=message))

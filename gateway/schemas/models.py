@@ -48,6 +48,26 @@ class UnloadLoraAdapterRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
 
 
+class UpdateWeightsFromDiskRequest(msgspec.Struct, kw_only=True):
+    """SGLang's request (`UpdateWeightFromDiskReqInput`), the fields that apply here."""
+
+    model_path: str  # a Hugging Face directory: config.json and safetensors weights
+    load_format: str | None = None  # None, "auto" or "safetensors"
+    weight_version: str | None = None  # what to call the new weights; default: the update's count
+    flush_cache: bool = True  # the output cache's keys change with the weights either way
+    abort_all_requests: bool = False  # requests reading the old weights are waited for, not aborted
+    model: str | None = None  # the base model; may be omitted when only one is served
+
+
+class UpdateWeightsFromDiskResponse(msgspec.Struct, kw_only=True):
+    """SGLang's answer, success or failure; a failure also carries this API's `error` object."""
+
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+    error: dict[str, str | None] | None = None
+
+
 class AdapterStatus(msgspec.Struct, kw_only=True):
     object: Literal["lora_adapter"] = "lora_adapter"
     id: str  # the name clients use: "base:adapter"

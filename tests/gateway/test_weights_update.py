@@ -1,0 +1,190 @@
+"""POST /update_weights_from_disk: new weights in a running gateway, with two real replicas
+sharing one real Redis, and the lock that keeps requests in flight on the weights they began with."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+import torch
+from litestar.testing import TestClient
+from transformers import AutoModelForCausalLM
+
+from gateway.app import serving_app
+from gateway.launcher import start_gateway
+from gateway.settings import ModelSettings, Settings
+from tests.conftest import MODEL, Reference
+
+pytestmark = pytest.mark.slow
+ADMIN = {"Authorization": "Bearer admin-secret"}
+PREFIXES = [[504, 3575, 282, 4649, 314], [410, 2251, 30]]
+
+
+@pytest.fixture(scope="module")
+def scaled_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model with one layer's MLP output scaled: same shapes and headers, other numbers."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[3].mlp.down_proj.weight.mul_(1.5)
+    path = tmp_path_factory.mktemp("scaled")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def scaled(scaled_dir: Path, reference: Reference) -> Reference:
+    model = AutoModelForCausalLM.from_pretrained(scaled_dir, dtype=torch.float32).eval()
+    return Reference(model, reference.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def replicas(redis_server, model_dir, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("weights")
+    config = workdir / "gateway.toml"
+    config.write_text(f"""
+admin_key = "admin-secret"
+
+[[models]]
+name = "{MODEL}"
+model = "{model_dir}"
+dtype = "float32"
+
+[cache]
+redis_url = "{redis_server.url}"
+""")
+    gateways = [start_gateway(["--config", str(config)], workdir / f"replica{i}.log") for i in range(2)]
+    yield gateways
+    for gateway in gateways:
+        gateway.stop()
+
+
+def dense(base_url: str, rows) -> tuple[np.ndarray, int]:
+    response = httpx.post(
+        base_url + "/v1/next_token_logprobs",
+        json={"model": MODEL, "input": rows, "layout": "matrix"},
+        headers={"Accept": "application/msgpack"},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    document = msgspec.msgpack.decode(response.content)
+    matrix = np.frombuffer(document["logprobs"], "<f4").reshape(len(rows), -1)
+    return matrix, document["usage"]["cache_hits"]
+
+
+def update(base_url: str, body: dict, headers=ADMIN) -> httpx.Response:
+    return httpx.post(base_url + "/update_weights_from_disk", json=body, headers=headers, timeout=300)
+
+
+def test_an_update_serves_the_new_weights_and_no_replica_reads_an_old_row(
+    replicas, scaled_dir, reference, scaled
+):
+    first, second = (g.base_url for g in replicas)
+    old, _ = dense(first, PREFIXES)  # stored in Redis under the old weights' keys
+    assert dense(first, PREFIXES)[1] == len(PREFIXES)  # (asked again: once they are stored)
+    assert dense(second, PREFIXES)[1] == len(PREFIXES)  # the other replica reads them
+    for base_url in (first, second):  # an RL loop updates every replica
+        answer = update(base_url, {"model_path": str(scaled_dir), "weight_version": "step-1"})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["success"] is True and "step-1" in answer.json()["message"]
+    new, hits = dense(first, PREFIXES)
+    assert hits == 0
+    for row, ids in zip(new, PREFIXES, strict=True):
+        np.testing.assert_allclose(row, scaled.logprobs(ids)[-1], rtol=0, atol=1e-4)
+    assert np.abs(new - old).max() > 0.01
+    assert dense(first, PREFIXES)[1] == len(PREFIXES)
+    again, hits = dense(second, PREFIXES)  # the new rows, shared: the replicas' keys agree
+    assert hits == len(PREFIXES) and np.array_equal(again, new)
+    completion = httpx.post(
+        first + "/v1/completions",
+        json={"model": MODEL, "prompt": PREFIXES[0], "max_tokens": 6, "temperature": 0},
+        timeout=120,
+    ).json()
+    tokens = reference.tokenizer(completion["choices"][0]["text"], add_special_tokens=False).input_ids
+    assert tokens == scaled.greedy(PREFIXES[0], 6)[: len(tokens)]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        ({"model_path": "/nowhere/at/all"}, 400, "is not a directory"),
+        ({"model_path": "{model_dir}", "load_format": "gguf"}, 400, "load_format"),
+        ({"model_path": "{model_dir}", "abort_all_requests": True}, 400, "abort_all_requests"),
+        ({"model_path": "{model_dir}", "model": "nope"}, 404, "does not exist"),
+        ({"load_format": "auto"}, 400, "model_path"),
+    ],
+)
+def test_bad_updates_are_refused_and_change_nothing(replicas, model_dir, reference, body, status, words):
+    base_url = replicas[0].base_url
+    before, _ = dense(base_url, [[9690, 2114, 7]])
+    body = {k: (v.format(model_dir=model_dir) if isinstance(v, str) else v) for k, v in body.items()}
+    answer = update(base_url, body)
+    assert answer.status_code == status and words in answer.text
+    if status != 422 and "model_path" in body:
+        assert answer.json()["success"] is False
+    after, _ = dense(base_url, [[9690, 2114, 7]])
+    assert np.array_equal(before, after)
+
+
+def test_an_update_needs_the_admin_key(replicas, model_dir):
+    answer = update(replicas[0].base_url, {"model_path": str(model_dir)}, headers={})
+    assert answer.status_code == 401
+
+
+def test_requests_in_flight_finish_on_the_weights_they_began_with(model_dir, tmp_path):
+    """The mock engine, slow: a dense request under way when an update arrives gets the old rows;
+    the update waits for it, and a request after the update gets the new ones."""
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    settings = Settings(
+        admin_key="admin-secret",
+        models=[ModelSettings(name="mock", model=str(model_dir), backend="mock", options={"delay_s": 0.5})],
+    )
+    app, served = serving_app(settings)
+    with TestClient(served) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        engine = app.state.registry.models["mock"].engine
+        old_row = engine.logits([5, 6, 7])
+        finished: dict[str, float] = {}
+        results: dict[str, np.ndarray] = {}
+
+        def ask(name: str, ids: list[int]) -> None:
+            response = client.post(
+                "/v1/next_token_logprobs",
+                json={"model": "mock", "input": [ids], "layout": "matrix"},
+                headers={"Accept": "application/msgpack"},
+            )
+            assert response.status_code == 200, response.text
+            document = msgspec.msgpack.decode(response.content)
+            results[name] = np.frombuffer(document["logprobs"], "<f4")
+            finished[name] = time.monotonic()
+
+        def change() -> None:
+            answer = client.post(
+                "/update_weights_from_disk", json={"model_path": str(weights)}, headers=ADMIN
+            )
+            assert answer.status_code == 200, answer.text
+            finished["update"] = time.monotonic()
+
+        in_flight = threading.Thread(target=ask, args=("in flight", [5, 6, 7]))
+        in_flight.start()
+        time.sleep(0.2)  # the request is in the engine
+        updating = threading.Thread(target=change)
+        updating.start()
+        in_flight.join()
+        updating.join()
+        assert np.array_equal(results["in flight"], old_row)
+        assert finished["in flight"] <= finished["update"]
+        ask("after", [5, 6, 7])  # the same row: not the cached old one
+        assert np.array_equal(results["after"], engine.logits([5, 6, 7]))
+        assert not np.array_equal(results["after"], old_row)
+        info = app.state.registry.models["mock"]
+        assert info.weight_version == "1" and info.weight_updates == 1
