@@ -191,6 +191,10 @@ class Engine(ABC):
     async def unload_adapter(self, name: str) -> None:
         raise AdapterError(f"the {type(self).__name__} backend does not support adapters")
 
+    async def flush_cache(self) -> None:  # noqa: B027 (optional hook)
+        """Forget every prefix's keys/values kept for reuse; later requests compute them again."""
+        return None
+
     def is_healthy(self) -> bool:
         return True
 

@@ -40,7 +40,8 @@ async def _send_error(send: Send, exc: GatewayError) -> None:
 
 
 def guard(app: ASGIApp, access: Access, *, metrics_public: bool) -> ASGIApp:
-    open_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
+    # SGLang's clients poll /health_generate as they poll /health, without a key
+    open_paths = {"/health", "/health_generate"} | ({"/metrics"} if metrics_public else set())
 
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -76,6 +76,7 @@ class ServedModel:
     special_ids: frozenset[int] = frozenset()  # tokens that add no text to completions
     tokenizer_files: dict[str, str] = field(default_factory=dict)
     fingerprint: str = ""  # identity of the weights, for cache keys
+    cache_epoch: int = 0  # raised by a cache flush: the output cache's earlier rows are not read
     metrics: Metrics = field(default_factory=Metrics, repr=False)
     adapters: dict[str, AdapterInfo] = field(default_factory=dict)
     loaded: bool = False  # the engine and the configured adapters are all in place
@@ -86,6 +87,11 @@ class ServedModel:
     @property
     def name(self) -> str:
         return self.settings.served_name
+
+    @property
+    def cache_scope(self) -> str:
+        """The model's part of output-cache keys: its weights, and how often its cache was flushed."""
+        return self.fingerprint if not self.cache_epoch else f"{self.fingerprint}/flush-{self.cache_epoch}"
 
     @property
     def ready(self) -> bool:

@@ -1,0 +1,386 @@
+"""SGLang's POST /generate on this gateway's generation machinery (gateway/generation.py).
+
+A request becomes a list of `Item`s (prompt-major: prompt i's n samples, then prompt i+1's),
+each checked once here; an item runs as a stream of cumulative results, SGLang's shape in both
+its streaming and its plain answers. Semantics follow SGLang 0.5.17 (`tokenizer_manager`,
+`schedule_batch`, `logprob_result_processor`): stop strings cut `text` but not `output_ids`;
+input logprobs cover prompt positions logprob_start_len .. P-1 with the first entry null;
+max_new_tokens = 0 scores the prompt and reports one triple for the would-be next token.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgspec
+
+from backends.base import SamplingParams, TokenStep
+from backends.vocab import decode_text
+from gateway import generation as gen
+from gateway.errors import InvalidRequestError
+from gateway.prompts import check_token_ids, tokenize
+from gateway.registry import ServedModel
+from gateway.schemas.sglang import (
+    FinishReason,
+    GenerateRequest,
+    GenerateResponse,
+    MetaInfo,
+    SglangSamplingParams,
+    Triple,
+)
+from gateway.settings import Limits
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
+
+
+@dataclass
+class Item:
+    """One prompt and one sample of a /generate request, checked."""
+
+    served: ServedModel
+    adapter: str | None
+    ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    stops: list[str]
+    stop_ids: frozenset[int]
+    no_stop_trim: bool
+    rid: str
+    return_logprob: bool
+    start: int  # first prompt position with an input logprob (P: none)
+    top_k: int
+    with_text: bool
+
+
+def _unsupported(message: str, param: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{message} is not supported by this gateway", param=param)
+
+
+def _per_item(value: Any, count: int, param: str) -> list[Any]:
+    """A scalar broadcast over the batch, or a list with one value per prompt."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise InvalidRequestError(f"{param} has {len(value)} values for {count} prompts", param=param)
+        return value
+    return [value] * count
+
+
+def prompt_ids(served: ServedModel, body: GenerateRequest, limits: Limits) -> tuple[list[list[int]], bool]:
+    """The prompts' token ids, and whether the request is a batch. Text is tokenized with the
+    tokenizer's special tokens (BOS), token ids are taken as they are: SGLang's rules."""
+    if body.image_data is not None:
+        raise _unsupported("image_data", "image_data")
+    if body.input_ids is not None:
+        value = body.input_ids
+        if not value:
+            raise InvalidRequestError("input_ids cannot be empty.", param="input_ids")
+        batch = not isinstance(value[0], int) or isinstance(value[0], bool)
+        items = value if batch else [value]
+        for item in items:
+            if not isinstance(item, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in item
+            ):
+                raise InvalidRequestError(
+                    "input_ids must be a list of token ids or a list of token-id lists", param="input_ids"
+                )
+    elif body.text is not None:
+        batch = isinstance(body.text, list)
+        items = body.text if batch else [body.text]
+        if not items or any(not t for t in items):
+            raise InvalidRequestError("texts cannot be empty and tokenizer must be initialized", param="text")
+    else:
+        raise InvalidRequestError("Either text, input_ids or input_embeds should be provided.", param="text")
+    if len(items) > limits.max_prompts:
+        raise InvalidRequestError(f"at most {limits.max_prompts} prompts per request", param="text")
+    ids = [
+        tokenize(served, item, add_special_tokens=True, param="text")
+        if isinstance(item, str)
+        else check_token_ids(served, item, "input_ids")
+        for item in items
+    ]
+    return ids, batch
+
+
+def _check_unsupported(sp: SglangSamplingParams, vocab_size: int) -> None:
+    """What SGLang's sampler does and ours does not: refused, never silently ignored."""
+    if sp.top_k is not None and sp.top_k not in (-1, 1) and sp.top_k < vocab_size:
+        if sp.top_k < -1 or sp.top_k == 0:
+            raise InvalidRequestError("top_k must be -1 or at least 1", param="sampling_params.top_k")
+        raise _unsupported("top_k other than -1, 1 or the vocabulary size", "sampling_params.top_k")
+    if sp.min_p:
+        raise _unsupported("min_p other than 0", "sampling_params.min_p")
+    if sp.repetition_penalty not in (None, 1.0):
+        raise _unsupported("repetition_penalty other than 1", "sampling_params.repetition_penalty")
+    if sp.min_new_tokens:
+        raise _unsupported("min_new_tokens other than 0", "sampling_params.min_new_tokens")
+    if sp.ignore_eos:
+        raise _unsupported("ignore_eos", "sampling_params.ignore_eos")
+    if sp.skip_special_tokens is False:
+        raise _unsupported("skip_special_tokens = false", "sampling_params.skip_special_tokens")
+    if sp.stop_regex:
+        raise _unsupported("stop_regex", "sampling_params.stop_regex")
+    constraints = [k for k in ("regex", "json_schema", "ebnf", "structural_tag") if getattr(sp, k)]
+    if len(constraints) > 1:
+        raise InvalidRequestError(
+            "Only one of json_schema, regex, ebnf, or structural_tag can be set.", param="sampling_params"
+        )
+    if constraints:
+        raise _unsupported(f"constrained decoding ({constraints[0]})", f"sampling_params.{constraints[0]}")
+
+
+def sampling(
+    served: ServedModel, sp: SglangSamplingParams | None, top_k: int, limits: Limits
+) -> tuple[SamplingParams, int, list[str], frozenset[int]]:
+    """Our sampling parameters for SGLang's, with max_new_tokens, the stop strings and stop ids."""
+    sp = sp or SglangSamplingParams()
+    vocab_size = served.require_engine().vocab_size
+    _check_unsupported(sp, vocab_size)
+    stop_ids = frozenset(sp.stop_token_ids or ())
+    if stop_ids and max(stop_ids) >= vocab_size:
+        raise InvalidRequestError(
+            f"stop_token_ids must be below the vocabulary size {vocab_size}",
+            param="sampling_params.stop_token_ids",
+        )
+    if sp.max_new_tokens is not None and sp.max_new_tokens > limits.max_tokens:
+        raise InvalidRequestError(
+            f"max_new_tokens must be at most {limits.max_tokens}", param="sampling_params.max_new_tokens"
+        )
+    max_new = sp.max_new_tokens
+    if max_new is None:
+        max_new = min(DEFAULT_MAX_NEW_TOKENS, limits.max_tokens)
+    params = SamplingParams(
+        max_tokens=max_new,
+        temperature=0.0 if sp.top_k == 1 else (1.0 if sp.temperature is None else sp.temperature),
+        top_p=1.0 if sp.top_p is None else sp.top_p,
+        seed=None if sp.sampling_seed is None else sp.sampling_seed % 2**64,
+        top_logprobs=top_k,
+        presence_penalty=sp.presence_penalty or 0.0,
+        frequency_penalty=sp.frequency_penalty or 0.0,
+        logit_bias=gen.check_logit_bias(served, sp.logit_bias),
+    )
+    return params, max_new, gen.check_stop(sp.stop, limits), stop_ids
+
+
+def _rids(rid: str | list[str] | None, count: int, batch: bool) -> list[str]:
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(count)]
+    if isinstance(rid, list):
+        rids = _per_item(rid, count, "rid")
+        if len(set(rids)) != len(rids):
+            raise InvalidRequestError("rid must be unique within a batch", param="rid")
+        return rids
+    return [f"{rid}_{i}" for i in range(count)] if batch else [rid]
+
+
+def plan(body: GenerateRequest, served_for: Any, limits: Limits) -> tuple[list[Item], bool]:
+    """The request's items, prompt-major, and whether it answers a list (a batch, or n > 1).
+    `served_for(lora_path)` resolves a prompt's model and adapter."""
+    adapters = body.lora_path if isinstance(body.lora_path, list) else None
+    first_served, _ = served_for(None if adapters is not None else body.lora_path)
+    ids, batch = prompt_ids(first_served, body, limits)
+    count = len(ids)
+    lora = _per_item(body.lora_path, count, "lora_path")
+    sps = _per_item(body.sampling_params, count, "sampling_params")
+    ns = {(sp.n if sp is not None and sp.n is not None else 1) for sp in sps}
+    if len(ns) > 1:
+        raise InvalidRequestError("n must be the same for every prompt", param="sampling_params.n")
+    n = gen.check_choices(ns.pop(), limits)
+    per_item = ("return_logprob", "logprob_start_len", "top_logprobs_num")
+    if n > 1 and any(isinstance(getattr(body, f), list) for f in per_item):
+        raise InvalidRequestError(
+            "return_logprob, logprob_start_len and top_logprobs_num must be scalars when n > 1",
+            param="sampling_params.n",
+        )
+    if body.token_ids_logprob:
+        raise _unsupported("token_ids_logprob", "token_ids_logprob")
+    want = _per_item(body.return_logprob, count, "return_logprob")
+    starts = _per_item(body.logprob_start_len, count, "logprob_start_len")
+    tops = _per_item(body.top_logprobs_num, count, "top_logprobs_num")
+    rids = _rids(body.rid, count, batch or n > 1)
+    items = []
+    for i, prompt in enumerate(ids):
+        served, adapter = served_for(lora[i])
+        top_k = tops[i] or 0
+        if top_k > limits.max_top_logprobs:
+            raise InvalidRequestError(
+                f"top_logprobs_num must be at most {limits.max_top_logprobs}", param="top_logprobs_num"
+            )
+        params, max_new, stops, stop_ids = sampling(served, sps[i], top_k, limits)
+        gen.check_context(served, len(prompt), max_new, limits)
+        start = -1 if starts[i] is None else starts[i]
+        if start < -1:
+            raise InvalidRequestError("logprob_start_len must be -1 or at least 0", param="logprob_start_len")
+        if start > len(prompt):
+            raise InvalidRequestError(
+                f"req.logprob_start_len={start} is higher than the number of input tokens "
+                f"{len(prompt)}. Please use a smaller logprob_start_len.",
+                param="logprob_start_len",
+            )
+        for j in range(n):
+            items.append(
+                Item(
+                    served,
+                    adapter,
+                    prompt,
+                    gen.choice_params(params, j),
+                    max_new,
+                    stops,
+                    stop_ids,
+                    bool(sps[i] and sps[i].no_stop_trim),
+                    rids[i] if n == 1 else f"{rids[i]}_{uuid.uuid4().hex}",
+                    bool(want[i]),
+                    len(prompt) if start == -1 else start,
+                    top_k,
+                    bool(body.return_text_in_logprobs),
+                )
+            )
+    return items, batch or n > 1
+
+
+class _Triples:
+    """Logprob triples of one item; token texts (only when asked for) as SGLang writes them:
+    the tokenizer's decoding of each id alone."""
+
+    def __init__(self, item: Item) -> None:
+        self.item = item
+        self.tokenizer = item.served.require_engine().tokenizer
+
+    def texts(self, ids: Sequence[int]) -> list[str | None]:
+        if not self.item.with_text:
+            return [None] * len(ids)
+        return list(self.tokenizer.batch_decode([[int(i)] for i in ids]))
+
+    def make(self, values: Sequence[float | None], ids: Sequence[int]) -> list[Triple]:
+        ids = [int(i) for i in ids]
+        return [
+            (None if v is None else float(v), i, t)
+            for v, i, t in zip(values, ids, self.texts(ids), strict=True)
+        ]
+
+    def top(self, ids: Sequence[int], values: Sequence[float]) -> list[Triple]:
+        k = self.item.top_k
+        return self.make(list(values[:k]), list(ids[:k]))
+
+
+@dataclass
+class _Scores:
+    input_tokens: list[Triple]
+    input_top: list[list[Triple] | None]
+
+
+async def _input_scores(item: Item, triples: _Triples) -> _Scores:
+    """Prompt positions start .. P-1; the first entry has no logprob (SGLang's `[None] + ...`)."""
+    ids, start = item.ids, item.start
+    if not item.return_logprob or start >= len(ids):
+        return _Scores([], [])
+    values: list[float | None] = [None]
+    top: list[list[Triple] | None] = [None]
+    if start + 1 < len(ids):
+        scores = await item.served.require_engine().prompt_logprobs(ids, item.top_k, item.adapter)
+        # scores index token t (t >= 1) at t - 1
+        values += [float(v) for v in scores.token_logprobs[start:]]
+        if item.top_k:
+            top += [
+                triples.top(scores.top_ids[t], scores.top_logprobs[t]) for t in range(start, len(ids) - 1)
+            ]
+    return _Scores(triples.make(values, ids[start:]), top if item.top_k else [])
+
+
+def _finish(item: Item, piece_text: str, steps: Sequence[TokenStep], reason: str) -> tuple[str, FinishReason]:
+    """SGLang's finish reason, and the text as it ends (`no_stop_trim` keeps the stop string)."""
+    if reason == "length":
+        return piece_text, FinishReason(type="length", length=item.max_new_tokens)
+    served = item.served
+    full = decode_text(served.token_bytes, [s.token_id for s in steps], served.special_ids)
+    found = [(full.find(s, len(piece_text)), i, s) for i, s in enumerate(item.stops)]
+    found = [f for f in found if f[0] == len(piece_text)]
+    if found:  # a stop string: SGLang checks strings before ids
+        matched = min(found)[2]
+        return piece_text + matched if item.no_stop_trim else piece_text, FinishReason(
+            type="stop", matched=matched
+        )
+    return piece_text, FinishReason(type="stop", matched=steps[-1].token_id)
+
+
+class ItemRun:
+    """One item as a stream of cumulative results (SGLang's default streaming mode)."""
+
+    def __init__(self, item: Item) -> None:
+        self.item = item
+        self.triples = _Triples(item)
+        self.started = time.perf_counter()
+        self.completion_tokens = 0
+
+    def _result(
+        self,
+        text: str,
+        steps: Sequence[TokenStep],
+        scores: _Scores,
+        finish: FinishReason | None,
+        score_steps: Sequence[TokenStep] | None = None,
+    ) -> GenerateResponse:
+        item = self.item
+        output_ids = [s.token_id for s in steps]
+        meta = MetaInfo(
+            id=item.rid,
+            finish_reason=finish,
+            prompt_tokens=len(item.ids),
+            completion_tokens=len(output_ids),
+        )
+        if item.return_logprob:
+            scored = steps if score_steps is None else score_steps
+            meta.input_token_logprobs = scores.input_tokens
+            meta.output_token_logprobs = self.triples.make(
+                [s.logprob for s in scored], [s.token_id for s in scored]
+            )
+            meta.output_token_logprobs_length = len(scored)
+            if item.top_k:
+                meta.input_top_logprobs = scores.input_top
+                meta.output_top_logprobs = [self.triples.top(s.top_ids, s.top_logprobs) for s in scored]
+        if finish is not None:
+            meta.e2e_latency = time.perf_counter() - self.started
+        return GenerateResponse(text=text, output_ids=output_ids, meta_info=meta)
+
+    async def results(self, final_only: bool = False) -> AsyncIterator[GenerateResponse]:
+        """Cumulative results, the last one finished; `final_only`: that one alone."""
+        item = self.item
+        scores = await _input_scores(item, self.triples)
+        if item.max_new_tokens == 0:
+            yield await self._prefill_only(scores)
+            return
+        text, steps = "", []
+        async for piece in gen.run_choice(
+            item.served, item.ids, item.params, item.stops, item.adapter, item.stop_ids
+        ):
+            steps.extend(piece.steps)
+            text += piece.text
+            finish = None
+            if piece.finish_reason is not None:
+                text, finish = _finish(item, text, steps, piece.finish_reason)
+            self.completion_tokens = len(steps)
+            if finish is not None or not final_only:
+                yield self._result(text, steps, scores, finish)
+
+    async def _prefill_only(self, scores: _Scores) -> GenerateResponse:
+        """No tokens; with logprobs, one triple for the token that would come next, drawn with
+        the request's sampling (greedy: the most likely), as SGLang reports it."""
+        finish = FinishReason(type="length", length=0)
+        if not self.item.return_logprob:
+            return self._result("", [], scores, finish)
+        item = self.item
+        params = replace(item.params, max_tokens=1)
+        engine = item.served.require_engine()
+        generator = engine.generate(item.ids, params, item.adapter)
+        try:
+            step = await anext(generator)
+        finally:
+            await generator.aclose()
+        return self._result("", [], scores, finish, score_steps=[step])
+
+
+def encode(body: GenerateResponse | list[GenerateResponse]) -> bytes:
+    return msgspec.json.encode(body)
