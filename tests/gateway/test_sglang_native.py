@@ -304,3 +304,21 @@ def test_sglang_frontend_runs_gen_select_and_fork(gateway, reference, http):
         branch = tok(context + out["city"] + word + ",")["input_ids"]
         assert more == tok.decode(reference.greedy(branch, 4))
     assert "constrained decoding (regex) is not supported" in out["regex"]
+
+
+def test_torchrl_async_sglang_generates_against_the_gateway(gateway, reference):
+    pytest.importorskip("torchrl", reason="TorchRL is installed by .ci/run (--no-deps)")
+    from torchrl.modules.llm.backends.sglang import AsyncSGLang
+
+    engine = AsyncSGLang(server_url=gateway.base_url)
+    ids = reference.tokenizer(PROMPT)["input_ids"]
+    expected = reference.greedy(ids, 5)
+    params = {"max_new_tokens": 5, "temperature": 0.0}
+    for out in (
+        engine.generate(PROMPT, params, return_logprobs=True),
+        engine.generate(input_ids=ids, sampling_params=params, return_logprobs=True),
+    ):
+        assert out["output_ids"] == expected
+        rows = reference.logprobs(ids + expected)
+        want = [rows[len(ids) - 1 + i, tok] for i, tok in enumerate(expected)]
+        np.testing.assert_allclose([t[0] for t in out["meta_info"]["output_token_logprobs"]], want, atol=1e-4)
