@@ -42,6 +42,7 @@ from gateway.schemas.models import (
     ModelList,
     UnloadLoraAdapterRequest,
 )
+from gateway.schemas.sglang import GenerateRequest, GenerateResponse, ModelInfo, ServerInfo
 from gateway.settings import Settings
 
 REF = "#/components/schemas/{name}"
@@ -276,6 +277,76 @@ OPERATIONS = [
         errors=("503",),
         tags=("Operations",),
     ),
+    *(
+        Operation(
+            method,
+            "/generate",
+            "Generate (SGLang's native API)",
+            "SGLang 0.5.17's `/generate` for SGLang's own clients (its frontend language, TorchRL): `text` or "
+            "`input_ids`, one prompt or a batch, `sampling_params`, logprob triples; one object for one prompt, "
+            "an array for a batch or `n > 1`; with `stream: true`, server-sent events of cumulative objects. "
+            "Lists in per-prompt fields (`sampling_params`, `rid`, `return_logprob`, `logprob_start_len`, "
+            "`top_logprobs_num`, `lora_path`) have one value per prompt; `logprob_start_len` is at most the "
+            "prompt's length. See docs/sglang-clients.md.",
+            GenerateRequest,
+            {
+                "application/json": {
+                    "anyOf": [_ref(GenerateResponse), {"type": "array", "items": _ref(GenerateResponse)}]
+                },
+                "text/event-stream": SSE,
+            },
+            example={
+                "text": "The capital of France is",
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+            },
+            tags=("SGLang",),
+        )
+        for method in ("post", "put")
+    ),
+    *(
+        Operation(
+            "get",
+            path,
+            "The model, as SGLang describes it",
+            "`model_path` (the weights' directory), `tokenizer_path`, `is_generation`, ... of the model named by "
+            "the `model` query parameter (default: the first configured model).",
+            responses={"application/json": _ref(ModelInfo)},
+            tags=("SGLang",),
+        )
+        for path in ("/model_info", "/get_model_info")
+    ),
+    *(
+        Operation(
+            "get",
+            path,
+            "The server, as SGLang describes it",
+            "`tp_size` and `dp_size` (1), the context length, and the SGLang API version served.",
+            responses={"application/json": _ref(ServerInfo)},
+            tags=("SGLang",),
+        )
+        for path in ("/server_info", "/get_server_info")
+    ),
+    Operation(
+        "get",
+        "/health_generate",
+        "Generation health",
+        "200 with an empty body once every model generates a token within 20 s; 503 with an empty body otherwise.",
+        responses={"text/plain": {"type": "string", "maxLength": 0}},
+        errors=("503",),
+        tags=("SGLang",),
+    ),
+    *(
+        Operation(
+            method,
+            "/flush_cache",
+            "Empty the caches",
+            "Every model's prefix keys/values in its engine and its rows in the output cache.",
+            responses={"text/plain": {"type": "string"}},
+            errors=(),
+            tags=("SGLang",),
+        )
+        for method in ("post", "get")
+    ),
     Operation(
         "get",
         "/metrics",
@@ -316,6 +387,9 @@ _TYPES = [t for op in OPERATIONS for t in (op.request,) if t is not None] + [
     DetokenizeResponse,
     AdapterStatus,
     Health,
+    GenerateResponse,
+    ModelInfo,
+    ServerInfo,
 ]
 
 
@@ -413,10 +487,19 @@ def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
         {"properties": {"shared_memory": {"type": "null"}}},
         {"properties": {"layout": {"const": "matrix"}}, "required": ["layout"]},
     ]
+    generate = schemas["GenerateRequest"]["properties"]
+    texts = {"type": "array", "items": _text(), "minItems": 1, "maxItems": limits.max_prompts}
+    generate["text"] = _null_or({"anyOf": [_text(), texts]})
+    generate["input_ids"] = _null_or(
+        {"anyOf": [_token_ids(), {**_token_ids(), "items": _token_ids(), "maxItems": limits.max_prompts}]}
+    )
     schemas["TokenizeRequest"]["oneOf"] = [
         {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
         {"properties": {"messages": {"type": "array"}}, "required": ["messages"]},
     ]
+
+
+OPEN_PATHS = ("/health", "/health_generate")  # the paths that never need a key (gateway/guard.py)
 
 
 def _operation_id(op: Operation) -> str:
@@ -486,7 +569,7 @@ def build_openapi(settings: Settings | None = None) -> dict[str, Any]:
         if links := _links(op):
             responses[op.ok_status]["links"] = links
         statuses = set(op.errors)
-        if op.path != "/health":  # the only path that never needs a key
+        if op.path not in OPEN_PATHS:
             statuses |= {"401", "429"}
         if op.request is not None:
             statuses.add("413")
@@ -494,6 +577,11 @@ def build_openapi(settings: Settings | None = None) -> dict[str, Any]:
             responses[status] = {
                 "description": ERRORS[status],
                 "content": {"application/json": {"schema": _ref(ErrorResponse)}},
+            }
+        if op.path == "/health_generate":  # SGLang's: an empty body either way
+            responses["503"] = {
+                "description": "Loading, or a model failed to generate.",
+                "content": {"text/plain": {"schema": {"type": "string", "maxLength": 0}}},
             }
         if op.path == "/health":  # 503 carries the health document, not an error object
             responses["503"] = {
@@ -507,7 +595,7 @@ def build_openapi(settings: Settings | None = None) -> dict[str, Any]:
             "tags": list(op.tags),
             "responses": responses,
         }
-        if op.path == "/health":
+        if op.path in OPEN_PATHS:
             spec["security"] = []
         if "{model}" in op.path:
             spec["parameters"] = [MODEL_PARAM]

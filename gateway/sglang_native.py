@@ -21,7 +21,7 @@ import msgspec
 from backends.base import SamplingParams, TokenStep
 from backends.vocab import decode_text
 from gateway import generation as gen
-from gateway.errors import InvalidRequestError
+from gateway.errors import ContextLengthError, InvalidRequestError
 from gateway.prompts import check_token_ids, tokenize
 from gateway.registry import ServedModel
 from gateway.schemas.sglang import (
@@ -69,6 +69,18 @@ def _per_item(value: Any, count: int, param: str) -> list[Any]:
     return [value] * count
 
 
+def _token_list(value: Any) -> list[int]:
+    """A token-id list decoded as `list[Any]` (msgspec cannot tell list[int] from list[list[int]]);
+    1.0 counts as 1, as JSON Schema and the typed fields of the other routes take it."""
+    if isinstance(value, list):
+        ids = [int(i) if isinstance(i, float) and i.is_integer() and abs(i) < 2**63 else i for i in value]
+        if all(type(i) is int and i >= 0 for i in ids):
+            return ids
+    raise InvalidRequestError(
+        "input_ids must be a list of token ids or a list of token-id lists", param="input_ids"
+    )
+
+
 def prompt_ids(served: ServedModel, body: GenerateRequest, limits: Limits) -> tuple[list[list[int]], bool]:
     """The prompts' token ids, and whether the request is a batch. Text is tokenized with the
     tokenizer's special tokens (BOS), token ids are taken as they are: SGLang's rules."""
@@ -78,15 +90,8 @@ def prompt_ids(served: ServedModel, body: GenerateRequest, limits: Limits) -> tu
         value = body.input_ids
         if not value:
             raise InvalidRequestError("input_ids cannot be empty.", param="input_ids")
-        batch = not isinstance(value[0], int) or isinstance(value[0], bool)
-        items = value if batch else [value]
-        for item in items:
-            if not isinstance(item, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in item
-            ):
-                raise InvalidRequestError(
-                    "input_ids must be a list of token ids or a list of token-id lists", param="input_ids"
-                )
+        batch = isinstance(value[0], list)
+        items = [_token_list(item) for item in (value if batch else [value])]
     elif body.text is not None:
         batch = isinstance(body.text, list)
         items = body.text if batch else [body.text]
@@ -210,7 +215,11 @@ def plan(body: GenerateRequest, served_for: Any, limits: Limits) -> tuple[list[I
                 f"top_logprobs_num must be at most {limits.max_top_logprobs}", param="top_logprobs_num"
             )
         params, max_new, stops, stop_ids = sampling(served, sps[i], top_k, limits)
-        gen.check_context(served, len(prompt), max_new, limits)
+        try:
+            gen.check_context(served, len(prompt), max_new, limits)
+        except ContextLengthError as exc:  # named as SGLang's fields
+            exc.param = "input_ids" if exc.param == "prompt" else "sampling_params.max_new_tokens"
+            raise
         start = -1 if starts[i] is None else starts[i]
         if start < -1:
             raise InvalidRequestError("logprob_start_len must be -1 or at least 0", param="logprob_start_len")

@@ -140,7 +140,7 @@ async def sglang_server_info(request: Request, model: str | None = None) -> Resp
 async def health_generate(request: Request) -> Response:
     models = registry(request)
     if not models.healthy:
-        return Response(content=b"", status_code=503)
+        return Response(content=b"", status_code=503, media_type="text/plain")
     try:
         async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
             for served in models.models.values():
@@ -148,8 +148,8 @@ async def health_generate(request: Request) -> Response:
                 async for _ in engine.generate([0], SamplingParams(max_tokens=1, temperature=0.0)):
                     pass
     except Exception:  # a failing or hanging engine is what this endpoint reports
-        return Response(content=b"", status_code=503)
-    return Response(content=b"", status_code=200)
+        return Response(content=b"", status_code=503, media_type="text/plain")
+    return Response(content=b"", status_code=200, media_type="text/plain")
 
 
 @route("/flush_cache", http_method=["GET", "POST"], status_code=200, summary="Empty the caches")
