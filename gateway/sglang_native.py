@@ -205,7 +205,7 @@ def plan(body: GenerateRequest, served_for: Any, limits: Limits) -> tuple[list[I
     want = _per_item(body.return_logprob, count, "return_logprob")
     starts = _per_item(body.logprob_start_len, count, "logprob_start_len")
     tops = _per_item(body.top_logprobs_num, count, "top_logprobs_num")
-    rids = _rids(body.rid, count, batch or n > 1)
+    rids = _rids(body.rid, count, batch)  # n > 1: children are <rid>_<hex>
     items = []
     for i, prompt in enumerate(ids):
         served, adapter = served_for(lora[i])

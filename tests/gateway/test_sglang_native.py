@@ -322,3 +322,58 @@ def test_torchrl_async_sglang_generates_against_the_gateway(gateway, reference):
         rows = reference.logprobs(ids + expected)
         want = [rows[len(ids) - 1 + i, tok] for i, tok in enumerate(expected)]
         np.testing.assert_allclose([t[0] for t in out["meta_info"]["output_token_logprobs"]], want, atol=1e-4)
+
+
+def test_batch_stream_events_carry_their_index(http, reference):
+    prompts = [PROMPT, "One, two, three,"]
+    body = {"text": prompts, "sampling_params": {"max_new_tokens": 3, "temperature": 0}, "stream": True}
+    with http.stream("POST", "/generate", json=body) as response:
+        raw = b"".join(response.iter_bytes())
+    events = raw.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    finals = {}
+    for event in events[:-2]:
+        chunk = json.loads(event[len(b"data: ") :])
+        if chunk["meta_info"]["finish_reason"] is not None:
+            finals[chunk["index"]] = chunk["output_ids"]
+    assert finals == {
+        i: reference.greedy(reference.tokenizer(p)["input_ids"], 3) for i, p in enumerate(prompts)
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_gateway(model_dir, tmp_path_factory):
+    from tests.conftest import make_lora_adapter, start_admin_gateway
+
+    root = tmp_path_factory.mktemp("sglang-adapters")
+    path = make_lora_adapter(model_dir, root / "a", 1)
+    gateway = start_admin_gateway(model_dir, tmp_path_factory.mktemp("sglang-lora"), root, {"a": path})
+    yield gateway, path
+    gateway.stop()
+
+
+def test_lora_path_and_model_select_the_adapter(lora_gateway, model_dir, reference):
+    import httpx
+
+    from tests.conftest import last_row, load_peft_models
+
+    gateway, path = lora_gateway
+    peft = load_peft_models(model_dir, {"a": path})["a"]
+    ids = reference.tokenizer(PROMPT)["input_ids"]
+    expected, sequence = [], list(ids)
+    for _ in range(4):  # the adapter's greedy continuation, by direct forward passes
+        expected.append(int(np.argmax(last_row(peft, sequence))))
+        sequence.append(expected[-1])
+    assert expected != reference.greedy(ids, 4)  # the adapter changes the output
+    sampling = {"max_new_tokens": 4, "temperature": 0}
+    with httpx.Client(base_url=gateway.base_url, timeout=120) as http:
+        by_lora = generate(http, input_ids=ids, sampling_params=sampling, lora_path="a", return_logprob=True)
+        by_model = generate(http, input_ids=ids, sampling_params=sampling, model=f"{MODEL}:a")
+        batch = http.post(
+            "/generate", json={"input_ids": [ids, ids], "sampling_params": sampling, "lora_path": ["a", None]}
+        ).json()
+    assert by_lora["output_ids"] == by_model["output_ids"] == batch[0]["output_ids"] == expected
+    assert batch[1]["output_ids"] == reference.greedy(ids, 4)
+    rows = [last_row(peft, ids + expected[:i]) for i in range(4)]
+    lps = [t[0] for t in by_lora["meta_info"]["output_token_logprobs"]]
+    np.testing.assert_allclose(lps, [row[t] for row, t in zip(rows, expected, strict=True)], atol=1e-4)
