@@ -56,7 +56,7 @@ def test_input_logprobs_from_a_start_with_top_logprobs_and_text(http, reference)
     out = generate(
         http,
         input_ids=ids,
-        sampling_params={"max_new_tokens": 0},
+        sampling_params={"max_new_tokens": 0, "temperature": 0},
         return_logprob=True,
         logprob_start_len=2,
         top_logprobs_num=3,
@@ -78,7 +78,7 @@ def test_input_logprobs_from_a_start_with_top_logprobs_and_text(http, reference)
     for p, top in zip(range(3, len(ids)), tops[1:], strict=True):
         assert [t[1] for t in top] == list(np.argsort(-rows[p - 1])[:3])
         np.testing.assert_allclose([t[0] for t in top], np.sort(rows[p - 1])[::-1][:3], atol=1e-4)
-    # the would-be next token: one triple, the most likely one
+    # the would-be next token: one triple, drawn with the request's sampling (greedy: the most likely)
     (next_lp, next_id, next_text) = meta["output_token_logprobs"][0]
     assert next_id == int(np.argmax(rows[-1])) and abs(next_lp - rows[-1].max()) < 1e-4
     assert next_text == reference.tokenizer.decode([next_id])
