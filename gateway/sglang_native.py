@@ -33,6 +33,7 @@ from gateway.schemas.sglang import (
     Triple,
 )
 from gateway.settings import Limits
+from gateway.sglang_logprobs import Scores, Triples, input_scores, token_ids_logprobs
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 
@@ -54,6 +55,7 @@ class Item:
     start: int  # first prompt position with an input logprob (P: none)
     top_k: int
     with_text: bool
+    token_ids: list[int] | None  # token_ids_logprob: ids whose logprobs every position reports
 
 
 def _unsupported(message: str, param: str) -> InvalidRequestError:
@@ -69,7 +71,7 @@ def _per_item(value: Any, count: int, param: str) -> list[Any]:
     return [value] * count
 
 
-def _token_list(value: Any) -> list[int]:
+def _token_list(value: Any, param: str = "input_ids") -> list[int]:
     """A token-id list decoded as `list[Any]` (msgspec cannot tell list[int] from list[list[int]]);
     1.0 counts as 1, as JSON Schema and the typed fields of the other routes take it."""
     if isinstance(value, list):
@@ -79,6 +81,17 @@ def _token_list(value: Any) -> list[int]:
     raise InvalidRequestError(
         "input_ids must be a list of token ids or a list of token-id lists", param="input_ids"
     )
+
+
+def _token_ids_per_prompt(served: ServedModel, value: list[Any] | None, count: int) -> list[list[int] | None]:
+    """`token_ids_logprob`: one id list for every prompt, or one per prompt; `[]` means none."""
+    if not value:
+        return [None] * count
+    lists = _per_item(value, count, "token_ids_logprob") if isinstance(value[0], list) else [value] * count
+    return [
+        check_token_ids(served, _token_list(ids, "token_ids_logprob"), "token_ids_logprob") if ids else None
+        for ids in lists
+    ]
 
 
 def prompt_ids(served: ServedModel, body: GenerateRequest, limits: Limits) -> tuple[list[list[int]], bool]:
@@ -200,8 +213,9 @@ def plan(body: GenerateRequest, served_for: Any, limits: Limits) -> tuple[list[I
             "return_logprob, logprob_start_len and top_logprobs_num must be scalars when n > 1",
             param="sampling_params.n",
         )
-    if body.token_ids_logprob:
-        raise _unsupported("token_ids_logprob", "token_ids_logprob")
+    token_ids = _token_ids_per_prompt(first_served, body.token_ids_logprob, count)
+    if n > 1 and body.token_ids_logprob and isinstance(body.token_ids_logprob[0], list):
+        raise InvalidRequestError("token_ids_logprob must be one list when n > 1", param="token_ids_logprob")
     want = _per_item(body.return_logprob, count, "return_logprob")
     starts = _per_item(body.logprob_start_len, count, "logprob_start_len")
     tops = _per_item(body.top_logprobs_num, count, "top_logprobs_num")
@@ -245,58 +259,10 @@ def plan(body: GenerateRequest, served_for: Any, limits: Limits) -> tuple[list[I
                     len(prompt) if start == -1 else start,
                     top_k,
                     bool(body.return_text_in_logprobs),
+                    token_ids[i],
                 )
             )
     return items, batch or n > 1
-
-
-class _Triples:
-    """Logprob triples of one item; token texts (only when asked for) as SGLang writes them:
-    the tokenizer's decoding of each id alone."""
-
-    def __init__(self, item: Item) -> None:
-        self.item = item
-        self.tokenizer = item.served.require_engine().tokenizer
-
-    def texts(self, ids: Sequence[int]) -> list[str | None]:
-        if not self.item.with_text:
-            return [None] * len(ids)
-        return list(self.tokenizer.batch_decode([[int(i)] for i in ids]))
-
-    def make(self, values: Sequence[float | None], ids: Sequence[int]) -> list[Triple]:
-        ids = [int(i) for i in ids]
-        return [
-            (None if v is None else float(v), i, t)
-            for v, i, t in zip(values, ids, self.texts(ids), strict=True)
-        ]
-
-    def top(self, ids: Sequence[int], values: Sequence[float]) -> list[Triple]:
-        k = self.item.top_k
-        return self.make(list(values[:k]), list(ids[:k]))
-
-
-@dataclass
-class _Scores:
-    input_tokens: list[Triple]
-    input_top: list[list[Triple] | None]
-
-
-async def _input_scores(item: Item, triples: _Triples) -> _Scores:
-    """Prompt positions start .. P-1; the first entry has no logprob (SGLang's `[None] + ...`)."""
-    ids, start = item.ids, item.start
-    if not item.return_logprob or start >= len(ids):
-        return _Scores([], [])
-    values: list[float | None] = [None]
-    top: list[list[Triple] | None] = [None]
-    if start + 1 < len(ids):
-        scores = await item.served.require_engine().prompt_logprobs(ids, item.top_k, item.adapter)
-        # scores index token t (t >= 1) at t - 1
-        values += [float(v) for v in scores.token_logprobs[start:]]
-        if item.top_k:
-            top += [
-                triples.top(scores.top_ids[t], scores.top_logprobs[t]) for t in range(start, len(ids) - 1)
-            ]
-    return _Scores(triples.make(values, ids[start:]), top if item.top_k else [])
 
 
 def _finish(item: Item, piece_text: str, steps: Sequence[TokenStep], reason: str) -> tuple[str, FinishReason]:
@@ -320,15 +286,23 @@ class ItemRun:
 
     def __init__(self, item: Item) -> None:
         self.item = item
-        self.triples = _Triples(item)
+        self.triples = Triples(item)
         self.started = time.perf_counter()
         self.completion_tokens = 0
+        self.output_token_ids: list[list[Triple]] = []  # token_ids_logprob's, per scored step
+
+    async def _score_token_ids(self, scored: Sequence[TokenStep]) -> None:
+        """`token_ids_logprob` for the steps not yet scored: each from the row before it."""
+        item, done = self.item, len(self.output_token_ids)
+        if item.return_logprob and item.token_ids is not None and len(scored) > done:
+            prefixes = [item.ids + [s.token_id for s in scored[:i]] for i in range(done, len(scored))]
+            self.output_token_ids += await token_ids_logprobs(item, self.triples, prefixes)
 
     def _result(
         self,
         text: str,
         steps: Sequence[TokenStep],
-        scores: _Scores,
+        scores: Scores,
         finish: FinishReason | None,
         score_steps: Sequence[TokenStep] | None = None,
     ) -> GenerateResponse:
@@ -350,6 +324,9 @@ class ItemRun:
             if item.top_k:
                 meta.input_top_logprobs = scores.input_top
                 meta.output_top_logprobs = [self.triples.top(s.top_ids, s.top_logprobs) for s in scored]
+            if item.token_ids is not None:
+                meta.input_token_ids_logprobs = scores.input_token_ids
+                meta.output_token_ids_logprobs = self.output_token_ids[: len(scored)]
         if finish is not None:
             meta.e2e_latency = time.perf_counter() - self.started
         return GenerateResponse(text=text, output_ids=output_ids, meta_info=meta)
@@ -357,7 +334,7 @@ class ItemRun:
     async def results(self, final_only: bool = False) -> AsyncIterator[GenerateResponse]:
         """Cumulative results, the last one finished; `final_only`: that one alone."""
         item = self.item
-        scores = await _input_scores(item, self.triples)
+        scores = await input_scores(item, self.triples)
         if item.max_new_tokens == 0:
             yield await self._prefill_only(scores)
             return
@@ -372,9 +349,10 @@ class ItemRun:
                 text, finish = _finish(item, text, steps, piece.finish_reason)
             self.completion_tokens = len(steps)
             if finish is not None or not final_only:
+                await self._score_token_ids(steps)
                 yield self._result(text, steps, scores, finish)
 
-    async def _prefill_only(self, scores: _Scores) -> GenerateResponse:
+    async def _prefill_only(self, scores: Scores) -> GenerateResponse:
         """No tokens; with logprobs, one triple for the token that would come next, drawn with
         the request's sampling (greedy: the most likely), as SGLang reports it."""
         finish = FinishReason(type="length", length=0)
@@ -388,6 +366,7 @@ class ItemRun:
             step = await anext(generator)
         finally:
             await generator.aclose()
+        await self._score_token_ids([step])
         return self._result("", [], scores, finish, score_steps=[step])
 
 

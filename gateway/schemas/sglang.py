@@ -87,6 +87,8 @@ class MetaInfo(msgspec.Struct, kw_only=True):
     output_token_logprobs_length: int | msgspec.UnsetType = msgspec.UNSET
     input_top_logprobs: list[list[Triple] | None] | msgspec.UnsetType = msgspec.UNSET
     output_top_logprobs: list[list[Triple]] | msgspec.UnsetType = msgspec.UNSET
+    input_token_ids_logprobs: list[list[Triple] | None] | msgspec.UnsetType = msgspec.UNSET
+    output_token_ids_logprobs: list[list[Triple]] | msgspec.UnsetType = msgspec.UNSET
     reasoning_tokens: int = 0
     completion_tokens: int
     cached_tokens: int = 0

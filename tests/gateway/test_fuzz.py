@@ -390,6 +390,7 @@ VALID = {
             "logprob_start_len": st.integers(-1, 1),
             "top_logprobs_num": st.integers(0, LIMITS.max_top_logprobs),
             "return_text_in_logprobs": st.booleans(),
+            "token_ids_logprob": st.lists(st.integers(0, VOCAB - 1), max_size=3),
             "stream": st.booleans(),
             "rid": WORDS,
         },
@@ -439,6 +440,7 @@ BAD_VALUES = {
         st.lists(st.dictionaries(st.sampled_from(["n", "max_new_tokens"]), INTS, max_size=2), max_size=3),
     ),
     "logprob_start_len": INTS,
+    "token_ids_logprob": st.one_of(BAD_IDS, st.lists(BAD_IDS, max_size=3)),
     "rid": st.one_of(st.lists(st.just("r"), min_size=2, max_size=2), TEXT),
 }
 

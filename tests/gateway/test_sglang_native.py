@@ -85,6 +85,34 @@ def test_input_logprobs_from_a_start_with_top_logprobs_and_text(http, reference)
     assert len(meta["output_top_logprobs"]) == 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_token_ids_logprob_reads_the_named_ids_at_every_position(http, reference, stream):
+    ids = reference.tokenizer(PROMPT)["input_ids"]
+    expected = reference.greedy(ids, 3)
+    wanted = [expected[0], 13, 330]
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 3,
+        "token_ids_logprob": wanted,
+        "stream": stream,
+    }
+    response = http.post("/generate", json=body)
+    text = response.text
+    last = text.split("\n\n")[-3][len("data: ") :] if stream else text
+    meta = json.loads(last)["meta_info"]
+    rows = reference.logprobs(ids + expected)
+    assert meta["input_token_ids_logprobs"][0] is None
+    assert len(meta["input_token_ids_logprobs"]) == len(ids) - 3
+    for p, entry in zip(range(4, len(ids)), meta["input_token_ids_logprobs"][1:], strict=True):
+        assert [t[1] for t in entry] == wanted
+        np.testing.assert_allclose([t[0] for t in entry], rows[p - 1, wanted], atol=1e-4)
+    assert len(meta["output_token_ids_logprobs"]) == 3
+    for i, entry in enumerate(meta["output_token_ids_logprobs"]):
+        np.testing.assert_allclose([t[0] for t in entry], rows[len(ids) - 1 + i, wanted], atol=1e-4)
+
+
 def test_batch_and_n_answer_a_list_prompt_major(http, reference):
     prompts = [PROMPT, "One, two, three,"]
     out = http.post(
@@ -196,7 +224,8 @@ def test_info_and_health_endpoints(http, model_dir):
         ({"text": ["a", "b"], "rid": ["x", "x"]}, "rid"),
         ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
         ({"text": "a", "lora_path": "missing"}, "model"),
-        ({"text": "a", "token_ids_logprob": [1]}, "token_ids_logprob"),
+        ({"text": "a", "return_logprob": True, "token_ids_logprob": [49152]}, "token_ids_logprob"),
+        ({"text": ["a", "b"], "token_ids_logprob": [[1], [2], [3]]}, "token_ids_logprob"),
         ({"text": "a", "sampling_params": {"max_new_tokens": 10**6}}, "sampling_params.max_new_tokens"),
     ],
 )
