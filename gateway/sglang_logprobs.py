@@ -74,17 +74,32 @@ async def input_scores(item: Item, triples: Triples) -> Scores:
     return scores
 
 
+async def next_token_rows(item: Item, prefixes: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """The engine's whole next-token row (log_softmax of the logits) after each prefix."""
+    engine = item.served.require_engine()
+    rows: list[np.ndarray] = []
+    for begin in range(0, len(prefixes), ROWS_PER_CALL):
+        chunk = [list(p) for p in prefixes[begin : begin + ROWS_PER_CALL]]
+        rows.extend(np.asarray(await engine.next_token_logprobs(chunk, [item.adapter] * len(chunk))))
+    return rows
+
+
+def at_temperature(row: np.ndarray, temperature: float) -> np.ndarray:
+    """log_softmax(logits / temperature) from log_softmax(logits), which differs from the logits
+    by a constant: SGLang's logprobs of sampled tokens. Greedy (0) and 1 keep the row as it is."""
+    if temperature in (0.0, 1.0):
+        return row
+    scaled = row.astype(np.float64) / temperature
+    top = scaled.max()
+    return (scaled - top - np.log(np.exp(scaled - top).sum())).astype(np.float32)
+
+
 async def token_ids_logprobs(
     item: Item, triples: Triples, prefixes: Sequence[Sequence[int]]
 ) -> list[list[Triple]]:
     """For each prefix, the triples of the ids `token_ids_logprob` names, from the engine's whole
     next-token row after it (row i: the log-probabilities of the token after prefixes[i])."""
     assert item.token_ids is not None
-    engine = item.served.require_engine()
     wanted = np.asarray(item.token_ids, dtype=np.int64)
-    out: list[list[Triple]] = []
-    for begin in range(0, len(prefixes), ROWS_PER_CALL):
-        chunk = [list(p) for p in prefixes[begin : begin + ROWS_PER_CALL]]
-        rows = np.asarray(await engine.next_token_logprobs(chunk, [item.adapter] * len(chunk)))
-        out.extend(triples.make(row[wanted].tolist(), item.token_ids) for row in rows)
-    return out
+    rows = await next_token_rows(item, prefixes)
+    return [triples.make(row[wanted].tolist(), item.token_ids) for row in rows]

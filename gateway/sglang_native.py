@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from backends.base import SamplingParams, TokenStep
 from backends.vocab import decode_text
@@ -33,7 +34,7 @@ from gateway.schemas.sglang import (
     Triple,
 )
 from gateway.settings import Limits
-from gateway.sglang_logprobs import Scores, Triples, input_scores, token_ids_logprobs
+from gateway.sglang_logprobs import Scores, Triples, at_temperature, input_scores, next_token_rows
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 
@@ -290,13 +291,30 @@ class ItemRun:
         self.started = time.perf_counter()
         self.completion_tokens = 0
         self.output_token_ids: list[list[Triple]] = []  # token_ids_logprob's, per scored step
+        self.rescored: list[TokenStep] = []  # scored steps with logprobs at the temperature
 
-    async def _score_token_ids(self, scored: Sequence[TokenStep]) -> None:
-        """`token_ids_logprob` for the steps not yet scored: each from the row before it."""
-        item, done = self.item, len(self.output_token_ids)
-        if item.return_logprob and item.token_ids is not None and len(scored) > done:
-            prefixes = [item.ids + [s.token_id for s in scored[:i]] for i in range(done, len(scored))]
-            self.output_token_ids += await token_ids_logprobs(item, self.triples, prefixes)
+    def _rescales(self) -> bool:
+        return self.item.params.temperature not in (0.0, 1.0)
+
+    async def _score_rows(self, scored: Sequence[TokenStep]) -> list[TokenStep]:
+        """The steps as reported: from the engine's whole row before each step when the request
+        names token ids or samples at a temperature other than 0 and 1 (SGLang reports sampled
+        tokens' logprobs at the temperature); as generated otherwise."""
+        item = self.item
+        if not item.return_logprob or not (self._rescales() or item.token_ids is not None):
+            return list(scored)
+        done = len(self.rescored)
+        prefixes = [item.ids + [s.token_id for s in scored[:i]] for i in range(done, len(scored))]
+        wanted = None if item.token_ids is None else np.asarray(item.token_ids, dtype=np.int64)
+        for step, raw in zip(scored[done:], await next_token_rows(item, prefixes), strict=True):
+            row = at_temperature(raw, item.params.temperature)
+            if wanted is not None:
+                self.output_token_ids.append(self.triples.make(row[wanted].tolist(), item.token_ids))
+            if self._rescales():
+                top = np.argsort(-row, kind="stable")[: item.top_k]
+                step = replace(step, logprob=float(row[step.token_id]), top_ids=top, top_logprobs=row[top])
+            self.rescored.append(step)
+        return self.rescored[: len(scored)]
 
     def _result(
         self,
@@ -304,7 +322,7 @@ class ItemRun:
         steps: Sequence[TokenStep],
         scores: Scores,
         finish: FinishReason | None,
-        score_steps: Sequence[TokenStep] | None = None,
+        scored: Sequence[TokenStep] = (),
     ) -> GenerateResponse:
         item = self.item
         output_ids = [s.token_id for s in steps]
@@ -315,7 +333,6 @@ class ItemRun:
             completion_tokens=len(output_ids),
         )
         if item.return_logprob:
-            scored = steps if score_steps is None else score_steps
             meta.input_token_logprobs = scores.input_tokens
             meta.output_token_logprobs = self.triples.make(
                 [s.logprob for s in scored], [s.token_id for s in scored]
@@ -349,8 +366,7 @@ class ItemRun:
                 text, finish = _finish(item, text, steps, piece.finish_reason)
             self.completion_tokens = len(steps)
             if finish is not None or not final_only:
-                await self._score_token_ids(steps)
-                yield self._result(text, steps, scores, finish)
+                yield self._result(text, steps, scores, finish, await self._score_rows(steps))
 
     async def _prefill_only(self, scores: Scores) -> GenerateResponse:
         """No tokens; with logprobs, one triple for the token that would come next, drawn with
@@ -366,8 +382,7 @@ class ItemRun:
             step = await anext(generator)
         finally:
             await generator.aclose()
-        await self._score_token_ids([step])
-        return self._result("", [], scores, finish, score_steps=[step])
+        return self._result("", [], scores, finish, await self._score_rows([step]))
 
 
 def encode(body: GenerateResponse | list[GenerateResponse]) -> bytes:

@@ -113,6 +113,32 @@ def test_token_ids_logprob_reads_the_named_ids_at_every_position(http, reference
         np.testing.assert_allclose([t[0] for t in entry], rows[len(ids) - 1 + i, wanted], atol=1e-4)
 
 
+def test_sampled_tokens_report_logprobs_at_the_temperature(http, reference):
+    """As SGLang: log_softmax(logits / temperature) of each sampled token, and of its top-k."""
+    ids = reference.tokenizer(PROMPT)["input_ids"]
+    out = generate(
+        http,
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 4, "temperature": 0.5, "sampling_seed": 7},
+        return_logprob=True,
+        top_logprobs_num=2,
+        token_ids_logprob=[13],
+    )
+    meta = out["meta_info"]
+    logits = reference.logprobs(ids + out["output_ids"]).astype(np.float64) / 0.5
+    scaled = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - logits.max(-1, keepdims=True)
+    )
+    for i, (token, entry) in enumerate(zip(out["output_ids"], meta["output_token_logprobs"], strict=True)):
+        row = scaled[len(ids) - 1 + i]
+        assert entry[1] == token and abs(entry[0] - row[token]) < 1e-4
+        top = meta["output_top_logprobs"][i]
+        assert [t[1] for t in top] == list(np.argsort(-row)[:2])
+        assert abs(meta["output_token_ids_logprobs"][i][0][0] - row[13]) < 1e-4
+
+
 def test_batch_and_n_answer_a_list_prompt_major(http, reference):
     prompts = [PROMPT, "One, two, three,"]
     out = http.post(
