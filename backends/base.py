@@ -206,6 +206,10 @@ class Engine(ABC):
         Whatever the engine kept of earlier passes (prefix keys/values) is dropped."""
         raise WeightsUpdateUnsupported(f"the {type(self).__name__} cannot load new weights without a restart")
 
+    async def flush_cache(self) -> None:  # noqa: B027 (optional hook)
+        """Forget every prefix's keys/values kept for reuse; later requests compute them again."""
+        return None
+
     def is_healthy(self) -> bool:
         return True
 

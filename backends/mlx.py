@@ -149,6 +149,9 @@ class MlxEngine(Engine):
     async def unload_adapter(self, name: str) -> None:
         await self._run(self._adapters.unload, name)
 
+    async def flush_cache(self) -> None:
+        await self._run(lambda: self._prompt_cache.trim_to(n_sequences=0))
+
     async def next_token_logprobs(
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None
     ) -> np.ndarray:

@@ -238,6 +238,10 @@ class TransformersEngine(Engine):
     async def load_adapter(self, name: str, path: str) -> None:
         await self._run(self._load_adapter, name, path)
 
+    async def flush_cache(self) -> None:
+        if self.prefix_cache is not None:  # on the worker thread: never during a forward pass
+            await self._run(self.prefix_cache.clear)
+
     def _load_adapter(self, name: str, path: str) -> None:
         from peft import PeftModel
 

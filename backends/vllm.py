@@ -185,6 +185,9 @@ class VllmEngine(Engine):
             ) from exc
         self._loras[name] = request
 
+    async def flush_cache(self) -> None:
+        await self.engine.reset_prefix_cache()
+
     async def unload_adapter(self, name: str) -> None:
         request = self._lora(name)
         del self._loras[name]

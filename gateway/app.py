@@ -23,6 +23,13 @@ from gateway.routes.chat import create_chat_completion
 from gateway.routes.completions import create_completion
 from gateway.routes.logprobs import batching_stats, next_token_logprobs
 from gateway.routes.models import health, list_models, openapi_document, prometheus_metrics, retrieve_model
+from gateway.routes.sglang import (
+    flush_cache,
+    health_generate,
+    sglang_generate,
+    sglang_model_info,
+    sglang_server_info,
+)
 from gateway.routes.vocabulary import detokenize_route, tokenize_route, tokenizer_files, vocabulary
 from gateway.settings import Settings
 
@@ -45,6 +52,11 @@ ROUTES = [
     health,
     prometheus_metrics,
     openapi_document,
+    sglang_generate,
+    sglang_model_info,
+    sglang_server_info,
+    health_generate,
+    flush_cache,
 ]
 
 

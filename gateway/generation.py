@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 from backends.base import SamplingParams, TokenStep
@@ -101,10 +101,13 @@ async def run_choice(
     params: SamplingParams,
     stops: Sequence[str],
     adapter: str | None = None,
+    stop_ids: Collection[int] = (),
 ) -> AsyncIterator[Piece]:
+    """One choice's text pieces; a token in `stop_ids` ends it like end-of-sequence (kept in the
+    steps, its text too unless it is a special token)."""
     engine = served.require_engine()
     async with served.weights.reading():  # a choice is generated with one set of weights
-        pieces = _pieces(engine.generate(prompt_ids, params, adapter), served, stops)
+        pieces = _pieces(engine.generate(prompt_ids, params, adapter), served, stops, stop_ids)
         try:
             async for piece in pieces:
                 yield piece
@@ -113,7 +116,7 @@ async def run_choice(
 
 
 async def _pieces(
-    generator: AsyncIterator[TokenStep], served: ServedModel, stops: Sequence[str]
+    generator: AsyncIterator[TokenStep], served: ServedModel, stops: Sequence[str], stop_ids: Collection[int]
 ) -> AsyncIterator[Piece]:
     text = IncrementalText(served.token_bytes, served.special_ids)
     pending = ""
@@ -128,14 +131,15 @@ async def _pieces(
             last = now
             steps.append(step)
             pending += text.add(step.token_id)
-            if step.finish_reason is not None:
+            finish = step.finish_reason or ("stop" if step.token_id in stop_ids else None)
+            if finish is not None:
                 pending += text.flush()
             cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
             if cut >= 0:
                 yield Piece(pending[:cut], steps, "stop")
                 return
-            if step.finish_reason is not None:
-                yield Piece(pending, steps, step.finish_reason)
+            if finish is not None:
+                yield Piece(pending, steps, finish)
                 return
             emit = len(pending) - _held_back(pending, stops)
             yield Piece(pending[:emit], steps)

@@ -41,7 +41,10 @@ from gateway.schemas.models import (
     ModelCard,
     ModelList,
     UnloadLoraAdapterRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDiskResponse,
 )
+from gateway.schemas.sglang import GenerateRequest, GenerateResponse, ModelInfo, ServerInfo
 from gateway.settings import Settings
 
 REF = "#/components/schemas/{name}"
@@ -56,6 +59,7 @@ ERRORS = {
     "429": "A per-key limit (requests in flight, rows per minute) or the server's stream limit; see Retry-After.",
     "500": "The engine failed; the service keeps serving.",
     "503": "The model is still loading, or failed to load.",
+    "501": "The engine cannot do this (a restart or another backend can): new weights without a restart.",
 }
 
 
@@ -267,6 +271,20 @@ OPERATIONS = [
         tags=("Admin",),
     ),
     Operation(
+        "post",
+        "/update_weights_from_disk",
+        "Load new weights in place (admin; SGLang's)",
+        "Needs `Authorization: Bearer <admin key>`. New weights of the same architecture from a Hugging Face "
+        "directory of safetensors weights, without a restart: requests reading the old weights finish on "
+        "them first, and the model's output-cache keys change with the weights. Answers SGLang's "
+        "`{success, message}`; a failure (400 weights that do not fit, 501 an engine that cannot) adds the "
+        "error object. See docs/sglang-clients.md.",
+        UpdateWeightsFromDiskRequest,
+        {"application/json": _ref(UpdateWeightsFromDiskResponse)},
+        errors=("400", "401", "403", "404", "501", "503"),
+        tags=("Admin",),
+    ),
+    Operation(
         "get",
         "/health",
         "Readiness",
@@ -275,6 +293,76 @@ OPERATIONS = [
         responses={"application/json": _ref(Health)},
         errors=("503",),
         tags=("Operations",),
+    ),
+    *(
+        Operation(
+            method,
+            "/generate",
+            "Generate (SGLang's native API)",
+            "SGLang 0.5.17's `/generate` for SGLang's own clients (its frontend language, TorchRL): `text` or "
+            "`input_ids`, one prompt or a batch, `sampling_params`, logprob triples; one object for one prompt, "
+            "an array for a batch or `n > 1`; with `stream: true`, server-sent events of cumulative objects. "
+            "Lists in per-prompt fields (`sampling_params`, `rid`, `return_logprob`, `logprob_start_len`, "
+            "`top_logprobs_num`, `lora_path`) have one value per prompt; `logprob_start_len` is at most the "
+            "prompt's length. See docs/sglang-clients.md.",
+            GenerateRequest,
+            {
+                "application/json": {
+                    "anyOf": [_ref(GenerateResponse), {"type": "array", "items": _ref(GenerateResponse)}]
+                },
+                "text/event-stream": SSE,
+            },
+            example={
+                "text": "The capital of France is",
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+            },
+            tags=("SGLang",),
+        )
+        for method in ("post", "put")
+    ),
+    *(
+        Operation(
+            "get",
+            path,
+            "The model, as SGLang describes it",
+            "`model_path` (the weights' directory), `tokenizer_path`, `is_generation`, ... of the model named by "
+            "the `model` query parameter (default: the first configured model).",
+            responses={"application/json": _ref(ModelInfo)},
+            tags=("SGLang",),
+        )
+        for path in ("/model_info", "/get_model_info")
+    ),
+    *(
+        Operation(
+            "get",
+            path,
+            "The server, as SGLang describes it",
+            "`tp_size` and `dp_size` (1), the context length, and the SGLang API version served.",
+            responses={"application/json": _ref(ServerInfo)},
+            tags=("SGLang",),
+        )
+        for path in ("/server_info", "/get_server_info")
+    ),
+    Operation(
+        "get",
+        "/health_generate",
+        "Generation health",
+        "200 with an empty body once every model generates a token within 20 s; 503 with an empty body otherwise.",
+        responses={"text/plain": {"type": "string", "maxLength": 0}},
+        errors=("503",),
+        tags=("SGLang",),
+    ),
+    *(
+        Operation(
+            method,
+            "/flush_cache",
+            "Empty the caches",
+            "Every model's prefix keys/values in its engine and its rows in the output cache.",
+            responses={"text/plain": {"type": "string"}},
+            errors=(),
+            tags=("SGLang",),
+        )
+        for method in ("post", "get")
     ),
     Operation(
         "get",
@@ -308,6 +396,7 @@ _TYPES = [t for op in OPERATIONS for t in (op.request,) if t is not None] + [
     NextTokenLogprobsSharedMemoryResponse,
     ModelList,
     ModelCard,
+    UpdateWeightsFromDiskResponse,
     Vocabulary,
     VocabularyBinary,
     TokenizerFiles,
@@ -316,6 +405,9 @@ _TYPES = [t for op in OPERATIONS for t in (op.request,) if t is not None] + [
     DetokenizeResponse,
     AdapterStatus,
     Health,
+    GenerateResponse,
+    ModelInfo,
+    ServerInfo,
 ]
 
 
@@ -413,10 +505,19 @@ def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
         {"properties": {"shared_memory": {"type": "null"}}},
         {"properties": {"layout": {"const": "matrix"}}, "required": ["layout"]},
     ]
+    generate = schemas["GenerateRequest"]["properties"]
+    texts = {"type": "array", "items": _text(), "minItems": 1, "maxItems": limits.max_prompts}
+    generate["text"] = _null_or({"anyOf": [_text(), texts]})
+    generate["input_ids"] = _null_or(
+        {"anyOf": [_token_ids(), {**_token_ids(), "items": _token_ids(), "maxItems": limits.max_prompts}]}
+    )
     schemas["TokenizeRequest"]["oneOf"] = [
         {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
         {"properties": {"messages": {"type": "array"}}, "required": ["messages"]},
     ]
+
+
+OPEN_PATHS = ("/health", "/health_generate")  # the paths that never need a key (gateway/guard.py)
 
 
 def _operation_id(op: Operation) -> str:
@@ -486,7 +587,7 @@ def build_openapi(settings: Settings | None = None) -> dict[str, Any]:
         if links := _links(op):
             responses[op.ok_status]["links"] = links
         statuses = set(op.errors)
-        if op.path != "/health":  # the only path that never needs a key
+        if op.path not in OPEN_PATHS:
             statuses |= {"401", "429"}
         if op.request is not None:
             statuses.add("413")
@@ -494,6 +595,11 @@ def build_openapi(settings: Settings | None = None) -> dict[str, Any]:
             responses[status] = {
                 "description": ERRORS[status],
                 "content": {"application/json": {"schema": _ref(ErrorResponse)}},
+            }
+        if op.path == "/health_generate":  # SGLang's: an empty body either way
+            responses["503"] = {
+                "description": "Loading, or a model failed to generate.",
+                "content": {"text/plain": {"schema": {"type": "string", "maxLength": 0}}},
             }
         if op.path == "/health":  # 503 carries the health document, not an error object
             responses["503"] = {
@@ -507,7 +613,7 @@ def build_openapi(settings: Settings | None = None) -> dict[str, Any]:
             "tags": list(op.tags),
             "responses": responses,
         }
-        if op.path == "/health":
+        if op.path in OPEN_PATHS:
             spec["security"] = []
         if "{model}" in op.path:
             spec["parameters"] = [MODEL_PARAM]

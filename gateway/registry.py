@@ -80,6 +80,7 @@ class ServedModel:
     weights: WeightsLock = field(default_factory=WeightsLock, repr=False)  # held by whoever reads them
     weight_version: str = "default"  # what the last weights update called its weights
     weight_updates: int = 0
+    cache_epoch: int = 0  # raised by a cache flush: the output cache's earlier rows are not read
     metrics: Metrics = field(default_factory=Metrics, repr=False)
     adapters: dict[str, AdapterInfo] = field(default_factory=dict)
     loaded: bool = False  # the engine and the configured adapters are all in place
@@ -90,6 +91,11 @@ class ServedModel:
     @property
     def name(self) -> str:
         return self.settings.served_name
+
+    @property
+    def cache_scope(self) -> str:
+        """The model's part of output-cache keys: its weights, and how often its cache was flushed."""
+        return self.fingerprint if not self.cache_epoch else f"{self.fingerprint}/flush-{self.cache_epoch}"
 
     @property
     def ready(self) -> bool:

@@ -17,24 +17,30 @@ from pathlib import Path
 
 class WeightsLock:
     """Many readers or one writer; a waiting writer holds new readers back, so steady traffic
-    cannot keep an update waiting for ever. Single event loop, no lock of its own."""
+    cannot keep an update waiting for ever. A task that reads already reads on (one request's
+    several engine calls), or it would wait for an update that waits for it. Single event loop,
+    no lock of its own."""
 
     def __init__(self) -> None:
-        self._readers = 0
+        self._readers: dict[asyncio.Task | None, int] = {}  # reading tasks, and how often each
         self._update: asyncio.Event | None = None  # set once the update under way is over
         self._drained: asyncio.Event | None = None  # set once its last reader has left
 
     @asynccontextmanager
     async def reading(self) -> AsyncIterator[None]:
-        while self._update is not None:
-            await self._update.wait()
-        self._readers += 1
+        task = asyncio.current_task()
+        if task not in self._readers:
+            while self._update is not None:
+                await self._update.wait()
+        self._readers[task] = self._readers.get(task, 0) + 1
         try:
             yield
         finally:
-            self._readers -= 1
-            if self._readers == 0 and self._drained is not None:
-                self._drained.set()
+            self._readers[task] -= 1
+            if not self._readers[task]:
+                del self._readers[task]
+                if not self._readers and self._drained is not None:
+                    self._drained.set()
 
     @asynccontextmanager
     async def writing(self) -> AsyncIterator[None]:

@@ -155,7 +155,7 @@ class DenseService:
         if cache is None:
             return await batcher.submit(rows, adapter, into), 0
         adapter_id = None if adapter is None else f"{adapter}:{served.adapters[adapter].fingerprint}"
-        keys = cache.keys(served.fingerprint, adapter_id, rows)
+        keys = cache.keys(served.cache_scope, adapter_id, rows)
         vocab_size = served.require_engine().vocab_size
         cached = await cache.lookup(keys, vocab_size)
         missing = [i for i, row in enumerate(cached) if row is None]

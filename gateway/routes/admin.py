@@ -68,6 +68,8 @@ async def update_weights_from_disk(request: Request) -> Response:
     body = await decode_json(request, UpdateWeightsFromDiskRequest)
     try:
         served = _base_model(request, body.model)
+        if not body.model_path or "\0" in body.model_path:
+            raise InvalidRequestError("model_path must name a directory", param="model_path")
         if body.load_format not in (None, "auto", "safetensors"):
             raise InvalidRequestError(
                 f"load_format {body.load_format!r} is not supported: safetensors weights only",

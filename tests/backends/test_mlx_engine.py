@@ -74,6 +74,21 @@ async def test_generation_reuses_cached_prompt_prefixes(model_dir, reference, lo
     assert computed == len(prompt)
 
 
+async def test_flush_cache_forgets_the_prompt_cache(engine, reference):
+    prompt = reference.tokenizer("A prompt that the flush test generates from twice").input_ids
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+
+    async def computed() -> int:
+        before = engine.prompt_tokens_computed
+        [s async for s in engine.generate(prompt, greedy)]
+        return engine.prompt_tokens_computed - before
+
+    await computed()
+    assert await computed() == 1  # an exact hit: only the last token
+    await engine.flush_cache()
+    assert await computed() == len(prompt)
+
+
 async def test_bfloat16_engine_keeps_rows_unquantised(bf16_engine, reference):
     """The whole network in bfloat16 moves top-100 logprobs by 0.2-0.5 nats on these prompts
     (measured), so bfloat16 is for speed, float32 for exact numbers. The output head stays in

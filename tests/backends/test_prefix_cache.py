@@ -252,3 +252,13 @@ async def test_adapters_keep_their_own_prefixes(model_dir, reference, lora_paths
     assert engine.prefix_cache.match("a", prompt) == (None, 0)
     assert await check(engine, reference, [prompt + [9]] * 2, [None, "b"], references) == 2
     await engine.aclose()
+
+
+@pytest.mark.slow
+async def test_flush_cache_forgets_every_prefix(engine, reference):
+    prompt = ids(reference, "The flush test keeps this prefix for a while")
+    await check(engine, reference, [prompt])
+    assert await check(engine, reference, [prompt + [42]]) == 1  # the prefix is reused
+    await engine.flush_cache()
+    assert engine.prefix_cache.nbytes == 0
+    assert await check(engine, reference, [prompt + [43]]) == len(prompt) + 1  # computed again

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+GENERATE = "/generate"
 VOCAB = 49152  # SmolLM2's vocabulary
 CONTEXT = 8192  # SmolLM2's context length
 
@@ -321,6 +322,53 @@ CASES = {
         400,
         "temperature",
         "Number out of range",
+    ),
+    # SGLang's native /generate: SGLang's messages where it has one, 4xx where it answers a 500
+    "generate-nothing": Case(GENERATE, {}, 400, "text", "Either text, input_ids or input_embeds"),
+    "generate-empty-ids": Case(GENERATE, {"input_ids": []}, 400, "input_ids", "input_ids cannot be empty."),
+    "generate-id-outside-vocab": Case(
+        GENERATE, {"input_ids": [VOCAB]}, 400, "input_ids", "outside the vocabulary"
+    ),
+    "generate-unknown-sampling-key": Case(
+        GENERATE, {"text": "Hi", "sampling_params": {"bogus": 1}}, 400, "sampling_params", "unknown field"
+    ),
+    "generate-regex": Case(
+        GENERATE,
+        {"text": "Hi", "sampling_params": {"regex": "a+"}},
+        400,
+        "sampling_params.regex",
+        "not supported",
+    ),
+    "generate-two-constraints": Case(
+        GENERATE,
+        {"text": "Hi", "sampling_params": {"regex": "a", "json_schema": "{}"}},
+        400,
+        "sampling_params",
+        "Only one of json_schema, regex, ebnf, or structural_tag can be set.",
+    ),
+    "generate-start-past-prompt": Case(
+        GENERATE,
+        {"text": "Hi", "return_logprob": True, "logprob_start_len": 9},
+        400,
+        "logprob_start_len",
+        "higher than",
+    ),
+    "generate-too-long": Case(
+        GENERATE,
+        {"input_ids": [1] * CONTEXT, "sampling_params": {"max_new_tokens": 1}},
+        400,
+        "sampling_params.max_new_tokens",
+        "maximum context length",
+        TOO_LONG,
+    ),
+    "generate-unknown-model": Case(
+        GENERATE, {"text": "Hi", "model": "nope"}, 404, "model", "does not exist", NOT_FOUND
+    ),
+    "generate-unknown-lora": Case(
+        GENERATE, {"text": "Hi", "lora_path": "nope"}, 404, "model", "no adapter", NOT_FOUND
+    ),
+    "generate-n-too-large": Case(
+        GENERATE, {"text": "Hi", "sampling_params": {"n": 10**3}}, 400, "n", "n must be"
     ),
 }
 

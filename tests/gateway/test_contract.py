@@ -36,6 +36,7 @@ LIMITS = "[limits]\nmax_n = 2\nmax_prompts = 2\nmax_rows = 2\nmax_tokens = 8\nma
 MOCK_CONTEXT = 8192
 REAL_CONTEXT = 2048
 MODEL_REQUESTS = (
+    "GenerateRequest",
     "CompletionRequest",
     "ChatCompletionRequest",
     "NextTokenLogprobsRequest",
@@ -120,13 +121,17 @@ def deployment_document(
     for name in MODEL_REQUESTS:
         properties = schemas[name]["properties"]
         properties["model"]["enum"] = names
-        for field in ("prompt", "input", "tokens"):
+        for field in ("prompt", "input", "tokens", "text", "input_ids"):
             if field in properties:
                 _cap_token_ids(properties[field], vocab - 1)
                 _require_a_token(properties[field], vanishing)
         if "logit_bias" in properties:
             keys = properties["logit_bias"]["anyOf"][0]["propertyNames"]
             keys["pattern"] = f"^0*{decimal_below(vocab)}$"
+    # SGLang's /generate relates fields JSON Schema cannot (a list per prompt, logprob_start_len
+    # within the prompt, n the same in every sampling_params): test_fuzz.py and
+    # test_sglang_native.py cover it instead
+    del document["paths"]["/generate"]
     for operations in document["paths"].values():
         for operation in operations.values():
             for parameter in operation.get("parameters", []):

@@ -46,6 +46,7 @@ from gateway.schemas.logprobs import (
     NextTokenLogprobsUsage,
     TokenizeResponse,
 )
+from gateway.schemas.sglang import GenerateResponse
 from gateway.settings import CacheSettings, Limits, ModelSettings, Settings
 from logprob_gateway_client.encoding import decode_row, row_base64, row_bytes
 
@@ -199,6 +200,7 @@ LIMITS = Limits(max_n=2, max_prompts=2, max_rows=3, max_tokens=16, max_top_logpr
 
 COMPLETIONS, CHAT, DENSE = "/v1/completions", "/v1/chat/completions", "/v1/next_token_logprobs"
 TOKENIZE, DETOKENIZE = "/v1/tokenize", "/v1/detokenize"
+GENERATE = "/generate"
 JSON_TYPES = ["application/json", "application/json; charset=utf-8"]
 MSGPACK_TYPES = ["application/msgpack", "application/vnd.msgpack", "application/x-msgpack"]
 OTHER_TYPES = ["text/plain", "application/octet-stream", "application/x-www-form-urlencoded", "", None]
@@ -273,7 +275,12 @@ def assert_well_formed_success(path: str, response) -> None:
         for event in events[:-1]:
             chunk = json.loads(event)
             assert "error" not in chunk, chunk
-            assert chunk["object"] in ("text_completion", "chat.completion.chunk"), chunk
+            if path == GENERATE:
+                msgspec.json.decode(event, type=GenerateResponse)
+            else:
+                assert chunk["object"] in ("text_completion", "chat.completion.chunk"), chunk
+    elif path == GENERATE:
+        msgspec.json.decode(response.content, type=GenerateResponse | list[GenerateResponse])
     elif path == DENSE and content_type.startswith("application/msgpack"):
         msgspec.msgpack.decode(response.content, type=NextTokenLogprobsBinaryResponse)
     elif path == DENSE:
@@ -360,6 +367,34 @@ VALID = {
         },
     ),
     DETOKENIZE: ({"model": st.just(MODEL), "tokens": st.lists(st.integers(0, VOCAB - 1), max_size=6)}, {}),
+    GENERATE: (
+        {"text": st.one_of(WORDS, st.lists(WORDS, min_size=1, max_size=2))},
+        {
+            "model": st.just(MODEL),
+            "input_ids": st.one_of(IDS, st.lists(IDS, min_size=1, max_size=2)),
+            "sampling_params": st.fixed_dictionaries(
+                {},
+                optional={
+                    "max_new_tokens": st.integers(0, LIMITS.max_tokens),
+                    "temperature": st.one_of(st.floats(0.0, 2.0), st.sampled_from(TINY)),
+                    "top_p": st.floats(0.0, 1.0, exclude_min=True),
+                    "top_k": st.sampled_from([-1, 1, VOCAB]),
+                    "stop": st.one_of(WORDS, st.lists(WORDS, max_size=LIMITS.max_stop)),
+                    "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3),
+                    "n": st.integers(1, LIMITS.max_n),
+                    "no_stop_trim": st.booleans(),
+                    "sampling_seed": st.integers(-(2**63), 2**63 - 1),
+                },
+            ),
+            "return_logprob": st.booleans(),
+            "logprob_start_len": st.integers(-1, 1),
+            "top_logprobs_num": st.integers(0, LIMITS.max_top_logprobs),
+            "return_text_in_logprobs": st.booleans(),
+            "token_ids_logprob": st.lists(st.integers(0, VOCAB - 1), max_size=3),
+            "stream": st.booleans(),
+            "rid": WORDS,
+        },
+    ),
 }
 
 # Invalid values of the kinds clients send: numbers out of range or not finite, ids out of the
@@ -394,6 +429,19 @@ BAD_VALUES = {
     "dtype": st.sampled_from(["int8", "float64", "bf16"]),
     "best_of": st.integers(-1, 3),
     "suffix": TEXT,
+    "text": st.one_of(st.just(""), st.just([]), st.lists(TEXT, max_size=LIMITS.max_prompts + 2)),
+    "input_ids": st.one_of(st.just([]), BAD_IDS, st.lists(BAD_IDS, max_size=3)),
+    "sampling_params": st.one_of(
+        st.dictionaries(
+            st.sampled_from(["top_k", "min_p", "regex", "ignore_eos", "max_new_tokens", "n", "x"]),
+            JUNK,
+            max_size=3,
+        ),
+        st.lists(st.dictionaries(st.sampled_from(["n", "max_new_tokens"]), INTS, max_size=2), max_size=3),
+    ),
+    "logprob_start_len": INTS,
+    "token_ids_logprob": st.one_of(BAD_IDS, st.lists(BAD_IDS, max_size=3)),
+    "rid": st.one_of(st.lists(st.just("r"), min_size=2, max_size=2), TEXT),
 }
 
 
@@ -551,6 +599,7 @@ MSGPACK_KEY = {
     DENSE: "input",
     TOKENIZE: "prompt",
     DETOKENIZE: "tokens",
+    GENERATE: "text",
 }
 
 
@@ -703,7 +752,7 @@ def valid_documents(draw) -> tuple[str, dict]:
 
 def comparable(path: str, response) -> object:
     """What two answers to the same request share: ids, timestamps and cache hits aside."""
-    if response.status_code != 200 or path in (COMPLETIONS, CHAT):
+    if response.status_code != 200 or path in (COMPLETIONS, CHAT, GENERATE):
         return response.status_code
     if path == DENSE:
         return [row["logprobs"] for row in response.json()["data"]]

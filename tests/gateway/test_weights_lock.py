@@ -73,3 +73,28 @@ async def test_readers_share_and_a_cancelled_update_lets_them_go_on():
     gate.set()
     await asyncio.gather(*readers, late)
     assert update.cancelled()
+
+
+async def test_a_reading_task_reads_on_while_an_update_waits_for_it():
+    """One request's several engine calls: the second must not wait for the update that waits
+    for the first to end."""
+    lock = WeightsLock()
+    inner_entered = asyncio.Event()
+    update_waiting = asyncio.Event()
+
+    async def request() -> None:
+        async with lock.reading():
+            await update_waiting.wait()
+            async with lock.reading():
+                inner_entered.set()
+
+    async def update() -> None:
+        async with lock.writing():
+            assert inner_entered.is_set()
+
+    reading = asyncio.create_task(request())
+    await asyncio.sleep(0)
+    writing = asyncio.create_task(update())
+    await asyncio.sleep(0)
+    update_waiting.set()
+    await asyncio.wait_for(asyncio.gather(reading, writing), 5)

@@ -91,6 +91,8 @@ def test_an_update_serves_the_new_weights_and_no_replica_reads_an_old_row(
         answer = update(base_url, {"model_path": str(scaled_dir), "weight_version": "step-1"})
         assert answer.status_code == 200, answer.text
         assert answer.json()["success"] is True and "step-1" in answer.json()["message"]
+    info = httpx.get(first + "/get_model_info").json()
+    assert info["weight_version"] == "step-1" and info["model_path"] == str(scaled_dir)
     new, hits = dense(first, PREFIXES)
     assert hits == 0
     for row, ids in zip(new, PREFIXES, strict=True):
@@ -116,6 +118,8 @@ def test_an_update_serves_the_new_weights_and_no_replica_reads_an_old_row(
         ({"model_path": "{model_dir}", "abort_all_requests": True}, 400, "abort_all_requests"),
         ({"model_path": "{model_dir}", "model": "nope"}, 404, "does not exist"),
         ({"load_format": "auto"}, 400, "model_path"),
+        ({"model_path": "a\u0000b"}, 400, "must name a directory"),
+        ({"model_path": "{model_dir}/config.json"}, 400, "is not a directory"),
     ],
 )
 def test_bad_updates_are_refused_and_change_nothing(replicas, model_dir, reference, body, status, words):

@@ -1,0 +1,165 @@
+"""SGLang's native API (0.5.17), for SGLang's own clients: the frontend language's
+`RuntimeEndpoint` and TorchRL's `AsyncSGLang` with an external server. Semantics: sglang_native.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from litestar import Request, Response, get, route
+
+from backends.base import SamplingParams
+from gateway import generation as gen
+from gateway import sglang_native as native
+from gateway.errors import InvalidRequestError
+from gateway.http import (
+    decode_json,
+    json_response,
+    registry,
+    reserve_stream,
+    resolve_model,
+    settings,
+    sse_event,
+    sse_response,
+)
+from gateway.registry import ServedModel
+from gateway.schemas.sglang import GenerateRequest, GenerateResponse, ModelInfo, ServerInfo
+
+SGLANG_VERSION = "0.5.17"
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT
+FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+_STARTED = time.time()
+
+
+def _model(request: Request, name: str | None) -> tuple[ServedModel, str | None]:
+    """A request's model (`base` or `base:adapter`); without one, the first configured model."""
+    if name is None:
+        name = next(iter(registry(request).models))
+    return resolve_model(request, name)
+
+
+def _served_for(request: Request, body: GenerateRequest):  # noqa: ANN202 (a closure for plan())
+    base, adapter = _model(request, body.model)
+
+    def served_for(lora_path: str | None) -> tuple[ServedModel, str | None]:
+        if lora_path is None or lora_path == adapter:
+            return base, adapter
+        if adapter is not None:
+            raise InvalidRequestError(
+                f"lora_path {lora_path!r} contradicts the adapter in model {body.model!r}", param="lora_path"
+            )
+        return resolve_model(request, f"{base.name}:{lora_path}")
+
+    return served_for
+
+
+@route("/generate", http_method=["POST", "PUT"], status_code=200, summary="Generate (SGLang's native API)")
+async def sglang_generate(request: Request) -> Response:
+    body = await decode_json(request, GenerateRequest)
+    items, as_list = native.plan(body, _served_for(request, body), settings(request).limits)
+    runs = [native.ItemRun(item) for item in items]
+    if body.stream:
+        reserve_stream(request)
+        return sse_response(_stream(runs, as_list))
+    results = await asyncio.gather(*(_last(run) for run in runs))
+    _count(runs)
+    return Response(content=native.encode(results if as_list else results[0]), media_type="application/json")
+
+
+async def _last(run: native.ItemRun) -> GenerateResponse:
+    async for result in run.results(final_only=True):
+        return result
+    raise AssertionError("every run yields its final result")
+
+
+async def _stream(runs: list[native.ItemRun], as_list: bool) -> AsyncIterator[bytes]:
+    async for index, result in gen.merge([run.results() for run in runs]):
+        if as_list:
+            result.index = index
+        yield sse_event(result)
+    _count(runs)
+
+
+def _count(runs: list[native.ItemRun]) -> None:
+    for run in runs:
+        served, adapter = run.item.served, run.item.adapter
+        labels = (served.name, adapter or "", "generate")
+        served.metrics.prompt_tokens.labels(*labels).inc(len(run.item.ids))
+        served.metrics.generation_tokens.labels(*labels).inc(run.completion_tokens)
+
+
+def _config(served: ServedModel) -> dict:
+    try:
+        return json.loads((Path(served.require_engine().model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+@get(["/model_info", "/get_model_info"], summary="The model, as SGLang describes it")
+async def sglang_model_info(request: Request, model: str | None = None) -> Response:
+    served, _ = _model(request, model)
+    path = served.require_engine().model_path
+    config = _config(served)
+    return json_response(
+        ModelInfo(
+            model_path=path,
+            tokenizer_path=path,
+            weight_version=served.weight_version,
+            model_type=config.get("model_type"),
+            architectures=config.get("architectures"),
+            served_model_name=served.name,
+        )
+    )
+
+
+@get(["/server_info", "/get_server_info"], summary="The server, as SGLang describes it")
+async def sglang_server_info(request: Request, model: str | None = None) -> Response:
+    served, _ = _model(request, model)
+    engine = served.require_engine()
+    return json_response(
+        ServerInfo(
+            model_path=engine.model_path,
+            tokenizer_path=engine.model_path,
+            weight_version=served.weight_version,
+            served_model_name=served.name,
+            context_length=engine.max_model_len,
+            max_req_input_len=engine.max_model_len - 1,
+            status="ready" if registry(request).healthy else "loading",
+            startup_time=_STARTED,
+            version=SGLANG_VERSION,
+            backend=served.settings.backend,
+        )
+    )
+
+
+@get("/health_generate", summary="200 when every model generates a token, else 503")
+async def health_generate(request: Request) -> Response:
+    models = registry(request)
+    if not models.healthy:
+        return Response(content=b"", status_code=503, media_type="text/plain")
+    try:
+        async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
+            for served in models.models.values():
+                engine = served.require_engine()
+                async for _ in engine.generate([0], SamplingParams(max_tokens=1, temperature=0.0)):
+                    pass
+    except Exception:  # a failing or hanging engine is what this endpoint reports
+        return Response(content=b"", status_code=503, media_type="text/plain")
+    return Response(content=b"", status_code=200, media_type="text/plain")
+
+
+@route("/flush_cache", http_method=["GET", "POST"], status_code=200, summary="Empty the caches")
+async def flush_cache(request: Request) -> Response:
+    """Every model's prefix K/V in its engine, and its rows in the output cache (by a new cache
+    scope: in Redis the old entries stay until they expire, unreachable)."""
+    for served in registry(request).models.values():
+        if served.engine is not None:
+            await served.engine.flush_cache()
+        served.cache_epoch += 1
+    return Response(content=FLUSHED, media_type="text/plain")
