@@ -163,6 +163,31 @@ def mock_app_client(
         yield litestar_app, client
 
 
+@pytest.fixture(scope="session")
+def scaled_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model with one layer's MLP output scaled: same tensor names, shapes and
+    safetensors headers, other numbers (new weights for updates in place)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[3].mlp.down_proj.weight.mul_(1.5)
+    path = tmp_path_factory.mktemp("scaled")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def scaled(scaled_dir: Path, reference: Reference) -> Reference:
+    """The scaled weights loaded directly with transformers in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(scaled_dir, dtype=torch.float32).eval()
+    return Reference(model, reference.tokenizer)
+
+
 def start_admin_gateway(
     model_dir: Path,
     workdir: Path,

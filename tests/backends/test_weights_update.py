@@ -10,33 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 from backends.base import EngineConfig, WeightsError
 from backends.transformers import TransformersEngine
-from tests.conftest import Reference
 
 pytestmark = pytest.mark.slow
 PREFIXES = [[504, 3575, 282, 4649, 314], [410, 2251, 30], [504, 3575, 282]]
-
-
-@pytest.fixture(scope="module")
-def scaled_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model with one layer's MLP output scaled: same shapes, other numbers."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.layers[3].mlp.down_proj.weight.mul_(1.5)
-    path = tmp_path_factory.mktemp("scaled")
-    model.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def scaled(scaled_dir: Path, reference: Reference) -> Reference:
-    model = AutoModelForCausalLM.from_pretrained(scaled_dir, dtype=torch.float32).eval()
-    return Reference(model, reference.tokenizer)
 
 
 async def rows(engine: TransformersEngine, prefixes: list[list[int]]) -> np.ndarray:

@@ -5,41 +5,21 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import msgspec
 import numpy as np
 import pytest
-import torch
 from litestar.testing import TestClient
-from transformers import AutoModelForCausalLM
 
 from gateway.app import serving_app
 from gateway.launcher import start_gateway
 from gateway.settings import ModelSettings, Settings
-from tests.conftest import MODEL, Reference
+from tests.conftest import MODEL
 
 pytestmark = pytest.mark.slow
 ADMIN = {"Authorization": "Bearer admin-secret"}
 PREFIXES = [[504, 3575, 282, 4649, 314], [410, 2251, 30]]
-
-
-@pytest.fixture(scope="module")
-def scaled_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model with one layer's MLP output scaled: same shapes and headers, other numbers."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.layers[3].mlp.down_proj.weight.mul_(1.5)
-    path = tmp_path_factory.mktemp("scaled")
-    model.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def scaled(scaled_dir: Path, reference: Reference) -> Reference:
-    model = AutoModelForCausalLM.from_pretrained(scaled_dir, dtype=torch.float32).eval()
-    return Reference(model, reference.tokenizer)
 
 
 @pytest.fixture(scope="module")
