@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 import mlx.core as mx
@@ -41,6 +43,7 @@ from backends.base import (
     PromptLogprobs,
     SamplingParams,
     TokenStep,
+    WeightsError,
     resolve_auto_dtype,
 )
 from backends.builtin_models import resolve_model_dir
@@ -69,6 +72,42 @@ Step = tuple[_Stream, list[int]]  # a stream and the tokens to run: its prompt, 
 def _log_softmax(logits: mx.array) -> np.ndarray:
     # normalised in float64 on the host: MLX's float32 logsumexp over 49k entries is off by ~1e-4
     return log_softmax(np.array(logits.astype(mx.float32)))
+
+
+def _checked_weights(model: Any, path: Path) -> list[tuple[str, mx.array]]:
+    """The directory's safetensors weights under the model's parameter names (an adapted layer's
+    own weights lie in its `base`), in the parameters' dtypes; WeightsError, before anything is
+    loaded, if the directory holds another architecture or a tensor is missing or misshapen."""
+    if not path.is_dir():
+        raise WeightsError(f"{path} is not a directory")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise WeightsError(f"{path} has no readable config.json: {exc}") from None
+    if config.get("model_type") != getattr(model.args, "model_type", config.get("model_type")):
+        raise WeightsError(
+            f"{path} holds a {config.get('model_type')} model, this one is a {model.args.model_type}"
+        )
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"{path} has no .safetensors weights")
+    loaded: dict[str, mx.array] = {}
+    for file in files:
+        loaded.update(mx.load(str(file)))
+    if hasattr(model, "sanitize"):
+        loaded = model.sanitize(loaded)
+    pairs = []
+    for name, current in tree_flatten(model.parameters()):
+        plain = name.replace(".base.", ".")
+        source = loaded.get(plain)
+        if source is None:
+            raise WeightsError(f"{path} has no tensor {plain!r}")
+        if source.shape != current.shape:
+            raise WeightsError(
+                f"{path}: {plain!r} has shape {list(source.shape)}, this model's has {list(current.shape)}"
+            )
+        pairs.append((name, source.astype(current.dtype)))
+    return pairs
 
 
 class MlxEngine(Engine):
@@ -151,6 +190,17 @@ class MlxEngine(Engine):
 
     async def flush_cache(self) -> None:
         await self._run(lambda: self._prompt_cache.trim_to(n_sequences=0))
+
+    async def update_weights(self, path: str) -> None:
+        await self._run(self._update_weights, path)
+
+    def _update_weights(self, path: str) -> None:
+        self.model.load_weights(_checked_weights(self.model, Path(path)), strict=True)
+        mx.eval(self.model.parameters())
+        self._head = self._float32_head()
+        self._prompt_cache.trim_to(n_sequences=0)  # keys/values of the old weights
+        self.model_path = path
+        log.info("new weights loaded from %s", path)
 
     async def next_token_logprobs(
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None

@@ -55,6 +55,7 @@ from backends.base import (
 )
 from backends.builtin_models import resolve_model_dir
 from backends.vllm_capture import CAPTURE_KEY, DenseRowCapture
+from backends.weights import check_same_tensors
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +188,16 @@ class VllmEngine(Engine):
 
     async def flush_cache(self) -> None:
         await self.engine.reset_prefix_cache()
+
+    async def update_weights(self, path: str) -> None:
+        # vLLM's own in-place reload, on every worker; checked first, as it would fail halfway.
+        await asyncio.to_thread(check_same_tensors, self.model_path, path)
+        await self.engine.collective_rpc(
+            "reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True}
+        )
+        await self.engine.reset_prefix_cache()  # keys/values of the old weights
+        self.model_path = path
+        log.info("new weights loaded from %s", path)
 
     async def unload_adapter(self, name: str) -> None:
         request = self._lora(name)

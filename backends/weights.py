@@ -42,6 +42,40 @@ def _check_architecture(model: Any, path: Path) -> None:
         raise WeightsError(f"{path} holds a {architectures[0]}, this model is a {ours[0]}")
 
 
+def _shapes(path: Path) -> dict[str, list[int]]:
+    """Each tensor's shape, from the safetensors headers alone."""
+    shapes: dict[str, list[int]] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                shapes[name] = list(f.get_slice(name).get_shape())
+    return shapes
+
+
+def check_same_tensors(current: str | Path, new: str | Path) -> None:
+    """WeightsError unless the directory `new` holds every tensor of the checkpoint `current`
+    with the same shape, and a config of the same architecture: for an engine whose own reload
+    (vLLM's) would find out halfway."""
+    current, new = Path(current), Path(new)
+    if not new.is_dir():
+        raise WeightsError(f"{new} is not a directory")
+    for directory in (current, new):
+        if not (directory / "config.json").is_file():
+            raise WeightsError(f"{directory} has no config.json")
+    ours = json.loads((current / "config.json").read_text()).get("architectures")
+    theirs = json.loads((new / "config.json").read_text()).get("architectures")
+    if ours and theirs and list(ours) != list(theirs):
+        raise WeightsError(f"{new} holds a {theirs[0]}, this model is a {ours[0]}")
+    old, fresh = _shapes(current), _shapes(new)
+    if not fresh:
+        raise WeightsError(f"{new} has no .safetensors weights")
+    for name, shape in old.items():
+        if name not in fresh:
+            raise WeightsError(f"{new} has no tensor {name!r}")
+        if fresh[name] != shape:
+            raise WeightsError(f"{new}: {name!r} has shape {fresh[name]}, this model's has {shape}")
+
+
 def _checkpoint_name(name: str) -> str:
     """A parameter's name in a checkpoint of the plain model: PEFT wraps adapted layers, whose own
     weights move to `base_layer`."""

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from backends.base import AdapterError, EngineConfig, SamplingParams  # noqa: E402
+from backends.base import AdapterError, EngineConfig, SamplingParams, WeightsError  # noqa: E402
 from backends.mlx import MlxEngine  # noqa: E402
 from gateway.launcher import start_gateway  # noqa: E402
 from tests.conftest import MODEL, make_lora_adapter  # noqa: E402
@@ -266,3 +266,33 @@ def test_openai_sdk_through_the_mlx_backend(model_dir, reference, lora, tmp_path
         assert np.max(np.abs(row - peft_row(references["a"], ids))) <= 1e-3
     finally:
         gateway.stop()
+
+
+async def test_new_weights_load_in_place_and_bad_ones_change_nothing(
+    model_dir, scaled_dir, scaled, reference, tmp_path
+):
+    engine = MlxEngine.load(EngineConfig(model=str(model_dir)))
+    rows = [reference.tokenizer(t).input_ids for t in TEXTS]
+    before = await engine.next_token_logprobs(rows)
+    greedy = SamplingParams(max_tokens=5, temperature=0)
+    old = [s async for s in engine.generate(rows[2], greedy)]  # the prompt's keys/values now cached
+    assert [s.token_id for s in old] == reference.greedy(rows[2], 5)
+    with pytest.raises(WeightsError, match="has no .safetensors weights"):
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "empty" / "config.json").write_text((scaled_dir / "config.json").read_text())
+        await engine.update_weights(str(tmp_path / "empty"))
+    with pytest.raises(WeightsError, match="is not a directory"):
+        await engine.update_weights(str(tmp_path / "nowhere"))
+    assert np.array_equal(await engine.next_token_logprobs(rows), before)
+    await engine.update_weights(str(scaled_dir))
+    after = await engine.next_token_logprobs(rows)
+    for row, ids in zip(after, rows, strict=True):
+        assert np.max(np.abs(row - scaled.logprobs(ids)[-1])) <= 1e-3
+    assert np.max(np.abs(after - before)) > 0.01
+    steps = [s async for s in engine.generate(rows[2], greedy)]
+    tokens = [s.token_id for s in steps]
+    assert tokens == scaled.greedy(rows[2], 5)
+    want = scaled.logprobs(rows[2] + tokens)[len(rows[2]) - 1 : -1]
+    got = [s.logprob for s in steps]
+    np.testing.assert_allclose(got, [w[t] for w, t in zip(want, tokens, strict=True)], rtol=0, atol=1e-3)
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(old, steps, strict=True)) > 0.01

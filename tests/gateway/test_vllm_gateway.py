@@ -43,6 +43,8 @@ def adapters(model_dir, tmp_path_factory):
 def vllm_gateway(model_dir, adapters, tmp_path_factory):
     config = tmp_path_factory.mktemp("vllm") / "gateway.toml"
     config.write_text(f"""
+admin_key = "admin-secret"
+
 [[models]]
 name = "{MODEL}"
 model = "{model_dir}"
@@ -176,6 +178,25 @@ def test_prompt_scoring_equals_a_direct_forward_pass(vllm_gateway, reference):
     got = out.choices[0].logprobs.token_logprobs
     assert got[0] is None and np.allclose(got[1:], want, atol=TOLERANCE)
     assert all(len(t) >= 2 for t in out.choices[0].logprobs.top_logprobs[1:])
+
+
+def test_new_weights_load_through_vllms_own_reload(vllm_gateway, reference, scaled, scaled_dir, tmp_path):
+    """Runs after the tests that compare with the default weights: it changes them."""
+    ids = reference.tokenizer("The capital of France is").input_ids
+    before = dense(vllm_gateway.base_url, MODEL, [ids])
+    url = vllm_gateway.base_url + "/update_weights_from_disk"
+    admin = {"Authorization": "Bearer admin-secret"}
+    (tmp_path / "config.json").write_text((scaled_dir / "config.json").read_text())  # no weights
+    refused = httpx.post(url, json={"model_path": str(tmp_path)}, headers=admin, timeout=300)
+    assert refused.status_code == 400 and refused.json()["success"] is False
+    assert np.array_equal(dense(vllm_gateway.base_url, MODEL, [ids]), before)
+    answer = httpx.post(url, json={"model_path": str(scaled_dir)}, headers=admin, timeout=300)
+    assert answer.status_code == 200 and answer.json()["success"] is True, answer.text
+    after = dense(vllm_gateway.base_url, MODEL, [ids])  # its prefix cache held the old keys/values
+    want = scaled.logprobs(ids)[-1]
+    assert np.max(np.abs(after[0] - want)) <= TOLERANCE
+    assert np.array_equal(np.argsort(-after[0])[:10], np.argsort(-want)[:10])
+    assert np.max(np.abs(after - before)) > 0.01
 
 
 def test_a_departed_stream_is_aborted_in_vllm(vllm_gateway):
