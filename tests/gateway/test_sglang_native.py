@@ -9,9 +9,11 @@ import subprocess
 import sys
 import textwrap
 
+import httpx
 import numpy as np
 import pytest
 
+from gateway.launcher import start_gateway
 from tests.conftest import MODEL, mock_app_client
 
 pytestmark = pytest.mark.slow
@@ -332,9 +334,15 @@ FRONTEND = textwrap.dedent(
 )
 
 
-def test_sglang_frontend_runs_gen_select_and_fork(gateway, reference, http):
+def test_sglang_frontend_runs_gen_select_and_fork(gateway, reference):
+    assert_frontend_program(gateway.base_url, reference, atol=1e-4)
+
+
+def assert_frontend_program(base_url: str, reference, atol: float) -> None:
+    """The frontend's program against `base_url`: its gen, select and fork equal a forward pass
+    (select's normalized scores within `atol`)."""
     result = subprocess.run(
-        [sys.executable, "-c", FRONTEND, gateway.base_url], capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", FRONTEND, base_url], capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
@@ -352,7 +360,7 @@ def test_sglang_frontend_runs_gen_select_and_fork(gateway, reference, http):
         rows = reference.logprobs(full)
         values = [rows[p - 1, full[p]] for p in range(start + 1, len(full))]
         scores.append(sum(values) / len(values))
-    np.testing.assert_allclose(out["select"]["normalized_prompt_logprobs"], scores, atol=1e-4)
+    np.testing.assert_allclose(out["select"]["normalized_prompt_logprobs"], scores, atol=atol)
     assert out["city"] == [" Paris", " Berlin", " a banana"][int(np.argmax(scores))]
     # fork: each branch continues greedily from its own text
     for word, more in zip([" Yes", " No"], out["more"], strict=True):
@@ -362,10 +370,14 @@ def test_sglang_frontend_runs_gen_select_and_fork(gateway, reference, http):
 
 
 def test_torchrl_async_sglang_generates_against_the_gateway(gateway, reference):
+    assert_torchrl_generates(gateway.base_url, reference, atol=1e-4)
+
+
+def assert_torchrl_generates(base_url: str, reference, atol: float) -> None:
     pytest.importorskip("torchrl", reason="TorchRL is installed by .ci/run (--no-deps)")
     from torchrl.modules.llm.backends.sglang import AsyncSGLang
 
-    engine = AsyncSGLang(server_url=gateway.base_url)
+    engine = AsyncSGLang(server_url=base_url)
     ids = reference.tokenizer(PROMPT)["input_ids"]
     expected = reference.greedy(ids, 5)
     params = {"max_new_tokens": 5, "temperature": 0.0}
@@ -376,7 +388,7 @@ def test_torchrl_async_sglang_generates_against_the_gateway(gateway, reference):
         assert out["output_ids"] == expected
         rows = reference.logprobs(ids + expected)
         want = [rows[len(ids) - 1 + i, tok] for i, tok in enumerate(expected)]
-        np.testing.assert_allclose([t[0] for t in out["meta_info"]["output_token_logprobs"]], want, atol=1e-4)
+        np.testing.assert_allclose([t[0] for t in out["meta_info"]["output_token_logprobs"]], want, atol=atol)
 
 
 def test_batch_stream_events_carry_their_index(http, reference):
@@ -432,3 +444,39 @@ def test_lora_path_and_model_select_the_adapter(lora_gateway, model_dir, referen
     rows = [last_row(peft, ids + expected[:i]) for i in range(4)]
     lps = [t[0] for t in by_lora["meta_info"]["output_token_logprobs"]]
     np.testing.assert_allclose(lps, [row[t] for row, t in zip(rows, expected, strict=True)], atol=1e-4)
+
+
+@pytest.fixture(scope="module", params=["vllm", "mlx"])
+def other_engine(request, model_dir, tmp_path_factory):
+    """A gateway on another engine: (base URL, the tolerance of its rows against transformers)."""
+    backend = request.param
+    if backend == "mlx":
+        pytest.importorskip("mlx_lm")
+    config = tmp_path_factory.mktemp(f"sglang-{backend}") / "gateway.toml"
+    config.write_text(f"""
+[[models]]
+name = "{MODEL}"
+model = "{model_dir}"
+backend = "{backend}"
+dtype = "float32"
+max_model_len = 2048
+""")
+    gateway = start_gateway(["--config", str(config)], config.parent / "gateway.log")
+    yield gateway.base_url, 1e-2 if backend == "vllm" else 1e-3
+    gateway.stop()
+
+
+def test_sglang_clients_work_the_same_on_vllm_and_mlx(other_engine, reference):
+    base_url, atol = other_engine
+    ids = reference.tokenizer(PROMPT)["input_ids"]
+    expected = reference.greedy(ids, 8)
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        out = generate(
+            http, input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0}, return_logprob=True
+        )
+        assert out["output_ids"] == expected and out["text"] == completion_ids(http, ids, 8)
+        rows = reference.logprobs(ids + expected)
+        want = [rows[len(ids) - 1 + i, tok] for i, tok in enumerate(expected)]
+        np.testing.assert_allclose([t[0] for t in out["meta_info"]["output_token_logprobs"]], want, atol=atol)
+    assert_frontend_program(base_url, reference, atol)
+    assert_torchrl_generates(base_url, reference, atol)
