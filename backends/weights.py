@@ -8,6 +8,7 @@ checked before the first one is copied: a directory whose weights do not fit cha
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,35 +18,50 @@ from safetensors import safe_open
 from backends.base import WeightsError
 
 
-def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
+def _weight_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise WeightsError(f"{path} has no .safetensors weights")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
-                tensors[name] = f.get_tensor(name)
-    return tensors
+    return files
 
 
-def _check_architecture(model: Any, path: Path) -> None:
+def _architectures(path: Path) -> list[str] | None:
+    """What the directory's config.json says the weights are; WeightsError without a directory or
+    a readable config."""
+    if not path.is_dir():
+        raise WeightsError(f"{path} is not a directory")
     config = path / "config.json"
     if not config.is_file():
         raise WeightsError(f"{path} has no config.json")
     try:
-        architectures = json.loads(config.read_text()).get("architectures")
+        return json.loads(config.read_text()).get("architectures")
     except (OSError, ValueError) as exc:
         raise WeightsError(f"{config} cannot be read: {exc}") from exc
-    ours = getattr(model.config, "architectures", None)
-    if architectures and ours and list(architectures) != list(ours):
-        raise WeightsError(f"{path} holds a {architectures[0]}, this model is a {ours[0]}")
+
+
+def _check_architecture(path: Path, theirs: Sequence[str] | None, ours: Sequence[str] | None) -> None:
+    if theirs and ours and list(theirs) != list(ours):
+        raise WeightsError(f"{path} holds a {theirs[0]}, this model is a {ours[0]}")
+
+
+def _check_tensors(
+    path: Path, shapes: Mapping[str, Sequence[int]], wanted: Iterable[tuple[str, Sequence[int]]]
+) -> None:
+    """WeightsError unless the tensors in `path`, of `shapes`, include every one `wanted`, shaped
+    as wanted."""
+    for name, shape in wanted:
+        if name not in shapes:
+            raise WeightsError(f"{path} has no tensor {name!r}")
+        if list(shapes[name]) != list(shape):
+            raise WeightsError(
+                f"{path}: {name!r} has shape {list(shapes[name])}, this model's has {list(shape)}"
+            )
 
 
 def _shapes(path: Path) -> dict[str, list[int]]:
     """Each tensor's shape, from the safetensors headers alone."""
     shapes: dict[str, list[int]] = {}
-    for file in sorted(path.glob("*.safetensors")):
+    for file in _weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
                 shapes[name] = list(f.get_slice(name).get_shape())
@@ -57,23 +73,8 @@ def check_same_tensors(current: str | Path, new: str | Path) -> None:
     with the same shape, and a config of the same architecture: for an engine whose own reload
     (vLLM's) would find out halfway."""
     current, new = Path(current), Path(new)
-    if not new.is_dir():
-        raise WeightsError(f"{new} is not a directory")
-    for directory in (current, new):
-        if not (directory / "config.json").is_file():
-            raise WeightsError(f"{directory} has no config.json")
-    ours = json.loads((current / "config.json").read_text()).get("architectures")
-    theirs = json.loads((new / "config.json").read_text()).get("architectures")
-    if ours and theirs and list(ours) != list(theirs):
-        raise WeightsError(f"{new} holds a {theirs[0]}, this model is a {ours[0]}")
-    old, fresh = _shapes(current), _shapes(new)
-    if not fresh:
-        raise WeightsError(f"{new} has no .safetensors weights")
-    for name, shape in old.items():
-        if name not in fresh:
-            raise WeightsError(f"{new} has no tensor {name!r}")
-        if fresh[name] != shape:
-            raise WeightsError(f"{new}: {name!r} has shape {fresh[name]}, this model's has {shape}")
+    _check_architecture(new, _architectures(new), _architectures(current))
+    _check_tensors(new, _shapes(new), _shapes(current).items())
 
 
 def _checkpoint_name(name: str) -> str:
@@ -86,23 +87,17 @@ def copy_weights_in_place(model: Any, path: str | Path) -> None:
     """Every parameter of `model` (a transformers model, PEFT's adapter weights aside) from the
     safetensors files of the directory `path`, converted to the parameter's dtype and device."""
     path = Path(path)
-    if not path.is_dir():
-        raise WeightsError(f"{path} is not a directory")
-    _check_architecture(model, path)
-    tensors = _checkpoint(path)
-    pairs = []
-    for name, parameter in model.named_parameters():  # tied weights appear once
-        if "lora_" in name:
-            continue
-        source = tensors.get(_checkpoint_name(name))
-        if source is None:
-            raise WeightsError(f"{path} has no tensor {_checkpoint_name(name)!r}")
-        if source.shape != parameter.shape:
-            raise WeightsError(
-                f"{path}: {_checkpoint_name(name)!r} has shape {list(source.shape)}, "
-                f"this model's has {list(parameter.shape)}"
-            )
-        pairs.append((parameter, source))
+    _check_architecture(path, _architectures(path), getattr(model.config, "architectures", None))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                tensors[name] = f.get_tensor(name)
+    parameters = {  # tied weights appear once
+        _checkpoint_name(n): p for n, p in model.named_parameters() if "lora_" not in n
+    }
+    shapes = {name: tensor.shape for name, tensor in tensors.items()}
+    _check_tensors(path, shapes, ((name, parameter.shape) for name, parameter in parameters.items()))
     with torch.no_grad():
-        for parameter, source in pairs:
-            parameter.copy_(source)
+        for name, parameter in parameters.items():
+            parameter.copy_(tensors[name])

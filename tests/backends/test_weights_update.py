@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from backends.base import EngineConfig, WeightsError
 from backends.transformers import TransformersEngine
+from backends.weights import check_same_tensors
 
 pytestmark = pytest.mark.slow
 PREFIXES = [[504, 3575, 282, 4649, 314], [410, 2251, 30], [504, 3575, 282]]
@@ -53,19 +54,19 @@ def _broken(source: Path, target: Path, change) -> Path:
     return target
 
 
-@pytest.mark.parametrize(
-    ("case", "words"),
-    [
-        ("missing", "has no tensor 'model.layers.2.mlp.up_proj.weight'"),
-        ("shape", "has shape"),
-        ("architecture", "holds a MistralForCausalLM"),
-        ("empty", "has no .safetensors weights"),
-        ("no directory", "is not a directory"),
-    ],
-)
-async def test_weights_that_do_not_fit_change_nothing(
-    model_dir, scaled_dir, reference, tmp_path, case, words
-):
+BAD = [
+    ("missing", "has no tensor 'model.layers.2.mlp.up_proj.weight'"),
+    ("shape", "has shape"),
+    ("architecture", "holds a MistralForCausalLM"),
+    ("config", "cannot be read"),
+    ("empty", "has no .safetensors weights"),
+    ("no directory", "is not a directory"),
+]
+
+
+def bad_weights(case: str, scaled_dir: Path, tmp_path: Path) -> Path:
+    """A directory of new weights that does not fit the default model, as `case` says."""
+
     def change(tensors: dict, target: Path) -> None:
         if case == "missing":
             del tensors["model.layers.2.mlp.up_proj.weight"]
@@ -77,15 +78,32 @@ async def test_weights_that_do_not_fit_change_nothing(
             config = json.loads((target / "config.json").read_text())
             config["architectures"] = ["MistralForCausalLM"]
             (target / "config.json").write_text(json.dumps(config))
+        elif case == "config":
+            (target / "config.json").write_text("{")
 
     if case == "empty":
         path = tmp_path / "empty"
         path.mkdir()
         shutil.copy(scaled_dir / "config.json", path)
-    elif case == "no directory":
-        path = tmp_path / "nowhere"
-    else:
-        path = _broken(scaled_dir, tmp_path / case, change)
+        return path
+    if case == "no directory":
+        return tmp_path / "nowhere"
+    return _broken(scaled_dir, tmp_path / case, change)
+
+
+def test_headers_are_checked_as_the_weights_are(model_dir, scaled_dir, tmp_path):
+    """vLLM's reload is checked on the headers alone, with the same refusals."""
+    check_same_tensors(model_dir, scaled_dir)
+    for case, words in BAD:
+        with pytest.raises(WeightsError, match=words):
+            check_same_tensors(model_dir, bad_weights(case, scaled_dir, tmp_path))
+
+
+@pytest.mark.parametrize(("case", "words"), BAD)
+async def test_weights_that_do_not_fit_change_nothing(
+    model_dir, scaled_dir, reference, tmp_path, case, words
+):
+    path = bad_weights(case, scaled_dir, tmp_path)
     engine = TransformersEngine.load(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
     with pytest.raises(WeightsError, match=words):
         await engine.update_weights(str(path))
