@@ -11,6 +11,8 @@ the particles by the log-probabilities of their sampled tokens (so particles sha
 way runs the same algorithm:
 
   engine    our TransformersEngine in-process (prefix K/V reuse), identical rows sent once
+  sglang    our SGLang engine with sglang.Engine in-process (CUDA only; one SGLang request per
+            distinct row, a step's rows submitted together)
   gateway   a real gateway process (gateway.launcher), through logprob_gateway_client.AsyncGatewayLM's
             batch_next_token_logprobs (one request per step); on one host the gateway writes the
             answers into the client's memory (shared memory, the client's default)
@@ -44,7 +46,7 @@ import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import numpy as np
@@ -54,11 +56,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.base import EngineConfig  # noqa: E402
 from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
-from backends.host_copy import rows_to_host  # noqa: E402
 from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
 from bench.smc_report import load_report, plot, print_tables, save_report  # noqa: E402
-from gateway.launcher import GatewayProcess, start_gateway  # noqa: E402
-from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
+from bench.smc_ways import (  # noqa: E402
+    NextRows,
+    PlainDecode,
+    batch_rows,
+    engine_rows,
+    gateway_way,
+    sglang_way,
+)
 
 PROMPT = "The old lighthouse keeper climbed the stairs every evening, and tonight, as the storm rolled in, he"
 _LLAMA = dict(  # Llama-3.2's common settings, with SmolLM2's vocabulary
@@ -74,9 +81,17 @@ SHAPES = {
     # The same call overhead against a longer forward pass.
     "llama-3b": dict(_LLAMA, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128),
 }
-MODES = ["engine", "gateway", "gateway-socket", "gateway-particles", "gateway-nocache", "genlm", "decode"]
+MODES = [
+    "engine",
+    "sglang",
+    "gateway",
+    "gateway-socket",
+    "gateway-particles",
+    "gateway-nocache",
+    "genlm",
+    "decode",
+]
 GATEWAY_MODES = ("gateway", "gateway-socket", "gateway-particles", "gateway-nocache")
-NextRows = Callable[[list[list[int]]], Awaitable[np.ndarray]]  # rows -> float32 [rows, vocab]
 
 
 def random_model_dir(
@@ -182,69 +197,6 @@ async def lockstep(runs: dict[str, AsyncIterator[tuple[float, float]]]) -> dict[
     return totals
 
 
-def engine_rows(engine: TransformersEngine) -> NextRows:
-    async def next_rows(rows: list[list[int]]) -> np.ndarray:
-        index: dict[tuple[int, ...], int] = {}  # identical rows once, as the gateway's batcher does
-        for row in rows:
-            index.setdefault(tuple(row), len(index))
-        out = await engine.next_token_logprobs(list(index))
-        if len(index) == len(rows):  # no particle repeats: the engine's matrix as it is
-            return out
-        return out[[index[tuple(r)] for r in rows]]
-
-    return next_rows
-
-
-def batch_rows(lm: object) -> NextRows:
-    """One batch call per step (genlm's AsyncLM.batch_next_token_logprobs)."""
-
-    async def next_rows(rows: list[list[int]]) -> np.ndarray:
-        return await lm.batch_next_token_logprobs(rows)  # type: ignore[attr-defined]
-
-    return next_rows
-
-
-def particle_rows(lm: object) -> NextRows:
-    """Concurrent per-particle calls, as genlm's samplers make them; the client batches them."""
-
-    async def next_rows(rows: list[list[int]]) -> np.ndarray:
-        out = await asyncio.gather(*(lm.next_token_logprobs(r) for r in rows))  # type: ignore[attr-defined]
-        return torch.stack(out)
-
-    return next_rows
-
-
-class PlainDecode:
-    """One DynamicCache for all particles: prefill the prompt once, then one token per row per
-    step; resampling reorders the cache rows. Rows must all extend the previous step's rows."""
-
-    def __init__(self, model: object) -> None:
-        self.model = model
-        self.cache = None
-        self.previous: dict[tuple[int, ...], int] = {}
-
-    async def __call__(self, rows: list[list[int]]) -> np.ndarray:
-        with torch.inference_mode():
-            return self._step(rows)
-
-    def _step(self, rows: list[list[int]]) -> np.ndarray:
-        device = next(self.model.parameters()).device  # type: ignore[attr-defined]
-        if self.cache is None:
-            out = self.model(torch.tensor([rows[0]], device=device), use_cache=True, logits_to_keep=1)  # type: ignore[operator]
-            out.past_key_values.batch_repeat_interleave(len(rows))
-            logits = out.logits[:, -1].expand(len(rows), -1)
-        else:
-            parents = [self.previous[tuple(r[:-1])] for r in rows]
-            if parents != list(range(len(self.previous))):
-                self.cache.batch_select_indices(torch.tensor(parents, device=device))
-            ids = torch.tensor([[r[-1]] for r in rows], device=device)
-            out = self.model(ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)  # type: ignore[operator]
-            logits = out.logits[:, -1]
-        self.cache = out.past_key_values
-        self.previous = {tuple(r): i for i, r in enumerate(rows)}
-        return rows_to_host(torch.log_softmax(logits.float(), dim=-1))  # as the engine copies them
-
-
 def reference_check(model: object, kept: list[tuple[list[int], np.ndarray]]) -> float:
     """Largest |difference| between kept rows and an uncached forward pass of each row alone."""
     device = next(model.parameters()).device  # type: ignore[attr-defined]
@@ -255,66 +207,6 @@ def reference_check(model: object, kept: list[tuple[list[int], np.ndarray]]) -> 
             expected = torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
             worst = max(worst, float(np.max(np.abs(got - expected))))
     return worst
-
-
-def start_bench_gateway(
-    mode: str,
-    model_dir: Path,
-    args: argparse.Namespace,
-    tmp: Path,
-    stack: contextlib.ExitStack | contextlib.AsyncExitStack,
-    cache_bytes: int | None = None,
-) -> GatewayProcess:
-    """A gateway process serving `model_dir` as "smc" for `mode` (its output cache off for
-    gateway-nocache, else of `cache_bytes` when given), stopped with `stack`."""
-    toml = tmp / f"{mode}.toml"
-    cache = (
-        "enabled = false" if mode == "gateway-nocache" else cache_bytes and f"memory_bytes = {cache_bytes}"
-    )
-    options = ", ".join(f"{key} = {value}" for key, value in args.engine_option)
-    toml.write_text(
-        f'[[models]]\nname = "smc"\nmodel = "{model_dir}"\ndtype = "{args.dtype}"\ndevice = "{args.device}"\n'
-        + f"options = {{{options}}}\n"
-        + (f"[cache]\n{cache}\n" if cache else "")
-    )
-    gateway = start_gateway(["--config", str(toml), *args.gateway_arg], tmp / f"{mode}.log")
-    stack.callback(gateway.stop)
-    return gateway
-
-
-def server_timing(lm: AsyncGatewayLM) -> dict[str, float]:
-    """The last answer's Server-Timing, ms by part (parse, rows, encode); empty when none."""
-    parts = (p.strip().split(";dur=") for p in (lm.server_timing or "").split(",") if p)
-    return {name: float(ms) for name, ms in parts}
-
-
-async def gateway_way(
-    mode: str, model_dir: Path, args: argparse.Namespace, tmp: Path, stack: contextlib.AsyncExitStack
-) -> tuple[Callable[[int, int], NextRows], dict[int, list[tuple[float, float]]]]:
-    """A gateway process for `mode`, and its rows per (P, repeat); the second value collects the
-    server's (rows ms, encode ms) per request size from Server-Timing."""
-    gateway = start_bench_gateway(mode, model_dir, args, tmp, stack)
-    # One client for every run, as a user keeps one: its connection and shared memory segments
-    # are set up in the warm-up run, as the engine's memory is. Each run has its own prompt, so
-    # no row of its cache is asked again.
-    lm = AsyncGatewayLM(gateway.base_url, "smc", shared_memory=False if mode == "gateway-socket" else None)
-    stack.push_async_callback(lm.aclose)
-    timings: dict[int, list[tuple[float, float]]] = {}
-    calls = particle_rows if mode == "gateway-particles" else batch_rows
-
-    def make(p: int, r: int) -> NextRows:
-        inner = calls(lm)
-
-        async def next_rows(rows: list[list[int]]) -> np.ndarray:
-            out = await inner(rows)
-            parts = server_timing(lm)
-            if parts:
-                timings.setdefault(len(rows), []).append((parts["rows"], parts["encode"]))
-            return out
-
-        return next_rows
-
-    return make, timings
 
 
 async def run(args: argparse.Namespace, tmp: Path) -> dict:
@@ -349,6 +241,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
             )
             stack.push_async_callback(engine.aclose)
             ways["engine"] = lambda p, r: engine_rows(engine)
+        if "sglang" in args.modes:
+            ways["sglang"] = await sglang_way(model_dir, args, stack)
         for mode in GATEWAY_MODES:
             if mode in args.modes:
                 ways[mode], timings[mode] = await gateway_way(mode, model_dir, args, tmp, stack)
@@ -396,7 +290,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
                 for mode, (seconds, in_calls) in (await take(runs)).items():
                     report["results"].setdefault((p, mode), []).append(p * args.steps / seconds)
                     report["calls"].setdefault((p, mode), []).append(in_calls / args.steps * 1e3)
-                    if mode.startswith(("engine", "gateway")):
+                    if mode.startswith(("engine", "sglang", "gateway")):
                         check = reference_check(model, kept[mode])
                         report["checks"][p, mode] = max(report["checks"].get((p, mode), 0.0), check)
             for mode in ways:

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smc as bench  # noqa: E402
+import smc_ways  # noqa: E402
 
 from backends.base import EngineConfig  # noqa: E402
 from backends.builtin_models import resolve_model_dir  # noqa: E402
@@ -69,7 +70,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, float], in
         stack.push_async_callback(engine.aclose)
         engine.next_token_logprobs = inner_engine = Stopwatch(engine.next_token_logprobs)
         mode = "gateway-nocache" if args.no_cache else "gateway"
-        gateway = bench.start_bench_gateway(mode, model_dir, args, tmp, stack, args.cache_bytes)
+        gateway = smc_ways.start_bench_gateway(mode, model_dir, args, tmp, stack, args.cache_bytes)
         lm = AsyncGatewayLM(gateway.base_url, "smc")
         stack.push_async_callback(lm.aclose)
         # The HTTP exchange alone: the client's private transport call, timed from outside.
@@ -80,7 +81,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, float], in
             return {"engine: next_token_logprobs": inner_engine.last, "engine: the step's call": call}
 
         def gateway_parts(call: float) -> dict[str, float]:
-            server = bench.server_timing(lm)
+            server = smc_ways.server_timing(lm)
             server = {f"server: {name}": server[name] / 1e3 for name in ("parse", "rows", "encode")}
             return {
                 "gateway: the step's call": call,
@@ -90,8 +91,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, float], in
             }
 
         ways = {
-            "engine": (bench.engine_rows(engine), engine_parts),
-            "gateway": (bench.batch_rows(lm), gateway_parts),
+            "engine": (smc_ways.engine_rows(engine), engine_parts),
+            "gateway": (smc_ways.batch_rows(lm), gateway_parts),
         }
         for next_rows, _ in ways.values():
             await bench.smc(next_rows, tokenizer("warm up").input_ids, args.particles, 4, 2, 0)
@@ -129,7 +130,7 @@ def main() -> None:
     parser.add_argument("--no-cache", action="store_true", help="the gateway's output cache off")
     parser.add_argument("--cache-bytes", type=int, help="the size of the gateway's in-process output cache")
     args = parser.parse_args()
-    args.gateway_arg = []  # bench.start_bench_gateway's extra `serve` flags: none
+    args.gateway_arg = []  # smc_ways.start_bench_gateway's extra `serve` flags: none
     with tempfile.TemporaryDirectory() as tmp:
         result, steps = asyncio.run(run(args, Path(tmp)))
     print(f"\n### One {args.particles}-row step of distinct rows, median ms per part over {steps} steps\n")

@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -35,6 +36,17 @@ def distribution(prefix, adapter, vocab_size):
     seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
     logits = np.random.default_rng(seed).standard_normal(vocab_size).astype(np.float32) * 3
     return (logits - np.logaddexp.reduce(logits)).astype(np.float32)
+
+
+def _serving_fields(meta, first, last):
+    """meta_info fields of SGLang 0.5.17's answers that carry no result; a stream has the time sent
+    in its first chunk only, and the latency in its last."""
+    meta["dp_rank"] = None
+    meta.pop("e2e_latency", None)
+    if first:
+        meta["response_sent_to_client_ts"] = time.time()
+    if last:
+        meta["e2e_latency"] = 0.0123
 
 
 def _top(dist, k):
@@ -92,6 +104,7 @@ class Model:
         self.vocab_size = int(config["vocab_size"])
         self.context_length = args.context_length or 2048
         self.incremental = args.incremental_streaming_output
+        self.stream_interval = args.stream_interval
         self.adapters = set()
         self.requests = []  # every /generate body, for tests of what the engine sent
         self.types = None if args.no_validate else _load_sglang_types()
@@ -133,6 +146,8 @@ class Model:
             if body.get("return_flat_raw_top_logprobs_b64"):
                 meta["input_top_logprobs_val_flat_b64"] = base64.b64encode(values.tobytes()).decode()
                 meta["input_top_logprobs_idx_flat_b64"] = base64.b64encode(top_ids.tobytes()).decode()
+                meta["input_top_logprobs_val_flat_b64_dtype"] = "float32"
+                meta["input_top_logprobs_idx_flat_b64_dtype"] = "int32"
                 meta["input_top_logprobs_shape"] = [len(tops), k]
                 meta["input_top_logprobs_null_prefix"] = 1 if start < len(ids) else 0
             else:
@@ -141,8 +156,10 @@ class Model:
         return meta
 
     def answer(self, body):
-        """The non-streamed answer: the final chunk of generation."""
-        return list(self.chunks(body, incremental=False))[-1]
+        """The non-streamed answer: the final chunk of generation, with the time sent."""
+        out = list(self.chunks(body, incremental=False))[-1]
+        out["meta_info"]["response_sent_to_client_ts"] = time.time()
+        return out
 
     def chunks(self, body, incremental):
         shape = json.loads((RECORDINGS / "generate.json").read_text())
@@ -164,14 +181,14 @@ class Model:
                 finish = {"type": "stop", "matched": token}
             elif len(outputs) == limit:
                 finish = {"type": "length", "length": limit}
-            if finish is None and len(outputs) % 2:  # two tokens per chunk, as with stream_interval
+            if finish is None and len(outputs) % self.stream_interval:
                 continue
             out = copy.deepcopy(shape)
             meta = out["meta_info"]
             for key in [k for k in meta if "logprobs" in k]:
                 del meta[key]
             meta.update(self.prompt_meta(body))
-            start = sent if incremental else 0
+            start, first = (sent if incremental else 0), sent == 0
             sent = len(outputs)
             meta.update(
                 finish_reason=finish,
@@ -179,7 +196,9 @@ class Model:
                 completion_tokens=len(outputs),
                 output_token_logprobs=outputs[start:],
                 output_token_logprobs_length=len(outputs),
+                cached_tokens_details={"device": 0, "host": 0},
             )
+            _serving_fields(meta, first=first, last=finish is not None)
             if k:
                 meta["output_top_logprobs"] = tops[start:]
             out["output_ids"] = [t for _, t, _ in outputs[start:]]
@@ -190,7 +209,15 @@ class Model:
             for key in [k for k in meta if "logprobs" in k]:
                 del meta[key]
             meta.update(self.prompt_meta(body), output_token_logprobs=[], prompt_tokens=len(ids))
-            meta["output_token_logprobs_length"] = 0
+            meta.update(output_token_logprobs_length=0, cached_tokens_details=None)
+            _serving_fields(meta, first=True, last=True)
+            if k:  # SGLang also reports the distribution after the whole input, as triples
+                meta["output_top_logprobs"] = [
+                    [
+                        [float(v), int(i), None]
+                        for v, i in zip(*_top(distribution(ids, lora, self.vocab_size), k), strict=True)
+                    ]
+                ]
             yield out
 
 
@@ -282,6 +309,7 @@ def main():
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--context-length", type=int)
     parser.add_argument("--incremental-streaming-output", action="store_true")
+    parser.add_argument("--stream-interval", type=int, default=1)  # tokens per streamed chunk
     parser.add_argument("--no-validate", action="store_true")
     parser.add_argument("--behaviour", default="ok", choices=["ok", "crash", "never-healthy", "ignore-term"])
     args, _ = parser.parse_known_args()  # launch_server's other options (dtype, LoRA, ...) are accepted

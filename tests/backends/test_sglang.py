@@ -5,6 +5,7 @@ managed-server lifecycle; the real engine runs only where CUDA and sglang are pr
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -192,6 +193,21 @@ async def test_incremental_streaming_chunks(model_dir):
     assert steps[2].logprob == pytest.approx(-0.3) and steps[2].top_ids.tolist() == [7, 99]
 
 
+async def test_standin_answers_are_shaped_as_real_sglangs(engine):
+    """The stand-in answers every request the engine sends (and two SGLang refuses) in the shape of
+    SGLang 0.5.17's own answers, recorded on a GPU by `bench/sglang_check.py --record`: the same
+    keys, types and list lengths, chunk for chunk when streamed."""
+    from bench.sglang_check import answer_shapes, recorded_requests
+
+    real = json.loads(Path(__file__).with_name("sglang_real_answers.json").read_text())
+    ids = engine.tokenizer(real["prompt"]).input_ids
+    requests = recorded_requests(engine, ids)
+    assert set(requests) == set(real["answers"])
+    ours = await asyncio.to_thread(answer_shapes, engine.transport.base_url, requests)
+    for name, answer in real["answers"].items():
+        assert ours[name] == answer, name
+
+
 def test_scatter_checks_every_id_once():
     values = np.array([-0.1, -1.0, -3.0], np.float32)
     np.testing.assert_array_equal(scatter_row(values, np.array([2, 0, 1]), 3), values[[1, 2, 0]])
@@ -242,7 +258,11 @@ def _cuda() -> bool:
 @pytest.mark.sglang
 @pytest.mark.skipif(not _cuda(), reason="SGLang's engine needs CUDA")
 async def test_real_engine_matches_transformers(model_dir, reference):
-    engine = await asyncio.to_thread(SglangEngine.load, _config(model_dir, mode="engine"))
+    # The Triton attention backend and PyTorch sampler: what scripts/stage_sglang.sh's set runs.
+    options = dict(attention_backend="triton", sampling_backend="pytorch", grammar_backend="none")
+    engine = await asyncio.to_thread(
+        SglangEngine.load, _config(model_dir, mode="engine", mem_fraction_static=0.3, **options)
+    )
     try:
         ids = reference.tokenizer("The capital of France is")["input_ids"]
         row = (await engine.next_token_logprobs([ids]))[0]
@@ -251,6 +271,13 @@ async def test_real_engine_matches_transformers(model_dir, reference):
         expected = reference.logprobs(ids)[np.arange(len(ids) - 1), ids[1:]]
         np.testing.assert_allclose(scores.token_logprobs, expected, atol=0.05)
         steps = [s async for s in engine.generate(ids, SamplingParams(max_tokens=4, temperature=0.0))]
-        assert [s.token_id for s in steps] == reference.greedy(ids, 4)[: len(steps)]
+        got, want = [s.token_id for s in steps], reference.greedy(ids, 4)
+        # Random weights have near ties, which bfloat16 breaks its own way: where SGLang's greedy
+        # token differs, the reference must rate both alike (and the texts part there).
+        at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), len(got))
+        assert len(got) == 4 and got[:at] == want[:at]
+        if at < len(got):
+            row = reference.logprobs(ids + want[:at])[-1]
+            assert row[want[at]] - row[got[at]] <= 0.05
     finally:
         await engine.aclose()

@@ -1,0 +1,163 @@
+"""The ways bench/smc.py serves its rows: each a factory of `NextRows` calls."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from backends.base import Engine, EngineConfig
+from backends.host_copy import rows_to_host
+from gateway.launcher import GatewayProcess, start_gateway
+from logprob_gateway_client import AsyncGatewayLM
+
+NextRows = Callable[[list[list[int]]], Awaitable[np.ndarray]]  # rows -> float32 [rows, vocab]
+# SGLang with what scripts/stage_sglang.sh leaves out kept off; a fraction of the GPU's memory that
+# leaves room for the bench's own transformers model beside it.
+SGLANG_ARGS = {
+    "attention_backend": "triton",
+    "sampling_backend": "pytorch",
+    "grammar_backend": "none",
+    "mem_fraction_static": 0.3,
+}
+
+
+def engine_rows(engine: Engine) -> NextRows:
+    async def next_rows(rows: list[list[int]]) -> np.ndarray:
+        index: dict[tuple[int, ...], int] = {}  # identical rows once, as the gateway's batcher does
+        for row in rows:
+            index.setdefault(tuple(row), len(index))
+        out = await engine.next_token_logprobs(list(index))
+        if len(index) == len(rows):  # no particle repeats: the engine's matrix as it is
+            return out
+        return out[[index[tuple(r)] for r in rows]]
+
+    return next_rows
+
+
+def batch_rows(lm: object) -> NextRows:
+    """One batch call per step (genlm's AsyncLM.batch_next_token_logprobs)."""
+
+    async def next_rows(rows: list[list[int]]) -> np.ndarray:
+        return await lm.batch_next_token_logprobs(rows)  # type: ignore[attr-defined]
+
+    return next_rows
+
+
+def particle_rows(lm: object) -> NextRows:
+    """Concurrent per-particle calls, as genlm's samplers make them; the client batches them."""
+
+    async def next_rows(rows: list[list[int]]) -> np.ndarray:
+        out = await asyncio.gather(*(lm.next_token_logprobs(r) for r in rows))  # type: ignore[attr-defined]
+        return torch.stack(out)
+
+    return next_rows
+
+
+class PlainDecode:
+    """One DynamicCache for all particles: prefill the prompt once, then one token per row per
+    step; resampling reorders the cache rows. Rows must all extend the previous step's rows."""
+
+    def __init__(self, model: object) -> None:
+        self.model = model
+        self.cache = None
+        self.previous: dict[tuple[int, ...], int] = {}
+
+    async def __call__(self, rows: list[list[int]]) -> np.ndarray:
+        with torch.inference_mode():
+            return self._step(rows)
+
+    def _step(self, rows: list[list[int]]) -> np.ndarray:
+        device = next(self.model.parameters()).device  # type: ignore[attr-defined]
+        if self.cache is None:
+            out = self.model(torch.tensor([rows[0]], device=device), use_cache=True, logits_to_keep=1)  # type: ignore[operator]
+            out.past_key_values.batch_repeat_interleave(len(rows))
+            logits = out.logits[:, -1].expand(len(rows), -1)
+        else:
+            parents = [self.previous[tuple(r[:-1])] for r in rows]
+            if parents != list(range(len(self.previous))):
+                self.cache.batch_select_indices(torch.tensor(parents, device=device))
+            ids = torch.tensor([[r[-1]] for r in rows], device=device)
+            out = self.model(ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)  # type: ignore[operator]
+            logits = out.logits[:, -1]
+        self.cache = out.past_key_values
+        self.previous = {tuple(r): i for i, r in enumerate(rows)}
+        return rows_to_host(torch.log_softmax(logits.float(), dim=-1))  # as the engine copies them
+
+
+def start_bench_gateway(
+    mode: str,
+    model_dir: Path,
+    args: argparse.Namespace,
+    tmp: Path,
+    stack: contextlib.ExitStack | contextlib.AsyncExitStack,
+    cache_bytes: int | None = None,
+) -> GatewayProcess:
+    """A gateway process serving `model_dir` as "smc" for `mode` (its output cache off for
+    gateway-nocache, else of `cache_bytes` when given), stopped with `stack`."""
+    toml = tmp / f"{mode}.toml"
+    cache = (
+        "enabled = false" if mode == "gateway-nocache" else cache_bytes and f"memory_bytes = {cache_bytes}"
+    )
+    options = ", ".join(f"{key} = {value}" for key, value in args.engine_option)
+    toml.write_text(
+        f'[[models]]\nname = "smc"\nmodel = "{model_dir}"\ndtype = "{args.dtype}"\ndevice = "{args.device}"\n'
+        + f"options = {{{options}}}\n"
+        + (f"[cache]\n{cache}\n" if cache else "")
+    )
+    gateway = start_gateway(["--config", str(toml), *args.gateway_arg], tmp / f"{mode}.log")
+    stack.callback(gateway.stop)
+    return gateway
+
+
+def server_timing(lm: AsyncGatewayLM) -> dict[str, float]:
+    """The last answer's Server-Timing, ms by part (parse, rows, encode); empty when none."""
+    parts = (p.strip().split(";dur=") for p in (lm.server_timing or "").split(",") if p)
+    return {name: float(ms) for name, ms in parts}
+
+
+async def gateway_way(
+    mode: str, model_dir: Path, args: argparse.Namespace, tmp: Path, stack: contextlib.AsyncExitStack
+) -> tuple[Callable[[int, int], NextRows], dict[int, list[tuple[float, float]]]]:
+    """A gateway process for `mode`, and its rows per (P, repeat); the second value collects the
+    server's (rows ms, encode ms) per request size from Server-Timing."""
+    gateway = start_bench_gateway(mode, model_dir, args, tmp, stack)
+    # One client for every run, as a user keeps one: its connection and shared memory segments
+    # are set up in the warm-up run, as the engine's memory is. Each run has its own prompt, so
+    # no row of its cache is asked again.
+    lm = AsyncGatewayLM(gateway.base_url, "smc", shared_memory=False if mode == "gateway-socket" else None)
+    stack.push_async_callback(lm.aclose)
+    timings: dict[int, list[tuple[float, float]]] = {}
+    calls = particle_rows if mode == "gateway-particles" else batch_rows
+
+    def make(p: int, r: int) -> NextRows:
+        inner = calls(lm)
+
+        async def next_rows(rows: list[list[int]]) -> np.ndarray:
+            out = await inner(rows)
+            parts = server_timing(lm)
+            if parts:
+                timings.setdefault(len(rows), []).append((parts["rows"], parts["encode"]))
+            return out
+
+        return next_rows
+
+    return make, timings
+
+
+async def sglang_way(
+    model_dir: Path, args: argparse.Namespace, stack: contextlib.AsyncExitStack
+) -> Callable[[int, int], NextRows]:
+    """Our SGLang engine with `sglang.Engine` in this process: each distinct row one SGLang request,
+    all of a step's submitted at once, so that SGLang batches them and shares their prefixes."""
+    from backends.sglang import SglangEngine
+
+    config = EngineConfig(model=str(model_dir), dtype=args.dtype, options={"mode": "engine", **SGLANG_ARGS})
+    engine = await asyncio.to_thread(SglangEngine.load, config)
+    stack.push_async_callback(engine.aclose)
+    return lambda p, r: engine_rows(engine)
