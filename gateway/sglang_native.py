@@ -334,6 +334,7 @@ class ItemRun:
             finish_reason=finish,
             prompt_tokens=len(item.ids),
             completion_tokens=len(output_ids),
+            weight_version=item.served.weight_version,  # the weights now: the last token's
         )
         if item.return_logprob:
             meta.input_token_logprobs = scores.input_tokens

@@ -189,6 +189,8 @@ def test_rows_follow_the_trainers_weights_and_a_stream_is_held_then_resumed_on_t
     last = streams[0].events[-1]
     tokens = last["output_ids"]
     assert last["meta_info"]["finish_reason"] == {"type": "length", "length": TOKENS}
+    assert streams[0].events[0]["meta_info"]["weight_version"] != "step-1"
+    assert last["meta_info"]["weight_version"] == "step-1"
     old = reference.greedy(PROMPT, TOKENS)
     split = next((i for i, (a, b) in enumerate(zip(tokens, old, strict=True)) if a != b), TOKENS)
     assert 0 < split < TOKENS, "the stream was not held across the update"
