@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from math import prod
 from typing import Any
@@ -144,6 +144,33 @@ def receive_tensors(
     return staged
 
 
+def in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+    """`fn(*args)` on a daemon thread of its own: a trainer that never comes keeps neither a pool's
+    thread nor the process's exit waiting."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, failure: BaseException | None) -> None:
+        if future.done():  # cancelled meanwhile
+            return
+        if failure is not None:
+            future.set_exception(failure)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        result, failure = None, None
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 (handed to the awaiting task)
+            failure = exc
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+            loop.call_soon_threadsafe(settle, result, failure)
+
+    threading.Thread(target=run, name="weight-sync", daemon=True).start()
+    return future
+
+
 class CollectiveGroups:
     """The groups an engine has joined, by name; one update or leave at a time per group."""
 
@@ -152,7 +179,6 @@ class CollectiveGroups:
         self._groups: dict[str, Any] = {}  # name -> torch ProcessGroup
         self._joining: set[str] = set()
         self._busy: dict[str, asyncio.Lock] = {}
-        self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weight-sync")
 
     def _backend(self, requested: str | None) -> str:
         if requested is None:
@@ -170,9 +196,7 @@ class CollectiveGroups:
             )
         backend = self._backend(group.backend)
         self._joining.add(group.name)
-        joined = asyncio.get_running_loop().run_in_executor(
-            self._threads, join_group, group, backend, self.device
-        )
+        joined = in_thread(join_group, group, backend, self.device)
 
         def register(future: asyncio.Future[Any]) -> None:  # on the loop, whether or not anyone waits
             self._joining.discard(group.name)
@@ -221,10 +245,9 @@ class CollectiveGroups:
                     f"{problem}; a tensor too large to receive and drop was announced, so this engine "
                     f"left group {name!r}: join again"
                 )
-            loop = asyncio.get_running_loop()
             try:
-                staged = await loop.run_in_executor(
-                    self._threads, receive_tensors, pg, tensors, None if problem else parameters, self.device
+                staged = await in_thread(
+                    receive_tensors, pg, tensors, None if problem else parameters, self.device
                 )
             except Exception as exc:
                 await self._leave(name)
@@ -247,12 +270,9 @@ class CollectiveGroups:
         self._busy.pop(name, None)
         if pg is not None:
             with contextlib.suppress(Exception):  # a broken group is gone either way
-                await asyncio.get_running_loop().run_in_executor(
-                    self._threads, torch.distributed.destroy_process_group, pg
-                )
+                await in_thread(torch.distributed.destroy_process_group, pg)
             log.info("left weights update group %r", name)
 
     async def aclose(self) -> None:
         for name in list(self._groups):
             await self._leave(name)
-        self._threads.shutdown(wait=False, cancel_futures=True)
