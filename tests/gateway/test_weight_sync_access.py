@@ -229,3 +229,30 @@ def test_paused_new_requests_wait_and_an_abort_ends_generation_cleanly(model_dir
         assert client.post("/continue_generation", json={}).status_code == 200
         late.join(timeout=30)
         assert np.array_equal(results["rows"], app.state.registry.models["mock"].engine.logits([5, 6, 7]))
+
+
+def test_a_dense_request_in_flight_is_not_held_and_an_update_waits_for_it(model_dir):
+    """Paused or not, one dense answer comes from one set of weights."""
+    with gateway(model_dir, delay_s=0.5, trusted_weight_sync=True) as (app, client):
+        engine = app.state.registry.models["mock"].engine
+        old_row = engine.logits([5, 6, 7])
+        assert client.post("/init_weights_update_group", json=INIT).status_code == 200
+        finished: dict[str, float] = {}
+        results: dict[str, np.ndarray] = {}
+
+        def ask() -> None:
+            results["in flight"] = row(client, [5, 6, 7])
+            finished["in flight"] = time.monotonic()
+
+        in_flight = threading.Thread(target=ask)
+        in_flight.start()
+        time.sleep(0.2)  # in the engine
+        assert client.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+        assert load(client) == (1, 0)  # a dense request runs on
+        answer = client.post("/update_weights_from_distributed", json=UPDATE)
+        finished["update"] = time.monotonic()
+        assert answer.status_code == 200, answer.text
+        in_flight.join(timeout=30)
+        assert np.array_equal(results["in flight"], old_row) and finished["in flight"] <= finished["update"]
+        assert client.post("/continue_generation", json={}).status_code == 200
+        assert not np.array_equal(row(client, [5, 6, 7]), old_row)
