@@ -16,6 +16,7 @@ trainer is broadcasting into them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Iterable
@@ -122,6 +123,5 @@ def load(models: Iterable[ServedModel]) -> Load:
 async def until_stopped(models: list[ServedModel], timeout_s: float) -> None:
     """Wait (at most `timeout_s`) until no request reads weights: after a pause in abort mode,
     generated choices end at their next step, and dense requests finish."""
-    deadline = time.monotonic() + timeout_s
-    while any(served.weights.running for served in models) and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.gather(*(served.weights.until_idle() for served in models)), timeout_s)

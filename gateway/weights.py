@@ -70,6 +70,10 @@ class WeightsLock:
         """Requests held at the door or at a step."""
         return self._entering + len(self._held)
 
+    async def until_idle(self) -> None:
+        """Until nothing runs: every reader gone or held."""
+        await self._until(lambda: not self.running)
+
     def pause(self, mode: PauseMode) -> None:
         self._pause = mode
         self._notify()
@@ -121,7 +125,7 @@ class WeightsLock:
         await self._until(lambda: not self._update)  # one update at a time
         self._update = True
         try:
-            await self._until(lambda: not self.running)
+            await self.until_idle()
             yield
         finally:
             self._update = False
