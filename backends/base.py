@@ -33,8 +33,36 @@ class WeightsError(ValueError):
     misshapen tensor); nothing was changed. The message says why."""
 
 
+class WeightsGroupError(WeightsError):
+    """No collective of that name to receive weights over, or one of that name exists already."""
+
+
 class WeightsUpdateUnsupported(NotImplementedError):
     """This engine cannot load new weights without a restart."""
+
+
+@dataclass(frozen=True)
+class WeightsGroup:
+    """A collective over which a trainer (rank 0) broadcasts new weights: SGLang's
+    `init_weights_update_group`, one engine worker joining as `rank`."""
+
+    name: str
+    master_address: str  # the trainer's TCP rendezvous
+    master_port: int
+    rank: int  # this engine's rank, 1 <= rank < world_size
+    world_size: int
+    backend: str | None  # "nccl" or "gloo"; None: nccl on CUDA, gloo on the CPU
+    timeout_s: float  # joining, and each broadcast of an update
+
+
+@dataclass(frozen=True)
+class AnnouncedTensor:
+    """One tensor of an update over a collective, as the trainer announces it before
+    broadcasting it: a parameter's name, a torch dtype's name ("bfloat16"), the shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
 
 
 class RequestRejectedError(ValueError):
@@ -162,6 +190,9 @@ class Engine(ABC):
     model_path: str  # where the weights were loaded from
     dtype: str  # the dtype computations run in, e.g. "float32"
     host_writes: HostWrites | None = None  # where the engine can write rows into the caller's memory
+    # `generate` computes a step only when its consumer asks for the next one, so a stream can be
+    # held between steps (generation paused); engines whose streams run ahead leave this False.
+    steps_on_demand: bool = False
 
     @classmethod
     @abstractmethod
@@ -205,6 +236,23 @@ class Engine(ABC):
         place, between forward passes; raises WeightsError (nothing changed) if they do not fit.
         Whatever the engine kept of earlier passes (prefix keys/values) is dropped."""
         raise WeightsUpdateUnsupported(f"the {type(self).__name__} cannot load new weights without a restart")
+
+    async def join_weights_group(self, group: WeightsGroup) -> None:
+        """Join the collective `group` as `group.rank`; returns once every rank has joined, within
+        `group.timeout_s`. WeightsError: the name is taken, or joining failed (nothing joined)."""
+        raise WeightsUpdateUnsupported(f"the {type(self).__name__} cannot receive weights over a collective")
+
+    async def update_weights_from_group(self, group: str, tensors: Sequence[AnnouncedTensor]) -> None:
+        """Receive `tensors`, broadcast from rank 0 of `group` one after another in this order,
+        and load them in place between forward passes, as `update_weights` does; parameters not
+        named keep their weights. The engine takes part in every broadcast even when the
+        announcement does not fit the model, then raises WeightsError with nothing changed; a
+        failed transfer leaves the group (WeightsError, nothing changed)."""
+        raise WeightsUpdateUnsupported(f"the {type(self).__name__} cannot receive weights over a collective")
+
+    async def leave_weights_group(self, group: str) -> None:
+        """Leave the collective `group`; WeightsError if the engine is in no group of that name."""
+        raise WeightsUpdateUnsupported(f"the {type(self).__name__} cannot receive weights over a collective")
 
     async def flush_cache(self) -> None:  # noqa: B027 (optional hook)
         """Forget every prefix's keys/values kept for reuse; later requests compute them again."""

@@ -111,6 +111,8 @@ def _checked_weights(model: Any, path: Path) -> list[tuple[str, mx.array]]:
 
 
 class MlxEngine(Engine):
+    steps_on_demand = True  # generation steps are computed when asked for
+
     def __init__(
         self,
         model: Any,

@@ -63,6 +63,8 @@ class MockHostWrites(base.HostWrites):
 
 
 class MockEngine(Engine):
+    steps_on_demand = True  # generation steps are computed when asked for
+
     def __init__(
         self,
         tokenizer: object,
@@ -80,6 +82,7 @@ class MockEngine(Engine):
         self.model_path = model_path
         self.dtype = "float32"
         self.adapters: dict[str, str] = {}
+        self.groups: dict[str, int] = {}  # weights update groups "joined", and their updates
         self.calls = 0  # engine invocations, for tests of batching
         options = options or {}
         self.delay_s = float(options.get("delay_s", 0.0))
@@ -142,6 +145,27 @@ class MockEngine(Engine):
         await asyncio.sleep(self.delay_s)
         self._base = _base_row(int.from_bytes(digest.digest()[:8], "little"), self.vocab_size)
         self.model_path = str(path)
+
+    async def join_weights_group(self, group: base.WeightsGroup) -> None:
+        """The mock joins no collective: it records the group's name."""
+        if group.name in self.groups:
+            raise base.WeightsGroupError(f"a weights update group named {group.name!r} exists already")
+        await asyncio.sleep(self.delay_s)
+        self.groups[group.name] = 0
+
+    async def update_weights_from_group(self, group: str, tensors: Sequence[base.AnnouncedTensor]) -> None:
+        """New "weights" drawn from the announcement and the group's count of updates: no tensor
+        crosses a network, and each update changes the rows."""
+        if group not in self.groups:
+            raise base.WeightsGroupError(f"no weights update group named {group!r}")
+        self.groups[group] += 1
+        digest = hashlib.sha256(repr((group, self.groups[group], tensors)).encode()).digest()
+        await asyncio.sleep(self.delay_s)
+        self._base = _base_row(int.from_bytes(digest[:8], "little"), self.vocab_size)
+
+    async def leave_weights_group(self, group: str) -> None:
+        if self.groups.pop(group, None) is None:
+            raise base.WeightsGroupError(f"no weights update group named {group!r}")
 
     async def load_adapter(self, name: str, path: str) -> None:
         self.adapters[name] = path  # the mock's "adapter" only changes the hash of its rows

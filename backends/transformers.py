@@ -33,11 +33,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Dyna
 
 from backends.base import (
     AdapterError,
+    AnnouncedTensor,
     Engine,
     EngineConfig,
     PromptLogprobs,
     SamplingParams,
     TokenStep,
+    WeightsGroup,
     WrittenRows,
     resolve_auto_dtype,
 )
@@ -49,7 +51,8 @@ from backends.host_copy import CudaHostWrites, release_pinned_memory, rows_to_ho
 from backends.prefix_cache import PrefixCache
 from backends.sampling import sample_tokens
 from backends.step_scheduler import StepScheduler
-from backends.weights import copy_weights_in_place
+from backends.weight_sync import CollectiveGroups
+from backends.weights import copy_tensors_in_place, copy_weights_in_place, model_parameters
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +120,8 @@ BASE = "__base__"  # PEFT's name for "no adapter" in mixed-adapter batches
 
 
 class TransformersEngine(Engine):
+    steps_on_demand = True  # generation steps are computed when asked for
+
     def __init__(
         self,
         model: Any,
@@ -162,6 +167,7 @@ class TransformersEngine(Engine):
                 graphs=self.device.type == "cuda",
                 compiled=decode_lane_compile,
             )
+        self.groups = CollectiveGroups(self.device)  # collectives new weights come over
         self.dense = DenseRows(
             self._call,
             model.config,
@@ -227,13 +233,32 @@ class TransformersEngine(Engine):
 
     def _update_weights(self, path: str) -> None:
         copy_weights_in_place(self.model, path)
+        self._forget_old_weights()
+        self.model_path = str(path)
+        log.info("new weights loaded from %s", path)
+
+    def _forget_old_weights(self) -> None:
         # Keys/values computed with the old weights; the lane's graphs read the weights in place.
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         if self.lane is not None:
             self.lane.clear()
-        self.model_path = str(path)
-        log.info("new weights loaded from %s", path)
+
+    async def join_weights_group(self, group: WeightsGroup) -> None:
+        await self.groups.join(group)
+
+    async def update_weights_from_group(self, group: str, tensors: Sequence[AnnouncedTensor]) -> None:
+        parameters = await self._run(model_parameters, self.model, True)
+        received = await self.groups.receive(group, tensors, parameters)
+        await self._run(self._load_received, received)
+
+    def _load_received(self, received: dict[str, torch.Tensor]) -> None:
+        copy_tensors_in_place(model_parameters(self.model, aliases=True), received)
+        self._forget_old_weights()
+        log.info("%d tensors received over a collective loaded", len(received))
+
+    async def leave_weights_group(self, group: str) -> None:
+        await self.groups.leave(group)
 
     async def load_adapter(self, name: str, path: str) -> None:
         await self._run(self._load_adapter, name, path)
@@ -375,5 +400,6 @@ class TransformersEngine(Engine):
         return out.logits[0, -1].float().cpu().numpy()
 
     async def aclose(self) -> None:
+        await self.groups.aclose()
         await self.steps.aclose()
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -3,6 +3,7 @@
 In place, so whatever holds the parameters' memory stays valid: torch.compile's code and the
 CUDA graphs the decode lane captured read the parameters where they lie. Every tensor is found and
 checked before the first one is copied: a directory whose weights do not fit changes nothing.
+Tensors received from a trainer (backends/weight_sync.py) are checked there, then copied here.
 """
 
 from __future__ import annotations
@@ -83,6 +84,27 @@ def _checkpoint_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
+def model_parameters(model: Any, aliases: bool = False) -> dict[str, torch.nn.Parameter]:
+    """`model`'s parameters by checkpoint name, PEFT's adapter weights aside; tied weights appear
+    once, or under each of their names with `aliases` (`lm_head.weight` and the embeddings, as a
+    trainer's state_dict names them)."""
+    return {
+        _checkpoint_name(n): p
+        for n, p in model.named_parameters(remove_duplicate=not aliases)
+        if "lora_" not in n
+    }
+
+
+def copy_tensors_in_place(
+    parameters: Mapping[str, torch.nn.Parameter], tensors: Mapping[str, torch.Tensor]
+) -> None:
+    """Each tensor into the parameter of its name, converted to its dtype and device; the caller
+    has checked names and shapes."""
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            parameters[name].copy_(tensor)
+
+
 def copy_weights_in_place(model: Any, path: str | Path) -> None:
     """Every parameter of `model` (a transformers model, PEFT's adapter weights aside) from the
     safetensors files of the directory `path`, converted to the parameter's dtype and device."""
@@ -93,11 +115,7 @@ def copy_weights_in_place(model: Any, path: str | Path) -> None:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
                 tensors[name] = f.get_tensor(name)
-    parameters = {  # tied weights appear once
-        _checkpoint_name(n): p for n, p in model.named_parameters() if "lora_" not in n
-    }
+    parameters = model_parameters(model)
     shapes = {name: tensor.shape for name, tensor in tensors.items()}
     _check_tensors(path, shapes, ((name, parameter.shape) for name, parameter in parameters.items()))
-    with torch.no_grad():
-        for name, parameter in parameters.items():
-            parameter.copy_(tensors[name])
+    copy_tensors_in_place(parameters, {name: tensors[name] for name in parameters})

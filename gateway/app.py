@@ -31,6 +31,14 @@ from gateway.routes.sglang import (
     sglang_server_info,
 )
 from gateway.routes.vocabulary import detokenize_route, tokenize_route, tokenizer_files, vocabulary
+from gateway.routes.weight_sync import (
+    continue_generation,
+    destroy_weights_update_group,
+    get_load,
+    init_weights_update_group,
+    pause_generation,
+    update_weights_from_distributed,
+)
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -57,6 +65,12 @@ ROUTES = [
     sglang_server_info,
     health_generate,
     flush_cache,
+    init_weights_update_group,
+    update_weights_from_distributed,
+    destroy_weights_update_group,
+    pause_generation,
+    continue_generation,
+    get_load,
 ]
 
 

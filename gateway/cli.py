@@ -45,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
         const=False,
         help="always send dense answers in the body, never into a same-host client's memory",
     )
+    serve.add_argument(
+        "--trusted-weight-sync",
+        dest="trusted_weight_sync",
+        action="store_const",
+        const=True,
+        help="a gateway dedicated to one RL trainer: its weight-sync calls need no admin key",
+    )
     hashed = commands.add_parser(
         "hash-key", help="print the api_keys entry for a key read from standard input (never from argv)"
     )

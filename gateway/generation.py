@@ -17,11 +17,13 @@ from backends.vocab import IncrementalText
 from gateway.errors import ContextLengthError, InvalidRequestError
 from gateway.registry import ServedModel
 from gateway.settings import Limits
+from gateway.weights import GenerationAborted
 
 
 @dataclass
 class Piece:
-    """Text produced by some tokens of one choice; `finish_reason` is set on the last piece."""
+    """Text produced by some tokens of one choice; `finish_reason` ("stop", "length", "abort") is
+    set on the last piece."""
 
     text: str
     steps: list[TokenStep] = field(default_factory=list)
@@ -104,7 +106,8 @@ async def run_choice(
     stop_ids: Collection[int] = (),
 ) -> AsyncIterator[Piece]:
     """One choice's text pieces; a token in `stop_ids` ends it like end-of-sequence (kept in the
-    steps, its text too unless it is a special token)."""
+    steps, its text too unless it is a special token). Paused generation holds it before its next
+    engine step, or ends it there (finish reason "abort"): gateway/weights.py."""
     engine = served.require_engine()
     async with served.weights.reading():  # a choice is generated with one set of weights
         pieces = _pieces(engine.generate(prompt_ids, params, adapter), served, stops, stop_ids)
@@ -125,7 +128,16 @@ async def _pieces(
     between_tokens = served.metrics.inter_token_latency.labels(served.name)
     last = started = time.perf_counter()
     try:
-        async for step in generator:
+        while True:
+            try:
+                await served.weights.step()  # held here while generation is paused
+            except GenerationAborted:
+                yield Piece(pending + text.flush(), steps, "abort")
+                return
+            try:
+                step = await anext(generator)
+            except StopAsyncIteration:
+                break
             now = time.perf_counter()
             (between_tokens if last > started else first_token).observe(now - last)
             last = now

@@ -109,6 +109,12 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.weight_updates = Counter(
+            f"{PREFIX}_weight_updates",
+            "New weights loaded while serving, from disk or over a collective.",
+            ["model", "source"],
+            registry=r,
+        )
         self.model_load_duration = Gauge(
             f"{PREFIX}_model_load_duration_seconds", "Time the model took to load.", ["model"], registry=r
         )

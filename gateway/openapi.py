@@ -10,12 +10,14 @@ running server accepts. Links say which response values other operations take.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from gateway.errors import ErrorResponse
+from gateway.openapi_operation import REF, Operation, schema_ref
+from gateway.openapi_weight_sync import RESPONSE_TYPES as WEIGHT_SYNC_RESPONSES
+from gateway.openapi_weight_sync import WEIGHT_SYNC_OPERATIONS
 from gateway.schemas.chat import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse
 from gateway.schemas.completions import CompletionRequest, CompletionResponse
 from gateway.schemas.logprobs import (
@@ -47,7 +49,6 @@ from gateway.schemas.models import (
 from gateway.schemas.sglang import GenerateRequest, GenerateResponse, ModelInfo, ServerInfo
 from gateway.settings import Settings
 
-REF = "#/components/schemas/{name}"
 MSGPACK = "application/msgpack"
 ERRORS = {
     "400": "Invalid request: a field is missing, of the wrong type or out of range, or the prompt is too long.",
@@ -59,26 +60,13 @@ ERRORS = {
     "429": "A per-key limit (requests in flight, rows per minute) or the server's stream limit; see Retry-After.",
     "500": "The engine failed; the service keeps serving.",
     "503": "The model is still loading, or failed to load.",
-    "501": "The engine cannot do this (a restart or another backend can): new weights without a restart.",
+    "501": "The engine cannot do this (a restart or another backend can): new weights without a restart, "
+    "or over a collective.",
 }
 
 
-@dataclass
-class Operation:
-    method: str
-    path: str
-    summary: str
-    description: str
-    request: type | None = None
-    responses: dict[str, dict[str, Any]] = field(default_factory=dict)  # media type -> schema, for 200
-    errors: tuple[str, ...] = ("400", "404", "500", "503")
-    example: dict[str, Any] | None = None
-    ok_status: str = "200"
-    tags: tuple[str, ...] = ()
-
-
 def _ref(t: type) -> dict[str, Any]:
-    return {"$ref": REF.format(name=t.__name__)}
+    return schema_ref(t)
 
 
 MODEL_PARAM = {
@@ -364,6 +352,7 @@ OPERATIONS = [
         )
         for method in ("post", "get")
     ),
+    *WEIGHT_SYNC_OPERATIONS,
     Operation(
         "get",
         "/metrics",
@@ -408,6 +397,7 @@ _TYPES = [t for op in OPERATIONS for t in (op.request,) if t is not None] + [
     GenerateResponse,
     ModelInfo,
     ServerInfo,
+    *WEIGHT_SYNC_RESPONSES,
 ]
 
 

@@ -8,14 +8,32 @@ import logging
 import struct
 import tempfile
 import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backends.base import AdapterError, Engine, WeightsError, WeightsUpdateUnsupported, engine_class
+from backends.base import (
+    AdapterError,
+    AnnouncedTensor,
+    Engine,
+    WeightsError,
+    WeightsGroup,
+    WeightsGroupError,
+    WeightsUpdateUnsupported,
+    engine_class,
+)
 from backends.vocab import token_bytes_table
 from gateway.adapters import adapter_fingerprint, check_adapter_dir, check_adapter_name
-from gateway.errors import InvalidRequestError, ModelNotFoundError, ModelNotReadyError, NotSupportedError
+from gateway.errors import (
+    GatewayError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    ModelNotReadyError,
+    NotSupportedError,
+)
 from gateway.metrics import Metrics
 from gateway.settings import ModelSettings
 from gateway.weights import WeightsLock, weight_files_stat
@@ -59,6 +77,21 @@ def parse_model_name(name: str) -> tuple[str, str | None]:
     """`base:adapter` -> ("base", "adapter"); a name without ':' is the base model."""
     base, sep, adapter = name.partition(":")
     return base, (adapter if sep else None)
+
+
+def _weights_error(exc: WeightsError | WeightsUpdateUnsupported, param: str) -> GatewayError:
+    """New weights that do not fit (nothing changed): 400; an engine that cannot take any: 501."""
+    if isinstance(exc, WeightsUpdateUnsupported):
+        return NotSupportedError(str(exc))
+    return InvalidRequestError(str(exc), param="group_name" if isinstance(exc, WeightsGroupError) else param)
+
+
+@contextmanager
+def _weights_errors(param: str) -> Iterator[None]:
+    try:
+        yield
+    except (WeightsError, WeightsUpdateUnsupported) as exc:
+        raise _weights_error(exc, param) from None
 
 
 @dataclass
@@ -142,29 +175,70 @@ class ServedModel:
         reading the old ones have finished; the fingerprint (every output-cache key) changes with
         them. Weights that do not fit change nothing (400); an engine that cannot, 501."""
         engine = self.require_engine()
+
+        def fingerprint() -> str:
+            extra = (self.settings.backend, engine.dtype, str(engine.vocab_size), *weight_files_stat(path))
+            return weights_fingerprint(path, *extra)
+
+        await self._replace_weights(
+            lambda: engine.update_weights(str(path)), fingerprint, version, "model_path", "disk"
+        )
+        log.info("model %r: weights %r loaded from %s", self.name, self.weight_version, path)
+
+    async def join_weights_group(self, group: WeightsGroup) -> None:
+        """The engine joins a trainer's collective, which new weights then come over."""
+        with _weights_errors("group_name"):
+            await self.require_engine().join_weights_group(group)
+
+    async def leave_weights_group(self, name: str) -> None:
+        with _weights_errors("group_name"):
+            await self.require_engine().leave_weights_group(name)
+
+    async def update_weights_from_group(
+        self, group: str, tensors: Sequence[AnnouncedTensor], version: str | None = None
+    ) -> None:
+        """New weights broadcast by a trainer over the collective `group` (the engine has joined
+        it), loaded as `update_weights` loads them. Their fingerprint is new and this replica's
+        own: nothing says another replica received the same numbers."""
+        engine = self.require_engine()
+
+        def fingerprint() -> str:
+            return hashlib.sha256(f"{self.fingerprint}:received:{uuid.uuid4().hex}".encode()).hexdigest()
+
+        await self._replace_weights(
+            lambda: engine.update_weights_from_group(group, tensors),
+            fingerprint,
+            version,
+            "names",
+            "distributed",
+        )
+        log.info("model %r: weights %r received over group %r", self.name, self.weight_version, group)
+
+    async def _replace_weights(
+        self,
+        load: Callable[[], Awaitable[None]],
+        fingerprint: Callable[[], str],
+        version: str | None,
+        param: str,
+        source: str,
+    ) -> None:
+        """`load` new weights into the engine once no request reads the old ones, then change the
+        fingerprint and the version. WeightsError: nothing changed (400, `param` named); an engine
+        that cannot, 501; any other failure may have left weights half written, so rows computed
+        from then on match no earlier key."""
         async with self.weights.writing():
             try:
-                await engine.update_weights(str(path))
-            except WeightsError as exc:
-                raise InvalidRequestError(str(exc), param="model_path") from None
-            except WeightsUpdateUnsupported as exc:
-                raise NotSupportedError(str(exc)) from None
+                await load()
+            except (WeightsError, WeightsUpdateUnsupported) as exc:
+                raise _weights_error(exc, param) from None
             except BaseException:
-                # Weights partly written, perhaps: rows computed from now on must match no old key.
                 self.fingerprint = f"{self.fingerprint}:update-failed-{self.weight_updates + 1}"
                 self.weight_updates += 1
                 raise
-            self.fingerprint = await asyncio.to_thread(
-                weights_fingerprint,
-                path,
-                self.settings.backend,
-                engine.dtype,
-                str(engine.vocab_size),
-                *weight_files_stat(path),
-            )
+            self.fingerprint = await asyncio.to_thread(fingerprint)
             self.weight_updates += 1
             self.weight_version = version or str(self.weight_updates)
-        log.info("model %r: weights %r loaded from %s", self.name, self.weight_version, path)
+            self.metrics.weight_updates.labels(self.name, source).inc()
 
     def _no_adapter_message(self, adapter: str) -> str:
         available = ", ".join(f"{self.name}:{a}" for a in self.adapters) or "none"
@@ -202,6 +276,7 @@ class ModelRegistry:
                 str(engine.vocab_size),
             )
             served.engine = engine
+            served.weights.hold_at_steps = engine.steps_on_demand
             for name, path in served.settings.adapters.items():
                 await served.add_adapter(name, Path(path))
             served.loaded = True

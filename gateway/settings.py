@@ -7,6 +7,8 @@
     metrics_public = true          # /metrics without a key
     shutdown_grace_s = 30          # after SIGTERM: finish in-flight requests this long
     shared_memory = true           # write dense answers into same-host clients' memory when asked
+    trusted_weight_sync = false    # a trainer's weight-sync calls without the admin key
+    weight_sync_timeout_s = 300    # joining a trainer's collective, each update's transfer
 
     [[models]]
     name = "smollm2-135m"          # the name clients put in `model`
@@ -34,7 +36,7 @@
 Environment: LOGPROB_GATEWAY_CONFIG, _HOST, _PORT, _MODEL, _BACKEND, _SERVED_MODEL_NAME, _DTYPE,
 _DEVICE, _MAX_MODEL_LEN, _LOG_LEVEL, _REDIS_URL, _CACHE (false: no cache), _ADMIN_KEY,
 _API_KEYS (comma-separated entries), _API_KEYS_FILE, _METRICS_PUBLIC, _SHUTDOWN_GRACE_S,
-_SHARED_MEMORY.
+_SHARED_MEMORY, _TRUSTED_WEIGHT_SYNC, _WEIGHT_SYNC_TIMEOUT_S.
 A model given by flag or environment replaces the file's model list.
 """
 
@@ -125,6 +127,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Dense matrices written into a same-host client's memfd when its request names one
     # (gateway/dense/shared_memory.py); off: always in the body.
     shared_memory: bool = True
+    # A gateway dedicated to one trainer: the weight-sync endpoints (/init_weights_update_group,
+    # /update_weights_from_distributed, /pause_generation, ...) without the admin key, which
+    # TorchRL never sends (gateway/routes/weight_sync.py).
+    trusted_weight_sync: bool = False
+    weight_sync_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # joining, each update's transfer
     models: list[ModelSettings] = msgspec.field(default_factory=lambda: [ModelSettings()])
     limits: Limits = msgspec.field(default_factory=Limits)
     cache: CacheSettings = msgspec.field(default_factory=CacheSettings)
@@ -165,6 +172,8 @@ _ENV_KEYS = {
     "METRICS_PUBLIC": "metrics_public",
     "SHUTDOWN_GRACE_S": "shutdown_grace_s",
     "SHARED_MEMORY": "shared_memory",
+    "TRUSTED_WEIGHT_SYNC": "trusted_weight_sync",
+    "WEIGHT_SYNC_TIMEOUT_S": "weight_sync_timeout_s",
 }
 _CACHE_KEYS = {"redis_url": "redis_url", "cache_enabled": "enabled"}
 

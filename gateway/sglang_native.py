@@ -26,6 +26,7 @@ from gateway.errors import ContextLengthError, InvalidRequestError
 from gateway.prompts import check_token_ids, tokenize
 from gateway.registry import ServedModel
 from gateway.schemas.sglang import (
+    ABORTED,
     FinishReason,
     GenerateRequest,
     GenerateResponse,
@@ -270,6 +271,8 @@ def _finish(item: Item, piece_text: str, steps: Sequence[TokenStep], reason: str
     """SGLang's finish reason, and the text as it ends (`no_stop_trim` keeps the stop string)."""
     if reason == "length":
         return piece_text, FinishReason(type="length", length=item.max_new_tokens)
+    if reason == "abort":
+        return piece_text, ABORTED
     served = item.served
     full = decode_text(served.token_bytes, [s.token_id for s in steps], served.special_ids)
     found = [(full.find(s, len(piece_text)), i, s) for i, s in enumerate(item.stops)]
@@ -331,6 +334,7 @@ class ItemRun:
             finish_reason=finish,
             prompt_tokens=len(item.ids),
             completion_tokens=len(output_ids),
+            weight_version=item.served.weight_version,  # the weights now: the last token's
         )
         if item.return_logprob:
             meta.input_token_logprobs = scores.input_tokens

@@ -5,33 +5,92 @@ holds the model's `WeightsLock` for reading while it does. An update takes it fo
 waits for those requests to finish, on the weights they started with, and holds new ones back
 until the engine has the new weights and the model's fingerprint, and with it every output-cache
 key (in process and in Redis), has changed.
+
+Generation can be paused, as SGLang pauses it for a trainer's update (`/pause_generation`). New
+requests then wait at the door. A generated choice passes `step()` before each engine step: while
+paused in `abort` mode it ends there (finish reason "abort"); in `retract` or `in_place` mode it is
+held there, and a held choice no longer counts as reading, so an update can go ahead while it
+waits; after `/continue_generation` it goes on, on the weights it then finds. Requests that do not
+step (dense rows, prompt scores) are never held: an update waits for them, so each of their
+answers, and each row the output cache stores, comes from one set of weights. Neither are the
+streams of an engine that generates ahead of its consumer (vLLM, SGLang): they run to their end,
+and an update waits for them.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Literal
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class GenerationAborted(Exception):
+    """A generated choice ended by `/pause_generation` in abort mode."""
 
 
 class WeightsLock:
     """Many readers or one writer; a waiting writer holds new readers back, so steady traffic
     cannot keep an update waiting for ever. A task that reads already reads on (one request's
-    several engine calls), or it would wait for an update that waits for it. Single event loop,
-    no lock of its own."""
+    several engine calls), or it would wait for an update that waits for it. Single event loop:
+    every change of state wakes whoever waits for one."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_at_steps: bool = True) -> None:
+        # False for an engine whose streams run ahead of their consumer: nothing to hold them at
+        self.hold_at_steps = hold_at_steps
         self._readers: dict[asyncio.Task | None, int] = {}  # reading tasks, and how often each
-        self._update: asyncio.Event | None = None  # set once the update under way is over
-        self._drained: asyncio.Event | None = None  # set once its last reader has left
+        self._held: set[asyncio.Task | None] = set()  # readers held at a step while paused
+        self._entering = 0  # requests waiting at the door
+        self._update = False  # an update is under way, or waits for readers
+        self._pause: PauseMode | None = None
+        self._changed = asyncio.Event()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            await self._changed.wait()
+
+    @property
+    def paused(self) -> PauseMode | None:
+        return self._pause
+
+    @property
+    def running(self) -> int:
+        """Readers not held at a step: what an update waits for."""
+        return len(self._readers) - len(self._held)
+
+    @property
+    def waiting(self) -> int:
+        """Requests held at the door or at a step."""
+        return self._entering + len(self._held)
+
+    async def until_idle(self) -> None:
+        """Until nothing runs: every reader gone or held."""
+        await self._until(lambda: not self.running)
+
+    def pause(self, mode: PauseMode) -> None:
+        self._pause = mode
+        self._notify()
+
+    def resume(self) -> None:
+        self._pause = None
+        self._notify()
 
     @asynccontextmanager
     async def reading(self) -> AsyncIterator[None]:
         task = asyncio.current_task()
         if task not in self._readers:
-            while self._update is not None:
-                await self._update.wait()
+            self._entering += 1
+            try:
+                await self._until(lambda: not self._update and self._pause is None)
+            finally:
+                self._entering -= 1
         self._readers[task] = self._readers.get(task, 0) + 1
         try:
             yield
@@ -39,22 +98,38 @@ class WeightsLock:
             self._readers[task] -= 1
             if not self._readers[task]:
                 del self._readers[task]
-                if not self._readers and self._drained is not None:
-                    self._drained.set()
+                self._notify()
+
+    async def step(self) -> None:
+        """Before an engine step of a generated choice (a reader): GenerationAborted while paused
+        in abort mode; held while paused otherwise, and then until no update is under way."""
+        if self._pause is None:
+            return
+        if self._pause == "abort":
+            raise GenerationAborted
+        task = asyncio.current_task()
+        if not self.hold_at_steps or task not in self._readers:
+            return
+        self._held.add(task)
+        self._notify()
+        try:
+            await self._until(lambda: self._pause == "abort" or (self._pause is None and not self._update))
+        finally:
+            self._held.discard(task)
+            self._notify()
+        if self._pause == "abort":
+            raise GenerationAborted
 
     @asynccontextmanager
     async def writing(self) -> AsyncIterator[None]:
-        while self._update is not None:  # one update at a time
-            await self._update.wait()
-        update = self._update = asyncio.Event()
-        self._drained = asyncio.Event()
+        await self._until(lambda: not self._update)  # one update at a time
+        self._update = True
         try:
-            if self._readers:
-                await self._drained.wait()
+            await self.until_idle()
             yield
         finally:
-            self._update = self._drained = None
-            update.set()
+            self._update = False
+            self._notify()
 
 
 def weight_files_stat(path: str | Path) -> list[str]:

@@ -28,7 +28,7 @@ def require_admin(request: Request) -> None:
         raise AuthenticationError("this endpoint needs the admin key as 'Authorization: Bearer <key>'")
 
 
-def _base_model(request: Request, model: str | None) -> ServedModel:
+def base_model(request: Request, model: str | None) -> ServedModel:
     models = registry(request).models
     if model is None:
         if len(models) != 1:
@@ -44,7 +44,7 @@ def _base_model(request: Request, model: str | None) -> ServedModel:
 async def load_lora_adapter(request: Request) -> Response:
     require_admin(request)
     body = await decode_json(request, LoadLoraAdapterRequest)
-    served = _base_model(request, body.model)
+    served = base_model(request, body.model)
     root = served.settings.adapters_root
     await served.add_adapter(body.lora_name, confine(root, body.lora_path), confined_to=root)
     return json_response(AdapterStatus(id=f"{served.name}:{body.lora_name}", status="loaded"))
@@ -54,7 +54,7 @@ async def load_lora_adapter(request: Request) -> Response:
 async def unload_lora_adapter(request: Request) -> Response:
     require_admin(request)
     body = await decode_json(request, UnloadLoraAdapterRequest)
-    served = _base_model(request, body.model)
+    served = base_model(request, body.model)
     await served.remove_adapter(body.lora_name)
     return json_response(AdapterStatus(id=f"{served.name}:{body.lora_name}", status="unloaded"))
 
@@ -67,7 +67,7 @@ async def update_weights_from_disk(request: Request) -> Response:
     require_admin(request)
     body = await decode_json(request, UpdateWeightsFromDiskRequest)
     try:
-        served = _base_model(request, body.model)
+        served = base_model(request, body.model)
         if not body.model_path or "\0" in body.model_path:
             raise InvalidRequestError("model_path must name a directory", param="model_path")
         if body.load_format not in (None, "auto", "safetensors"):

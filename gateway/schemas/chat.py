@@ -79,7 +79,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "abort"] | None
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -101,7 +101,7 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: ChatDelta
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):

@@ -59,7 +59,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "abort"] | None
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):

@@ -74,6 +74,14 @@ class FinishReason(msgspec.Struct, kw_only=True):
     type: Literal["stop", "length", "abort"]
     matched: int | str | msgspec.UnsetType = msgspec.UNSET  # a token id, or the stop string
     length: int | msgspec.UnsetType = msgspec.UNSET
+    # an abort's (/pause_generation in abort mode): SGLang's FINISH_ABORT
+    message: str | msgspec.UnsetType = msgspec.UNSET
+    status_code: int | None | msgspec.UnsetType = msgspec.UNSET
+    err_type: str | None | msgspec.UnsetType = msgspec.UNSET
+
+
+# SGLang's FINISH_ABORT of a request that /pause_generation (abort mode) ended
+ABORTED = FinishReason(type="abort", message="Aborted by /pause_generation", status_code=None, err_type=None)
 
 
 class MetaInfo(msgspec.Struct, kw_only=True):

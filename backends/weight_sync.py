@@ -1,0 +1,278 @@
+"""New weights received over a collective from a trainer, as SGLang receives them for TorchRL's
+`SGLangWeightSyncScheme` (and OpenRLHF, verl): the trainer forms a torch.distributed group by a
+TCP rendezvous, without a default group (SGLang's `init_custom_process_group`); the engine joins
+it as its given rank, and each update broadcasts every tensor from rank 0 in the announced order.
+
+The calls that wait for the trainer (joining, the broadcasts) run on threads of their own, never
+on an engine's compute thread, so requests are served meanwhile; each waits at most the group's
+timeout. The announcement is checked against the model before the first broadcast, and received
+tensors are staged in full before any parameter changes. An announcement that does not fit is
+still received (into one scratch buffer, then dropped), so the trainer is not left waiting, and
+refused; one whose tensors are too large even for that leaves the group, so that the trainer's
+broadcasts fail (gloo at once; NCCL at its timeout) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from math import prod
+from typing import Any
+
+import torch
+
+from backends.base import AnnouncedTensor, WeightsError, WeightsGroup, WeightsGroupError
+
+log = logging.getLogger(__name__)
+
+# The dtype names a trainer may announce (TorchRL's dtype_to_str, torch's own names).
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_MIN_SCRATCH_BYTES = 1 << 20
+
+
+def join_group(group: WeightsGroup, backend: str, device: torch.device) -> Any:
+    """A process group of `group.world_size` ranks with this process as `group.rank`, formed as
+    SGLang's `init_custom_process_group` forms it (and TorchRL's trainer, its mirror): a TCP
+    rendezvous at the trainer, a store prefixed with the group's name, no default group. Blocks
+    until every rank has joined, at most `group.timeout_s`."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=group.timeout_s)
+    host = f"[{group.master_address}]" if ":" in group.master_address else group.master_address
+    url = f"tcp://{host}:{group.master_port}"
+    store, rank, world_size = next(rendezvous(url, group.rank, group.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group.name, store),
+        group_name=group.name,
+        backend_options=None,
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def mismatch(tensors: Sequence[AnnouncedTensor], parameters: Mapping[str, torch.Tensor]) -> str | None:
+    """Why the announced tensors cannot be loaded into `parameters` (by checkpoint name), or None.
+    Floating-point tensors are converted to their parameter's dtype, as from disk and in SGLang."""
+    problems: list[str] = []
+    seen: set[str] = set()
+    for tensor in tensors:
+        parameter = parameters.get(tensor.name)
+        dtype = DTYPES[tensor.dtype]
+        if tensor.name in seen:
+            problems.append(f"{tensor.name!r} is announced twice")
+        elif parameter is None:
+            problems.append(f"this model has no parameter {tensor.name!r}")
+        elif tuple(parameter.shape) != tensor.shape:
+            problems.append(
+                f"{tensor.name!r} has shape {list(tensor.shape)}, this model's has {list(parameter.shape)}"
+            )
+        elif parameter.dtype.is_floating_point and not dtype.is_floating_point:
+            problems.append(
+                f"{tensor.name!r} is announced as {tensor.dtype}, this model's is "
+                f"{str(parameter.dtype).removeprefix('torch.')}"
+            )
+        seen.add(tensor.name)
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return f"{len(problems)} of {len(tensors)} tensors do not fit this model: {'; '.join(problems[:3])}{more}"
+
+
+def _nbytes(tensor: AnnouncedTensor) -> int:
+    return prod(tensor.shape) * DTYPES[tensor.dtype].itemsize
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def receive_tensors(
+    pg: Any,
+    tensors: Sequence[AnnouncedTensor],
+    parameters: Mapping[str, torch.Tensor] | None,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Each announced tensor from rank 0's broadcast over `pg`, on `device`, converted to its
+    parameter's dtype; without `parameters`, each is received into one scratch buffer and dropped."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    staged: dict[str, torch.Tensor] = {}
+    scratch = None
+    if parameters is None:
+        scratch = torch.empty(max(map(_nbytes, tensors)), dtype=torch.uint8, device=device)
+    for tensor in tensors:
+        dtype = DTYPES[tensor.dtype]
+        if scratch is not None:
+            buffer = scratch[: _nbytes(tensor)].view(dtype).view(tensor.shape)
+        else:
+            buffer = torch.empty(tensor.shape, dtype=dtype, device=device)
+        torch.distributed.broadcast(buffer, src=0, group=pg)
+        if parameters is not None:
+            wanted = parameters[tensor.name].dtype
+            staged[tensor.name] = buffer if buffer.dtype == wanted else buffer.to(wanted)
+    _synchronize(device)
+    return staged
+
+
+def in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+    """`fn(*args)` on a daemon thread of its own: a trainer that never comes keeps neither a pool's
+    thread nor the process's exit waiting."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, failure: BaseException | None) -> None:
+        if future.done():  # cancelled meanwhile
+            return
+        if failure is not None:
+            future.set_exception(failure)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        result, failure = None, None
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 (handed to the awaiting task)
+            failure = exc
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+            loop.call_soon_threadsafe(settle, result, failure)
+
+    threading.Thread(target=run, name="weight-sync", daemon=True).start()
+    return future
+
+
+class CollectiveGroups:
+    """The groups an engine has joined, by name; one update or leave at a time per group."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._groups: dict[str, Any] = {}  # name -> torch ProcessGroup
+        self._joining: set[str] = set()
+        self._busy: dict[str, asyncio.Lock] = {}
+
+    def _backend(self, requested: str | None) -> str:
+        if requested is None:
+            return "nccl" if self.device.type == "cuda" else "gloo"
+        if requested == "nccl" and self.device.type != "cuda":
+            raise WeightsError(
+                "backend nccl needs an engine on a CUDA device; this one is on the CPU: use gloo"
+            )
+        return requested
+
+    async def join(self, group: WeightsGroup) -> None:
+        if group.name in self._groups or group.name in self._joining:
+            raise WeightsGroupError(
+                f"a weights update group named {group.name!r} exists already; destroy it first"
+            )
+        backend = self._backend(group.backend)
+        self._joining.add(group.name)
+        joined = in_thread(join_group, group, backend, self.device)
+
+        def register(future: asyncio.Future[Any]) -> None:  # on the loop, whether or not anyone waits
+            self._joining.discard(group.name)
+            if not future.cancelled() and future.exception() is None:
+                self._groups[group.name] = future.result()
+
+        joined.add_done_callback(register)
+        try:
+            await asyncio.shield(joined)
+        except Exception as exc:
+            raise WeightsError(
+                f"Failed to initialize custom process group: {type(exc).__name__}: {exc}"
+            ) from exc
+        log.info(
+            "joined weights update group %r (%s) as rank %d of %d",
+            group.name,
+            backend,
+            group.rank,
+            group.world_size,
+        )
+
+    def _group(self, name: str) -> Any:
+        pg = self._groups.get(name)
+        if pg is None:
+            joining = " (still joining)" if name in self._joining else ""
+            raise WeightsGroupError(
+                f"no weights update group named {name!r}{joining}; call /init_weights_update_group first"
+            )
+        return pg
+
+    async def receive(
+        self, name: str, tensors: Sequence[AnnouncedTensor], parameters: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The announced tensors, received in full and converted to their parameters' dtypes;
+        WeightsError after receiving them if they do not fit `parameters`."""
+        self._group(name)
+        if not tensors:
+            raise WeightsError("an update announces no tensors")
+        async with self._busy.setdefault(name, asyncio.Lock()):
+            pg = self._group(name)  # it may have been left meanwhile
+            problem = mismatch(tensors, parameters)
+            limit = max(sum(p.numel() * p.element_size() for p in parameters.values()), _MIN_SCRATCH_BYTES)
+            if problem is not None and max(map(_nbytes, tensors)) > limit:
+                await self._leave(name)
+                raise WeightsError(
+                    f"{problem}; a tensor too large to receive and drop was announced, so this engine "
+                    f"left group {name!r}: join again"
+                )
+            try:
+                staged = await in_thread(
+                    receive_tensors, pg, tensors, None if problem else parameters, self.device
+                )
+            except Exception as exc:
+                await self._leave(name)
+                raise WeightsError(
+                    f"receiving the weights over group {name!r} failed ({type(exc).__name__}: {exc}); "
+                    "no weights changed, and this engine left the group: join again"
+                ) from exc
+        if problem is not None:
+            raise WeightsError(f"{problem}; the tensors were received and dropped, no weights changed")
+        return staged
+
+    async def leave(self, name: str) -> None:
+        if name not in self._groups:
+            raise WeightsGroupError(f"The group to be destroyed does not exist: {name!r}.")
+        async with self._busy.setdefault(name, asyncio.Lock()):
+            await self._leave(name)
+
+    async def _leave(self, name: str) -> None:
+        pg = self._groups.pop(name, None)
+        self._busy.pop(name, None)
+        if pg is not None:
+            with contextlib.suppress(Exception):  # a broken group is gone either way
+                await in_thread(torch.distributed.destroy_process_group, pg)
+            log.info("left weights update group %r", name)
+
+    async def aclose(self) -> None:
+        for name in list(self._groups):
+            await self._leave(name)
