@@ -212,6 +212,23 @@ adapters = {{{loaded}}}
     return start_gateway(["--config", str(config)], workdir / "gateway.log")
 
 
+def dense_rows(base_url: str, rows) -> tuple[Any, int]:
+    """The served default model's rows (float32 numpy [rows, vocab]) and the answer's cache hits."""
+    import msgspec
+    import numpy as np
+
+    response = httpx.post(
+        base_url + "/v1/next_token_logprobs",
+        json={"model": MODEL, "input": rows, "layout": "matrix"},
+        headers={"Accept": "application/msgpack"},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    document = msgspec.msgpack.decode(response.content)
+    matrix = np.frombuffer(document["logprobs"], "<f4").reshape(len(rows), -1)
+    return matrix, document["usage"]["cache_hits"]
+
+
 def make_lora_adapter(model_dir, path, seed, rank=4, **save):
     """A LoRA adapter with random (non-zero) B matrices, so it changes the model's outputs."""
     import torch

@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 import numpy as np
 import pytest
 
 from gateway.launcher import start_gateway
-from tests.conftest import MODEL
+from tests.conftest import MODEL, dense_rows
 
 pytestmark = pytest.mark.slow
 TRAINER = Path(__file__).with_name("weight_sync_trainer.py")
@@ -101,18 +100,6 @@ def trainer(served, model_dir, tmp_path_factory):
     process.stop()
 
 
-def dense(base_url: str, rows) -> tuple[np.ndarray, int]:
-    response = httpx.post(
-        base_url + "/v1/next_token_logprobs",
-        json={"model": MODEL, "input": rows, "layout": "matrix"},
-        headers={"Accept": "application/msgpack"},
-        timeout=120,
-    )
-    assert response.status_code == 200, response.text
-    document = msgspec.msgpack.decode(response.content)
-    return np.frombuffer(document["logprobs"], "<f4").reshape(len(rows), -1), document["usage"]["cache_hits"]
-
-
 def version(base_url: str) -> str:
     return httpx.get(base_url + "/get_model_info").json()["weight_version"]
 
@@ -165,7 +152,7 @@ def test_rows_follow_the_trainers_weights_and_a_stream_is_held_then_resumed_on_t
 ):
     base_url = served.base_url
     trainer.call("update", scale=1.0, mode="retract")  # the default model's weights
-    before, _ = dense(base_url, PREFIXES)
+    before, _ = dense_rows(base_url, PREFIXES)
     for row, ids in zip(before, PREFIXES, strict=True):
         np.testing.assert_allclose(row, reference.logprobs(ids)[-1], rtol=0, atol=1e-4)
     streams = [generate_stream(base_url), completion_stream(base_url)]
@@ -179,7 +166,7 @@ def test_rows_follow_the_trainers_weights_and_a_stream_is_held_then_resumed_on_t
     for stream in streams:
         stream.join(120)
         assert stream.done and not stream.is_alive()
-    after, hits = dense(base_url, PREFIXES)
+    after, hits = dense_rows(base_url, PREFIXES)
     assert hits == 0  # the old rows' keys are not the new weights'
     for row, ids in zip(after, PREFIXES, strict=True):
         np.testing.assert_allclose(row, scaled.logprobs(ids)[-1], rtol=0, atol=1e-4)
@@ -217,7 +204,7 @@ def test_abort_mode_ends_a_stream_in_flight_with_finish_reason_abort(served, tra
     text = "".join(choice["text"] for choice in choices)
     old = reference.tokenizer.decode(scaled.greedy(PROMPT, TOKENS))
     assert old.startswith(text)  # what it generated, on the weights it began with
-    rows, _ = dense(base_url, PREFIXES)
+    rows, _ = dense_rows(base_url, PREFIXES)
     for row, ids in zip(rows, PREFIXES, strict=True):
         np.testing.assert_allclose(row, reference.logprobs(ids)[-1], rtol=0, atol=1e-4)
     after = generate_stream(base_url)  # continued: new requests run
@@ -238,13 +225,13 @@ def test_an_announcement_that_does_not_fit_is_received_then_refused_and_changes_
     served, trainer, corrupt, words
 ):
     base_url = served.base_url
-    before, _ = dense(base_url, PREFIXES)
+    before, _ = dense_rows(base_url, PREFIXES)
     weights = version(base_url)
     update = trainer.call("update", scale=3.0, mode="retract", corrupt=corrupt, timeout=60)  # it returned
     assert update["status"] == 400 and update["body"]["success"] is False, update
     assert words in update["body"]["message"] and "received and dropped" in update["body"]["message"]
     assert update["body"]["error"]["type"] == "invalid_request_error"
-    after, _ = dense(base_url, PREFIXES)
+    after, _ = dense_rows(base_url, PREFIXES)
     assert np.array_equal(before, after) and version(base_url) == weights
 
 
@@ -262,7 +249,7 @@ def test_an_update_over_a_group_never_joined_is_a_400(served):
 
 def test_a_trainer_that_dies_mid_broadcast_changes_nothing(served, model_dir, tmp_path):
     base_url = served.base_url
-    before, _ = dense(base_url, PREFIXES)
+    before, _ = dense_rows(base_url, PREFIXES)
     weights = version(base_url)
     dying = TrainerProcess(base_url, model_dir, tmp_path / "trainer.log")
     try:
@@ -276,5 +263,5 @@ def test_a_trainer_that_dies_mid_broadcast_changes_nothing(served, model_dir, tm
     assert answer.status_code == 400  # once the failed transfer is over, the group is gone
     assert f"no weights update group named '{group}'" in answer.json()["message"]
     assert httpx.post(base_url + "/continue_generation", json={}, timeout=30).status_code == 200
-    after, _ = dense(base_url, PREFIXES)
+    after, _ = dense_rows(base_url, PREFIXES)
     assert np.array_equal(before, after) and version(base_url) == weights

@@ -15,7 +15,7 @@ from litestar.testing import TestClient
 from gateway.app import serving_app
 from gateway.launcher import start_gateway
 from gateway.settings import ModelSettings, Settings
-from tests.conftest import MODEL
+from tests.conftest import MODEL, dense_rows
 
 pytestmark = pytest.mark.slow
 ADMIN = {"Authorization": "Bearer admin-secret"}
@@ -43,19 +43,6 @@ redis_url = "{redis_server.url}"
         gateway.stop()
 
 
-def dense(base_url: str, rows) -> tuple[np.ndarray, int]:
-    response = httpx.post(
-        base_url + "/v1/next_token_logprobs",
-        json={"model": MODEL, "input": rows, "layout": "matrix"},
-        headers={"Accept": "application/msgpack"},
-        timeout=120,
-    )
-    assert response.status_code == 200, response.text
-    document = msgspec.msgpack.decode(response.content)
-    matrix = np.frombuffer(document["logprobs"], "<f4").reshape(len(rows), -1)
-    return matrix, document["usage"]["cache_hits"]
-
-
 def update(base_url: str, body: dict, headers=ADMIN) -> httpx.Response:
     return httpx.post(base_url + "/update_weights_from_disk", json=body, headers=headers, timeout=300)
 
@@ -64,22 +51,22 @@ def test_an_update_serves_the_new_weights_and_no_replica_reads_an_old_row(
     replicas, scaled_dir, reference, scaled
 ):
     first, second = (g.base_url for g in replicas)
-    old, _ = dense(first, PREFIXES)  # stored in Redis under the old weights' keys
-    assert dense(first, PREFIXES)[1] == len(PREFIXES)  # (asked again: once they are stored)
-    assert dense(second, PREFIXES)[1] == len(PREFIXES)  # the other replica reads them
+    old, _ = dense_rows(first, PREFIXES)  # stored in Redis under the old weights' keys
+    assert dense_rows(first, PREFIXES)[1] == len(PREFIXES)  # (asked again: once they are stored)
+    assert dense_rows(second, PREFIXES)[1] == len(PREFIXES)  # the other replica reads them
     for base_url in (first, second):  # an RL loop updates every replica
         answer = update(base_url, {"model_path": str(scaled_dir), "weight_version": "step-1"})
         assert answer.status_code == 200, answer.text
         assert answer.json()["success"] is True and "step-1" in answer.json()["message"]
     info = httpx.get(first + "/get_model_info").json()
     assert info["weight_version"] == "step-1" and info["model_path"] == str(scaled_dir)
-    new, hits = dense(first, PREFIXES)
+    new, hits = dense_rows(first, PREFIXES)
     assert hits == 0
     for row, ids in zip(new, PREFIXES, strict=True):
         np.testing.assert_allclose(row, scaled.logprobs(ids)[-1], rtol=0, atol=1e-4)
     assert np.abs(new - old).max() > 0.01
-    assert dense(first, PREFIXES)[1] == len(PREFIXES)
-    again, hits = dense(second, PREFIXES)  # the new rows, shared: the replicas' keys agree
+    assert dense_rows(first, PREFIXES)[1] == len(PREFIXES)
+    again, hits = dense_rows(second, PREFIXES)  # the new rows, shared: the replicas' keys agree
     assert hits == len(PREFIXES) and np.array_equal(again, new)
     completion = httpx.post(
         first + "/v1/completions",
@@ -104,13 +91,13 @@ def test_an_update_serves_the_new_weights_and_no_replica_reads_an_old_row(
 )
 def test_bad_updates_are_refused_and_change_nothing(replicas, model_dir, reference, body, status, words):
     base_url = replicas[0].base_url
-    before, _ = dense(base_url, [[9690, 2114, 7]])
+    before, _ = dense_rows(base_url, [[9690, 2114, 7]])
     body = {k: (v.format(model_dir=model_dir) if isinstance(v, str) else v) for k, v in body.items()}
     answer = update(base_url, body)
     assert answer.status_code == status and words in answer.text
     if status != 422 and "model_path" in body:
         assert answer.json()["success"] is False
-    after, _ = dense(base_url, [[9690, 2114, 7]])
+    after, _ = dense_rows(base_url, [[9690, 2114, 7]])
     assert np.array_equal(before, after)
 
 
