@@ -54,6 +54,11 @@ class GatewayError(Exception):
         if code is not None:
             self.code = code
 
+    def error_object(self) -> dict[str, str | None]:
+        """OpenAI's error object of this error, for answers that carry it beside fields of their
+        own (SGLang's {success, message} of a weights update)."""
+        return {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
+
 
 class InvalidRequestError(GatewayError):
     status_code = 400

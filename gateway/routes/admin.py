@@ -82,9 +82,9 @@ async def update_weights_from_disk(request: Request) -> Response:
             )
         await served.update_weights(Path(body.model_path), body.weight_version)
     except GatewayError as exc:
-        error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}
         return json_response(
-            UpdateWeightsFromDiskResponse(success=False, message=exc.message, error=error), exc.status_code
+            UpdateWeightsFromDiskResponse(success=False, message=exc.message, error=exc.error_object()),
+            exc.status_code,
         )
     message = f"Succeeded to update model weights. Weight version updated to {served.weight_version}."
     return json_response(UpdateWeightsFromDiskResponse(success=True, message=message))

@@ -28,9 +28,8 @@ def require_weight_sync_access(request: Request) -> None:
 
 
 def _failure(exc: GatewayError) -> Response:
-    error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}
     return json_response(
-        WeightsGroupResponse(success=False, message=exc.message, error=error), exc.status_code
+        WeightsGroupResponse(success=False, message=exc.message, error=exc.error_object()), exc.status_code
     )
 
 
