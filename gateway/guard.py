@@ -39,15 +39,20 @@ async def _send_error(send: Send, exc: GatewayError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def open_paths(*, metrics_public: bool) -> frozenset[str]:
+    """The paths served without a key where keys are configured (the OpenAPI document says so too)."""
+    return frozenset({"/health", "/metrics"} if metrics_public else {"/health"})
+
+
 def guard(app: ASGIApp, access: Access, *, metrics_public: bool) -> ASGIApp:
-    open_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
+    unguarded = open_paths(metrics_public=metrics_public)
 
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
         key = None
-        if access.keyring.enabled and scope["path"] not in open_paths:
+        if access.keyring.enabled and scope["path"] not in unguarded:
             presented = _bearer(scope)
             key = access.keyring.identify(presented) if presented else None
             if key is None:

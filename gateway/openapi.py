@@ -15,7 +15,9 @@ from typing import Any
 import msgspec
 
 from gateway.errors import ErrorResponse
+from gateway.guard import open_paths
 from gateway.openapi_operation import REF, Operation, schema_ref
+from gateway.openapi_vocabulary import bound_by_vocabulary
 from gateway.openapi_weight_sync import RESPONSE_TYPES as WEIGHT_SYNC_RESPONSES
 from gateway.openapi_weight_sync import WEIGHT_SYNC_OPERATIONS
 from gateway.schemas.chat import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse
@@ -455,8 +457,9 @@ def _null_or(schema: dict[str, Any]) -> dict[str, Any]:
 def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
     """Write what the routes check beyond the types (gateway/prompts.py, gateway/generation.py and
     the routes themselves) into the schemas, so that a request the document allows is served. Only
-    what each model decides stays out: token ids below its vocab_size, prompts within its context
-    (GET /v1/models/{model}), texts its tokenizer has a token for (its vocabulary)."""
+    what each model decides stays out: prompts within its context (GET /v1/models/{model}), texts its
+    tokenizer has a token for (its vocabulary); token ids below its vocab_size are stated by the
+    running server (gateway/openapi_vocabulary.py)."""
     limits = settings.limits
     completion, chat = schemas["CompletionRequest"], schemas["ChatCompletionRequest"]
     completion["properties"]["prompt"] = _inputs(limits.max_prompts)
@@ -465,6 +468,7 @@ def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
         stop = _null_or(_text())
         stop["anyOf"].insert(1, {"type": "array", "items": _text(), "maxItems": limits.max_stop})
         request["properties"]["stop"] = stop
+    for request in (completion, chat, schemas["SglangSamplingParams"]):
         # keys in ASCII digits: a token id, below the model's vocab_size
         bias = {
             "type": "object",
@@ -501,13 +505,19 @@ def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
     generate["input_ids"] = _null_or(
         {"anyOf": [_token_ids(), {**_token_ids(), "items": _token_ids(), "maxItems": limits.max_prompts}]}
     )
+    named_ids = {**_token_ids(), "minItems": 0}  # [] names none
+    generate["token_ids_logprob"] = _null_or(
+        {
+            "anyOf": [
+                named_ids,
+                {"type": "array", "items": named_ids, "minItems": 1, "maxItems": limits.max_prompts},
+            ]
+        }
+    )
     schemas["TokenizeRequest"]["oneOf"] = [
         {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
         {"properties": {"messages": {"type": "array"}}, "required": ["messages"]},
     ]
-
-
-OPEN_PATHS = ("/health", "/health_generate")  # the paths that never need a key (gateway/guard.py)
 
 
 def _operation_id(op: Operation) -> str:
@@ -560,12 +570,17 @@ def _links(op: Operation) -> dict[str, Any]:
     return {}
 
 
-def build_openapi(settings: Settings | None = None) -> dict[str, Any]:
+def build_openapi(settings: Settings | None = None, vocab_size: int | None = None) -> dict[str, Any]:
+    """The document for `settings`; with `vocab_size` (the running server's, once its models have
+    loaded), token ids and `logit_bias` keys bounded by it."""
     settings = settings or Settings()
     _, schemas = msgspec.json.schema_components(_TYPES, ref_template=REF)
     schemas = copy.deepcopy(schemas)
     _apply_limits(schemas, settings)
     _apply_route_checks(schemas, settings)
+    if vocab_size is not None:
+        bound_by_vocabulary(schemas, vocab_size)
+    unguarded = open_paths(metrics_public=settings.metrics_public)
     paths: dict[str, Any] = {}
     for op in OPERATIONS:
         responses: dict[str, Any] = {
@@ -577,7 +592,7 @@ def build_openapi(settings: Settings | None = None) -> dict[str, Any]:
         if links := _links(op):
             responses[op.ok_status]["links"] = links
         statuses = set(op.errors)
-        if op.path not in OPEN_PATHS:
+        if op.path not in unguarded:
             statuses |= {"401", "429"}
         if op.request is not None:
             statuses.add("413")
@@ -603,7 +618,7 @@ def build_openapi(settings: Settings | None = None) -> dict[str, Any]:
             "tags": list(op.tags),
             "responses": responses,
         }
-        if op.path in OPEN_PATHS:
+        if op.path in unguarded:
             spec["security"] = []
         if "{model}" in op.path:
             spec["parameters"] = [MODEL_PARAM]

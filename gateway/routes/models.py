@@ -60,7 +60,12 @@ async def prometheus_metrics(request: Request) -> Response:
 
 @get("/openapi.json", summary="The OpenAPI document of this server")
 async def openapi_document(request: Request) -> Response:
-    return json_response(build_openapi(request.app.state.settings))
+    """The document; once every model has loaded, token ids bounded by the largest vocabulary (a
+    request naming a smaller model's id beyond its own vocabulary gets a 400)."""
+    models = registry(request).models.values()
+    sizes = [m.engine.vocab_size for m in models if m.ready and m.engine is not None]
+    vocab = max(sizes) if sizes and len(sizes) == len(models) else None
+    return json_response(build_openapi(request.app.state.settings, vocab))
 
 
 @get("/health", summary="200 when every model is loaded and healthy, else 503")

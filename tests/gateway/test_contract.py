@@ -24,6 +24,8 @@ import pytest
 
 from gateway.launcher import start_gateway
 from gateway.openapi import build_openapi
+from gateway.openapi_vocabulary import decimal_below
+from gateway.settings import Settings
 from tests.conftest import MODEL
 
 SPEC = Path(__file__).parents[2] / "openapi" / "openapi.json"
@@ -51,23 +53,42 @@ def test_committed_spec_is_current():
     )
 
 
-def test_server_serves_the_committed_spec(http):
-    assert http.get("/openapi.json").json() == json.loads(SPEC.read_text())
+def test_server_serves_the_committed_spec_bounded_by_its_vocabulary(http):
+    """The running server's document is the committed one, with every token id and every
+    `logit_bias` key bounded by its model's vocabulary."""
+    vocab = http.get(f"/v1/models/{MODEL}").json()["vocab_size"]
+    served = http.get("/openapi.json").json()
+    assert served == build_openapi(vocab_size=vocab)
+    schemas = served["components"]["schemas"]
+    ids = schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]
+    assert (ids["minimum"], ids["maximum"]) == (0, vocab - 1)
+    prompt_ids = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][2]["items"]
+    assert prompt_ids["maximum"] == vocab - 1
+    for holder in ("CompletionRequest", "ChatCompletionRequest", "SglangSamplingParams"):
+        keys = re.compile(schemas[holder]["properties"]["logit_bias"]["anyOf"][0]["propertyNames"]["pattern"])
+        assert keys.fullmatch(str(vocab - 1)) and keys.fullmatch("007")
+        assert not keys.fullmatch(str(vocab)) and not keys.fullmatch("-1")
+    # and the server refuses what the document forbids
+    over = http.post("/v1/detokenize", json={"model": MODEL, "tokens": [vocab]})
+    assert over.status_code == 400
+    over = http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "logit_bias": {str(vocab): 1}})
+    assert over.status_code == 400
 
 
-def decimal_below(limit: int) -> str:
-    """A regular expression for the decimal numbers in [0, limit), without leading zeros."""
-    top = str(limit - 1)
-    if len(top) == 1:
-        return f"[0-{top}]"
-    options = ["[0-9]"] + [f"[1-9][0-9]{{{n - 1}}}" for n in range(2, len(top))]
-    for i, digit in enumerate(top):
-        low = 1 if i == 0 else 0
-        if int(digit) > low:
-            rest = len(top) - i - 1
-            options.append(top[:i] + f"[{low}-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
-    options.append(top)
-    return "(?:" + "|".join(options) + ")"
+def test_the_document_says_which_paths_need_a_key():
+    """/health always, /metrics unless `metrics_public = false`, and nothing else goes without a
+    key, in the document as in the guard."""
+
+    def keyless(document):
+        return {
+            p for p, ops in document["paths"].items() if all(op.get("security") == [] for op in ops.values())
+        }
+
+    assert keyless(build_openapi(Settings(api_keys=["sha256:" + "0" * 64]))) == {"/health", "/metrics"}
+    closed = build_openapi(Settings(api_keys=["sha256:" + "0" * 64], metrics_public=False))
+    assert keyless(closed) == {"/health"}
+    assert "401" in closed["paths"]["/metrics"]["get"]["responses"]
+    assert "401" in closed["paths"]["/health_generate"]["get"]["responses"]
 
 
 @pytest.mark.parametrize("limit", [1, 7, 10, 11, 100, 101, 49152, 151936])
@@ -96,38 +117,21 @@ def _require_a_token(schema: Any, vanishing: set[str]) -> None:
             _require_a_token(value, vanishing)
 
 
-def _cap_token_ids(schema: Any, maximum: int) -> None:
-    """Every token id (an integer >= 0) at most `maximum`."""
-    if isinstance(schema, dict):
-        if schema.get("type") == "integer" and schema.get("minimum") == 0:
-            schema["maximum"] = maximum
-        for value in schema.values():
-            _cap_token_ids(value, maximum)
-    elif isinstance(schema, list):
-        for value in schema:
-            _cap_token_ids(value, maximum)
-
-
 def deployment_document(
     document: dict[str, Any], models: list[dict[str, Any]], vanishing: set[str]
 ) -> dict[str, Any]:
-    """The served document narrowed by what only the running model knows (GET /v1/models and its
-    vocabulary): its name, token ids below its vocabulary's size, texts it has a token for. So
+    """The served document (token ids already bounded by the vocabulary) narrowed by what only the
+    running model knows (GET /v1/models and its vocabulary): its name, texts it has a token for. So
     generated requests reach the routes' checks instead of stopping at "model not found", and the
     document stays exact."""
     names = [m["id"] for m in models]
-    vocab = min(m["vocab_size"] for m in models)
     schemas = document["components"]["schemas"]
     for name in MODEL_REQUESTS:
         properties = schemas[name]["properties"]
         properties["model"]["enum"] = names
         for field in ("prompt", "input", "tokens", "text", "input_ids"):
             if field in properties:
-                _cap_token_ids(properties[field], vocab - 1)
                 _require_a_token(properties[field], vanishing)
-        if "logit_bias" in properties:
-            keys = properties["logit_bias"]["anyOf"][0]["propertyNames"]
-            keys["pattern"] = f"^0*{decimal_below(vocab)}$"
     # SGLang's /generate relates fields JSON Schema cannot (a list per prompt, logprob_start_len
     # within the prompt, n the same in every sampling_params): test_fuzz.py and
     # test_sglang_native.py cover it instead
