@@ -36,6 +36,7 @@ class RedactAccessPaths(logging.Filter):
 
     def __init__(self, routes: Iterable[str] = ()) -> None:
         super().__init__()
+        routes = list(routes)
         self.exact = {r for r in routes if "{" not in r}
         self.patterns = [_route_pattern(r) for r in routes if "{" in r]
 
@@ -57,6 +58,9 @@ def uvicorn_log_config(routes: Iterable[str] = ()) -> dict[str, Any]:
     """uvicorn's own logging configuration, with the filter on its access handler; `routes`: the
     app's path templates, the only paths access lines show."""
     config = copy.deepcopy(LOGGING_CONFIG)
-    config.setdefault("filters", {})["redact_access_paths"] = {"()": RedactAccessPaths, "routes": list(routes)}
+    config.setdefault("filters", {})["redact_access_paths"] = {
+        "()": RedactAccessPaths,
+        "routes": list(routes),
+    }
     config["handlers"]["access"].setdefault("filters", []).append("redact_access_paths")
     return config

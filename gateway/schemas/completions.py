@@ -9,11 +9,11 @@ import msgspec
 from gateway.schemas.common import (
     ModelName,
     Name,
-    Stop,
     NonNegativeInt,
     Penalty,
     PositiveInt,
     Seed,
+    Stop,
     StreamOptions,
     Temperature,
     TokenId,

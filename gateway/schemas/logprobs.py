@@ -7,7 +7,7 @@ from typing import Literal
 import msgspec
 
 from gateway.schemas.chat import ChatMessage
-from gateway.schemas.common import TokenId
+from gateway.schemas.common import ModelName, TokenId
 from logprob_gateway_client.encoding import Dtype
 
 # The MessagePack matrix answers and the fields they share are defined once, in the client's
