@@ -221,7 +221,7 @@ def test_open_flush_cache_opens_it_to_every_key(monkeypatch, tmp_path):
 
 
 def test_free_text_fields_are_bounded_at_decode(bounded):
-    long = "v" * 5 * MiB // 2  # 2.5 MB: under the body limit
+    long = "v" * (5 * MiB // 2)  # 2.5 MB: under the body limit
     admin = {"key": ADMIN}
     cases = [
         (
