@@ -202,7 +202,6 @@ class MlxEngine(Engine):
         self._head = self._float32_head()
         self._prompt_cache.trim_to(n_sequences=0)  # keys/values of the old weights
         self.model_path = path
-        log.info("new weights loaded from %s", path)
 
     async def next_token_logprobs(
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None

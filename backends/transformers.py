@@ -235,7 +235,6 @@ class TransformersEngine(Engine):
         copy_weights_in_place(self.model, path)
         self._forget_old_weights()
         self.model_path = str(path)
-        log.info("new weights loaded from %s", path)
 
     def _forget_old_weights(self) -> None:
         # Keys/values computed with the old weights; the lane's graphs read the weights in place.

@@ -197,7 +197,6 @@ class VllmEngine(Engine):
         )
         await self.engine.reset_prefix_cache()  # keys/values of the old weights
         self.model_path = path
-        log.info("new weights loaded from %s", path)
 
     async def unload_adapter(self, name: str) -> None:
         request = self._lora(name)

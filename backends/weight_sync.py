@@ -211,8 +211,7 @@ class CollectiveGroups:
                 f"Failed to initialize custom process group: {type(exc).__name__}: {exc}"
             ) from exc
         log.info(
-            "joined weights update group %r (%s) as rank %d of %d",
-            group.name,
+            "joined a weights update group (%s) as rank %d of %d",  # its name is the caller's text
             backend,
             group.rank,
             group.world_size,
@@ -271,7 +270,7 @@ class CollectiveGroups:
         if pg is not None:
             with contextlib.suppress(Exception):  # a broken group is gone either way
                 await in_thread(torch.distributed.destroy_process_group, pg)
-            log.info("left weights update group %r", name)
+            log.info("left a weights update group")
 
     async def aclose(self) -> None:
         for name in list(self._groups):

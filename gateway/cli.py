@@ -91,7 +91,7 @@ def serve(settings: Settings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    _, app = serving_app(settings, on_loaded=tune_collector)
+    litestar_app, app = serving_app(settings, on_loaded=tune_collector)
     # SIGTERM: uvicorn stops accepting connections, lets in-flight requests finish for up to the
     # grace period, then cancels what is left and runs the app's shutdown (engines, cache).
     uvicorn.run(
@@ -99,7 +99,7 @@ def serve(settings: Settings) -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        log_config=uvicorn_log_config(),
+        log_config=uvicorn_log_config(route.path for route in litestar_app.routes),
         timeout_graceful_shutdown=settings.shutdown_grace_s,
         http="gateway.server_protocol:GatewayHTTPProtocol",  # malformed HTTP answered in the error shape
     )

@@ -6,6 +6,7 @@
      ├── AuthenticationError           401 authentication_error    (missing or wrong key)
      ├── ForbiddenError                403 permission_error        (disabled, or outside allowed paths)
      ├── ModelNotFoundError            404 invalid_request_error   code=model_not_found
+     ├── UnsupportedMediaTypeError     415 invalid_request_error   (a body neither JSON nor MessagePack)
      ├── RateLimitError                429 rate_limit_error        (a per-key or server limit; Retry-After)
      ├── ModelNotReadyError            503 service_unavailable     (still loading, or failed)
      └── EngineError                   500 internal_error          (the engine failed a request)
@@ -83,6 +84,12 @@ class ModelNotFoundError(GatewayError):
     status_code = 404
     error_type = "invalid_request_error"
     code = "model_not_found"
+
+
+class UnsupportedMediaTypeError(GatewayError):
+    status_code = 415
+    error_type = "invalid_request_error"
+    code = "unsupported_media_type"
 
 
 class RateLimitError(GatewayError):

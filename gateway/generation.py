@@ -46,7 +46,7 @@ def check_logit_bias(served: ServedModel, bias: dict[str, float] | None) -> dict
         # ASCII digits only: str.isdigit() also accepts "²" and "١", and int() rejects very long keys
         if not (key.isascii() and key.isdigit()) or len(key) > 20 or int(key) >= vocab:
             raise InvalidRequestError(
-                f"logit_bias key {key!r} is not a token id in [0, {vocab})", param="logit_bias"
+                f"logit_bias key {key[:32]!r} is not a token id in [0, {vocab})", param="logit_bias"
             )
         if not -100.0 <= value <= 100.0:
             raise InvalidRequestError("logit_bias values must be between -100 and 100", param="logit_bias")
@@ -77,6 +77,26 @@ def check_choices(n: int, limits: Limits) -> int:
     if n > limits.max_n:
         raise InvalidRequestError(f"n must be at most {limits.max_n}", param="n")
     return n
+
+
+def check_logprob_entries(entries: int, limits: Limits, instead: str, param: str | None) -> None:
+    """Refuse, before any work, an answer of more than `limits.max_logprob_entries` logprob values
+    (each position's own, its top logprobs, its named token ids); `instead` says what to ask."""
+    if entries > limits.max_logprob_entries:
+        raise InvalidRequestError(
+            f"this request asks for {entries} logprob entries (prompts x choices x positions x "
+            f"logprobs per position), more than the {limits.max_logprob_entries} one answer may carry; "
+            f"{instead}",
+            param=param,
+        )
+
+
+def check_stream_options(stream: bool | None, stream_options: object | None) -> None:
+    """OpenAI's rule: `stream_options` only with `stream: true`."""
+    if stream_options is not None and not stream:
+        raise InvalidRequestError(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.", param="stream_options"
+        )
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -16,7 +16,13 @@ from litestar.response.base import ASGIResponse
 from litestar.types import Receive, Send
 
 from gateway.access import Access
-from gateway.errors import ErrorDetail, ErrorResponse, GatewayError, InvalidRequestError
+from gateway.errors import (
+    ErrorDetail,
+    ErrorResponse,
+    GatewayError,
+    InvalidRequestError,
+    UnsupportedMediaTypeError,
+)
 from gateway.guard import KEY_NAME, STREAM_KEY
 from gateway.metrics import set_labels
 from gateway.registry import ModelRegistry, ServedModel
@@ -34,10 +40,23 @@ def is_msgpack(media_type: str | None) -> bool:
     return bool(media_type) and any(t in media_type for t in MSGPACK_TYPES)  # type: ignore[operator]
 
 
+def is_json(media_type: str) -> bool:
+    """application/json or a `+json` type, parameters (charset) aside."""
+    essence = media_type.split(";", 1)[0].strip().lower()
+    return essence == "application/json" or essence.endswith("+json")
+
+
 async def decode_json(request: Request, body_type: type[T]) -> T:
-    """Decode and validate a JSON body (or MessagePack, by Content-Type); errors become 400s in errors.py."""
+    """Decode and validate a JSON body (or MessagePack, by Content-Type; none: JSON); errors
+    become 400s in errors.py, another Content-Type (a form, text) a 415 before the body is read."""
+    media_type = request.headers.get("content-type")
+    binary = is_msgpack(media_type)
+    if media_type and not binary and not is_json(media_type):
+        raise UnsupportedMediaTypeError(
+            f"Content-Type {media_type[:100]!r} is not supported: send the body as application/json "
+            f"(or {MSGPACK_TYPES[0]})"
+        )
     body = await request.body()
-    binary = is_msgpack(request.headers.get("content-type"))
     try:
         try:
             if binary:

@@ -158,7 +158,8 @@ class ServedModel:
                 raise InvalidRequestError(str(exc), param="lora_path") from None
             info = AdapterInfo(name, str(path), fingerprint)
             self.adapters[name] = info
-        log.info("model %r: adapter %r loaded from %s", self.name, name, path)
+        # names, paths and versions are the caller's text: never in a log line
+        log.info("model %r: an adapter loaded (%d served)", self.name, len(self.adapters))
         return info
 
     async def remove_adapter(self, name: str) -> None:
@@ -168,7 +169,7 @@ class ServedModel:
                 raise ModelNotFoundError(self._no_adapter_message(name), param="lora_name")
             del self.adapters[name]  # new requests stop seeing it before the weights go
             await engine.unload_adapter(name)
-        log.info("model %r: adapter %r unloaded", self.name, name)
+        log.info("model %r: an adapter unloaded (%d served)", self.name, len(self.adapters))
 
     async def update_weights(self, path: Path, version: str | None = None) -> None:
         """New weights of the same architecture from the directory `path`, once the requests
@@ -183,7 +184,7 @@ class ServedModel:
         await self._replace_weights(
             lambda: engine.update_weights(str(path)), fingerprint, version, "model_path", "disk"
         )
-        log.info("model %r: weights %r loaded from %s", self.name, self.weight_version, path)
+        log.info("model %r: new weights loaded from a directory", self.name)
 
     async def join_weights_group(self, group: WeightsGroup) -> None:
         """The engine joins a trainer's collective, which new weights then come over."""
@@ -212,7 +213,7 @@ class ServedModel:
             "names",
             "distributed",
         )
-        log.info("model %r: weights %r received over group %r", self.name, self.weight_version, group)
+        log.info("model %r: new weights received over a collective", self.name)
 
     async def _replace_weights(
         self,

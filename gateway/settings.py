@@ -8,6 +8,7 @@
     shutdown_grace_s = 30          # after SIGTERM: finish in-flight requests this long
     shared_memory = true           # write dense answers into same-host clients' memory when asked
     trusted_weight_sync = false    # a trainer's weight-sync calls without the admin key
+    open_flush_cache = false       # /flush_cache for every key, not only the admin key
     weight_sync_timeout_s = 300    # joining a trainer's collective, each update's transfer
 
     [[models]]
@@ -32,11 +33,12 @@
     max_streams = 256              # open streamed responses; 429 beyond
     max_in_flight_per_key = 0      # 0: unlimited; 429 + Retry-After beyond
     rows_per_minute_per_key = 0    # dense rows; 0: unlimited; 429 + Retry-After beyond
+    max_logprob_entries = 4194304  # logprobs one answer may carry; 400 beyond, before any work
 
 Environment: LOGPROB_GATEWAY_CONFIG, _HOST, _PORT, _MODEL, _BACKEND, _SERVED_MODEL_NAME, _DTYPE,
 _DEVICE, _MAX_MODEL_LEN, _LOG_LEVEL, _REDIS_URL, _CACHE (false: no cache), _ADMIN_KEY,
 _API_KEYS (comma-separated entries), _API_KEYS_FILE, _METRICS_PUBLIC, _SHUTDOWN_GRACE_S,
-_SHARED_MEMORY, _TRUSTED_WEIGHT_SYNC, _WEIGHT_SYNC_TIMEOUT_S.
+_SHARED_MEMORY, _TRUSTED_WEIGHT_SYNC, _WEIGHT_SYNC_TIMEOUT_S, _OPEN_FLUSH_CACHE.
 A model given by flag or environment replaces the file's model list.
 """
 
@@ -100,6 +102,8 @@ class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_streams: Annotated[int, msgspec.Meta(gt=0)] = 256  # open streamed responses, server-wide
     max_in_flight_per_key: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: unlimited
     rows_per_minute_per_key: Annotated[int, msgspec.Meta(ge=0)] = 0  # dense rows; 0: unlimited
+    # logprob values in one answer (tokens' own, top logprobs, named token ids), counted before any work
+    max_logprob_entries: Annotated[int, msgspec.Meta(gt=0)] = 4 * 2**20
 
 
 class CacheSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -132,6 +136,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # TorchRL never sends (gateway/routes/weight_sync.py).
     trusted_weight_sync: bool = False
     weight_sync_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # joining, each update's transfer
+    # /flush_cache empties a shared service's caches: the admin key's unless this opens it to every key
+    open_flush_cache: bool = False
     models: list[ModelSettings] = msgspec.field(default_factory=lambda: [ModelSettings()])
     limits: Limits = msgspec.field(default_factory=Limits)
     cache: CacheSettings = msgspec.field(default_factory=CacheSettings)
@@ -174,6 +180,7 @@ _ENV_KEYS = {
     "SHARED_MEMORY": "shared_memory",
     "TRUSTED_WEIGHT_SYNC": "trusted_weight_sync",
     "WEIGHT_SYNC_TIMEOUT_S": "weight_sync_timeout_s",
+    "OPEN_FLUSH_CACHE": "open_flush_cache",
 }
 _CACHE_KEYS = {"redis_url": "redis_url", "cache_enabled": "enabled"}
 

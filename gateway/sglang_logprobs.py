@@ -10,12 +10,34 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gateway.generation import check_logprob_entries
 from gateway.schemas.sglang import Triple
+from gateway.settings import Limits
 
 if TYPE_CHECKING:
     from gateway.sglang_native import Item
 
 ROWS_PER_CALL = 64  # next-token rows asked of the engine at once (vocab_size float32 each)
+
+
+def logprob_entries(item: Item) -> int:
+    """The triples an item's answer carries: per prompt position from `start` and per token it
+    may generate (max_new_tokens = 0 reports one), its own, its top-k and its named ids."""
+    if not item.return_logprob:
+        return 0
+    per_position = 1 + item.top_k + len(item.token_ids or ())
+    return per_position * (len(item.ids) - item.start + max(item.max_new_tokens, 1))
+
+
+def check_answer_size(items: Sequence[Item], names_token_ids: bool, limits: Limits) -> None:
+    """Refuse a request whose answer would carry more triples than the limit (a 400)."""
+    check_logprob_entries(
+        sum(map(logprob_entries, items)),
+        limits,
+        "name fewer token_ids_logprob, ask a smaller top_logprobs_num, start later with "
+        "logprob_start_len, split the batch, or ask /v1/next_token_logprobs for whole rows",
+        "token_ids_logprob" if names_token_ids else "logprob_start_len",
+    )
 
 
 class Triples:

@@ -35,7 +35,14 @@ from gateway.schemas.sglang import (
     Triple,
 )
 from gateway.settings import Limits
-from gateway.sglang_logprobs import Scores, Triples, at_temperature, input_scores, next_token_rows
+from gateway.sglang_logprobs import (
+    Scores,
+    Triples,
+    at_temperature,
+    check_answer_size,
+    input_scores,
+    next_token_rows,
+)
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 
@@ -264,6 +271,7 @@ def plan(body: GenerateRequest, served_for: Any, limits: Limits) -> tuple[list[I
                     token_ids[i],
                 )
             )
+    check_answer_size(items, bool(body.token_ids_logprob), limits)  # before any engine work
     return items, batch or n > 1
 
 

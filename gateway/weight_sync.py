@@ -54,7 +54,7 @@ def _log_outcome(task: asyncio.Future) -> None:
     if failure is None:
         log.info("a weight-sync operation whose client had gone away finished")
     else:
-        log.warning("a weight-sync operation whose client had gone away failed: %s", failure)
+        log.warning("a weight-sync operation whose client had gone away failed: %s", type(failure).__name__)
 
 
 def weights_group(body: InitWeightsUpdateGroupRequest, timeout_s: float) -> WeightsGroup:

@@ -92,6 +92,7 @@ def _token_logprobs(served: ServedModel, steps: Sequence[TokenStep]) -> list[Tok
 @post("/v1/chat/completions", status_code=200, summary="Create a chat completion")
 async def create_chat_completion(request: Request) -> Response:
     body = await decode_json(request, ChatCompletionRequest)
+    gen.check_stream_options(body.stream, body.stream_options)
     limits = settings(request).limits
     served, adapter = resolve_model(request, body.model)
     served.require_engine()
@@ -106,6 +107,9 @@ async def create_chat_completion(request: Request) -> Response:
     prompt_ids = chat_prompt_ids(served, body.messages)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = gen.check_context(served, len(prompt_ids), requested, limits)
+    if body.logprobs:  # per token: its logprob and its top_logprobs
+        entries = n * max_tokens * (1 + (body.top_logprobs or 0))
+        gen.check_logprob_entries(entries, limits, "ask fewer top_logprobs, n or max_tokens", "top_logprobs")
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,

@@ -110,9 +110,13 @@ def _join(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
     )
 
 
+_SMALLER = "ask fewer logprobs, prompts, n or max_tokens, or ask /v1/next_token_logprobs for whole rows"
+
+
 @post("/v1/completions", status_code=200, summary="Create a completion (OpenAI legacy completions)")
 async def create_completion(request: Request) -> Response:
     body = await decode_json(request, CompletionRequest)
+    gen.check_stream_options(body.stream, body.stream_options)
     limits = settings(request).limits
     served, adapter = resolve_model(request, body.model)
     served.require_engine()
@@ -129,6 +133,9 @@ async def create_completion(request: Request) -> Response:
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     for p in prompts:
         gen.check_context(served, len(p.ids), max_tokens, limits)
+    if top is not None:  # per position: its logprob and the top dict (the chosen token and `top` more)
+        positions = sum((len(p.ids) if body.echo else 0) + max_tokens for p in prompts) * n
+        gen.check_logprob_entries(positions * (2 + top), limits, _SMALLER, "logprobs")
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,

@@ -26,6 +26,7 @@ from gateway.http import (
     sse_response,
 )
 from gateway.registry import ServedModel
+from gateway.routes.admin import require_admin
 from gateway.schemas.sglang import GenerateRequest, GenerateResponse, ModelInfo, ServerInfo
 
 SGLANG_VERSION = "0.5.17"
@@ -157,7 +158,14 @@ async def health_generate(request: Request) -> Response:
 @route("/flush_cache", http_method=["GET", "POST"], status_code=200, summary="Empty the caches")
 async def flush_cache(request: Request) -> Response:
     """Every model's prefix K/V in its engine, and its rows in the output cache (by a new cache
-    scope: in Redis the old entries stay until they expire, unreachable)."""
+    scope: in Redis the old entries stay until they expire, unreachable). The admin key's: one key
+    would otherwise empty every key's shared cache; `open_flush_cache` opens it, and so does
+    `trusted_weight_sync` (TorchRL flushes after each update, without a key). A body is read (413
+    beyond the limit) and ignored, as SGLang ignores it."""
+    config = settings(request)
+    if not (config.open_flush_cache or config.trusted_weight_sync):
+        require_admin(request)
+    await request.body()
     for served in registry(request).models.values():
         if served.engine is not None:
             await served.engine.flush_cache()

@@ -7,10 +7,13 @@ from typing import Literal
 import msgspec
 
 from gateway.schemas.common import (
+    ModelName,
+    Name,
     NonNegativeInt,
     Penalty,
     PositiveInt,
     Seed,
+    Stop,
     StreamOptions,
     Temperature,
     TopP,
@@ -27,18 +30,18 @@ class TextPart(msgspec.Struct, kw_only=True):
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: Name | None = None
 
 
 class ChatCompletionRequest(msgspec.Struct, kw_only=True):
-    model: str
+    model: ModelName
     messages: list[ChatMessage]
     max_tokens: NonNegativeInt | None = None
     max_completion_tokens: NonNegativeInt | None = None
     temperature: Temperature | None = 1.0
     top_p: TopP | None = 1.0
     n: PositiveInt | None = 1
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     seed: Seed | None = None
     logprobs: bool | None = False
     top_logprobs: NonNegativeInt | None = None
@@ -47,7 +50,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     presence_penalty: Penalty | None = 0.0
     frequency_penalty: Penalty | None = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Name | None = None
 
     def __post_init__(self) -> None:
         self.seed = sampling_seed(self.seed)

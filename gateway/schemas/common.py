@@ -12,6 +12,13 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
+# Free text the gateway stores, echoes or compares (names, ids, versions, stop strings): bounded
+# at decode, so none of it is carried around at the body's size (a 400 beyond)
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+ModelName = Annotated[str, msgspec.Meta(max_length=512)]  # `base:adapter`
+FilePath = Annotated[str, msgspec.Meta(max_length=4096)]
+StopString = Annotated[str, msgspec.Meta(max_length=1024)]
+Stop = StopString | list[StopString]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 

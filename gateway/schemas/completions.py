@@ -7,10 +7,13 @@ from typing import Literal
 import msgspec
 
 from gateway.schemas.common import (
+    ModelName,
+    Name,
     NonNegativeInt,
     Penalty,
     PositiveInt,
     Seed,
+    Stop,
     StreamOptions,
     Temperature,
     TokenId,
@@ -25,14 +28,14 @@ Prompt = str | list[str | TokenId | list[TokenId]]
 
 
 class CompletionRequest(msgspec.Struct, kw_only=True):
-    model: str
+    model: ModelName
     prompt: Prompt
     max_tokens: NonNegativeInt | None = 16
     temperature: Temperature | None = 1.0
     top_p: TopP | None = 1.0
     n: PositiveInt | None = 1
     best_of: PositiveInt | None = None
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     seed: Seed | None = None
     echo: bool | None = False
     logprobs: NonNegativeInt | None = None
@@ -42,7 +45,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     frequency_penalty: Penalty | None = 0.0
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
-    user: str | None = None
+    user: Name | None = None
 
     def __post_init__(self) -> None:
         self.seed = sampling_seed(self.seed)

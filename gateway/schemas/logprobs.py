@@ -7,7 +7,7 @@ from typing import Literal
 import msgspec
 
 from gateway.schemas.chat import ChatMessage
-from gateway.schemas.common import TokenId
+from gateway.schemas.common import ModelName, TokenId
 from logprob_gateway_client.encoding import Dtype
 
 # The MessagePack matrix answers and the fields they share are defined once, in the client's
@@ -26,7 +26,7 @@ Input = str | list[str | TokenId | list[TokenId]]
 
 
 class NextTokenLogprobsRequest(msgspec.Struct, kw_only=True):
-    model: str
+    model: ModelName
     input: Input
     encoding_format: Literal["float", "base64"] = "float"
     dtype: Dtype = "float32"
@@ -96,7 +96,7 @@ class TokenizerFiles(msgspec.Struct, kw_only=True):
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
-    model: str
+    model: ModelName
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
@@ -112,7 +112,7 @@ class TokenizeResponse(msgspec.Struct, kw_only=True):
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
-    model: str
+    model: ModelName
     tokens: list[TokenId]
 
 

@@ -6,6 +6,8 @@ from typing import Literal
 
 import msgspec
 
+from gateway.schemas.common import FilePath, ModelName, Name
+
 
 class ModelCard(msgspec.Struct, kw_only=True):
     id: str
@@ -38,25 +40,25 @@ class Health(msgspec.Struct, kw_only=True):
 
 
 class LoadLoraAdapterRequest(msgspec.Struct, kw_only=True):
-    lora_name: str
-    lora_path: str  # relative to the model's adapters_root, or an absolute path inside it
-    model: str | None = None  # the base model; may be omitted when only one is served
+    lora_name: Name
+    lora_path: FilePath  # relative to the model's adapters_root, or an absolute path inside it
+    model: ModelName | None = None  # the base model; may be omitted when only one is served
 
 
 class UnloadLoraAdapterRequest(msgspec.Struct, kw_only=True):
-    lora_name: str
-    model: str | None = None
+    lora_name: Name
+    model: ModelName | None = None
 
 
 class UpdateWeightsFromDiskRequest(msgspec.Struct, kw_only=True):
     """SGLang's request (`UpdateWeightFromDiskReqInput`), the fields that apply here."""
 
-    model_path: str  # a Hugging Face directory: config.json and safetensors weights
-    load_format: str | None = None  # None, "auto" or "safetensors"
-    weight_version: str | None = None  # what to call the new weights; default: the update's count
+    model_path: FilePath  # a Hugging Face directory: config.json and safetensors weights
+    load_format: Name | None = None  # None, "auto" or "safetensors"
+    weight_version: Name | None = None  # what to call the new weights; default: the update's count
     flush_cache: bool = True  # the output cache's keys change with the weights either way
     abort_all_requests: bool = False  # requests reading the old weights are waited for, not aborted
-    model: str | None = None  # the base model; may be omitted when only one is served
+    model: ModelName | None = None  # the base model; may be omitted when only one is served
 
 
 class UpdateWeightsFromDiskResponse(msgspec.Struct, kw_only=True):

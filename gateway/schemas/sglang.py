@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from gateway.schemas.common import NonNegativeInt, Penalty, PositiveInt, Seed, TopP
+from gateway.schemas.common import ModelName, Name, NonNegativeInt, Penalty, PositiveInt, Seed, Stop, TopP
 
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]
 UnitInterval = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
@@ -30,7 +30,7 @@ class SglangSamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     stop_token_ids: list[NonNegativeInt] | None = None
     stop_regex: str | list[str] | None = None
     ignore_eos: bool | None = None
@@ -54,15 +54,15 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     text: str | list[str] | None = None
     input_ids: list[Any] | None = None  # list[int] | list[list[int]]: checked in the route
     sampling_params: SglangSamplingParams | list[SglangSamplingParams] | None = None
-    rid: str | list[str] | None = None
+    rid: Name | list[Name] | None = None
     return_logprob: bool | list[bool] | None = None
     logprob_start_len: int | list[int] | None = None
     top_logprobs_num: NonNegativeInt | list[NonNegativeInt] | None = None
     token_ids_logprob: list[Any] | None = None
     return_text_in_logprobs: bool | None = None
     stream: bool | None = None
-    lora_path: str | list[str | None] | None = None
-    model: str | None = None  # this gateway's: a served model or `base:adapter` (default: the first)
+    lora_path: Name | list[Name | None] | None = None
+    model: ModelName | None = None  # this gateway's: a served model or `base:adapter` (default: the first)
     image_data: Any = None
 
 

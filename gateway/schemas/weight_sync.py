@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from gateway.schemas.common import ModelName, Name
+
 # The dtypes a trainer may announce (torch's names; backends/weight_sync.py maps them).
 TensorDtype = Literal[
     "float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"
@@ -30,27 +32,27 @@ class InitWeightsUpdateGroupRequest(msgspec.Struct, kw_only=True):
     world_size: Annotated[int, msgspec.Meta(ge=2, le=65536)]
     group_name: GroupName = "weight_update_group"
     backend: Literal["nccl", "gloo"] | None = None  # None: nccl on CUDA, gloo on the CPU
-    model: str | None = None
+    model: ModelName | None = None
 
 
 class UpdateWeightsFromDistributedRequest(msgspec.Struct, kw_only=True):
     """Tensors the trainer broadcasts from rank 0, one per name, in this order."""
 
-    names: Annotated[list[str], msgspec.Meta(min_length=1)]
+    names: Annotated[list[Annotated[str, msgspec.Meta(max_length=1024)]], msgspec.Meta(min_length=1)]
     dtypes: Annotated[list[TensorDtype], msgspec.Meta(min_length=1)]  # one per name
     shapes: Annotated[list[list[Dimension]], msgspec.Meta(min_length=1)]  # one per name
     group_name: GroupName = "weight_update_group"
     flush_cache: bool = True  # caches are flushed on every update either way
     abort_all_requests: bool = False  # true is refused: pause in abort mode first
-    weight_version: str | None = None  # what to call the new weights; default: the update's count
+    weight_version: Name | None = None  # what to call the new weights; default: the update's count
     load_format: None = None  # SGLang's flattened buckets are not supported
     torch_empty_cache: bool = False
-    model: str | None = None
+    model: ModelName | None = None
 
 
 class DestroyWeightsUpdateGroupRequest(msgspec.Struct, kw_only=True):
     group_name: GroupName = "weight_update_group"
-    model: str | None = None
+    model: ModelName | None = None
 
 
 class WeightsGroupResponse(msgspec.Struct, kw_only=True):

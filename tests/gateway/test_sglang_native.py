@@ -213,16 +213,6 @@ def test_stream_is_cumulative_and_ends_with_done(http, reference):
     assert len(last["meta_info"]["output_token_logprobs"]) == 6 and "e2e_latency" in last["meta_info"]
 
 
-def test_flush_cache_makes_dense_rows_recompute(http):
-    body = {"model": MODEL, "input": [[1, 2, 3, 4]]}
-    http.post("/v1/next_token_logprobs", json=body)
-    assert http.post("/v1/next_token_logprobs", json=body).json()["usage"]["cache_hits"] == 1
-    flushed = http.post("/flush_cache")
-    assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed.")
-    assert http.post("/v1/next_token_logprobs", json=body).json()["usage"]["cache_hits"] == 0
-    assert http.post("/v1/next_token_logprobs", json=body).json()["usage"]["cache_hits"] == 1
-
-
 def test_info_and_health_endpoints(http, model_dir):
     for path in ("/model_info", "/get_model_info"):
         info = http.get(path).json()
