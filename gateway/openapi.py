@@ -59,6 +59,7 @@ ERRORS = {
     "404": "Unknown model or adapter, or unknown path.",
     "405": "Method not allowed on this path.",
     "413": "Request body too large.",
+    "415": "A body that is neither JSON nor MessagePack (by its Content-Type; none is read as JSON).",
     "429": "A per-key limit (requests in flight, rows per minute) or the server's stream limit; see Retry-After.",
     "500": "The engine failed; the service keeps serving.",
     "503": "The model is still loading, or failed to load.",
@@ -347,9 +348,10 @@ OPERATIONS = [
             method,
             "/flush_cache",
             "Empty the caches",
-            "Every model's prefix keys/values in its engine and its rows in the output cache.",
+            "Every model's prefix keys/values in its engine and its rows in the output cache. Needs the "
+            "admin key unless `open_flush_cache` (or `trusted_weight_sync`) is set.",
             responses={"text/plain": {"type": "string"}},
-            errors=(),
+            errors=("403", "413"),
             tags=("SGLang",),
         )
         for method in ("post", "get")
@@ -495,6 +497,12 @@ def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
         {"properties": {"top_logprobs": {"type": "null"}}},
         {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
     ]
+    for request in (completion, chat):  # stream_options only with stream: true, as OpenAI's
+        streamed_only = [
+            {"properties": {"stream_options": {"type": "null"}}},
+            {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+        ]
+        request["allOf"] = [{"anyOf": request.pop("anyOf")}, {"anyOf": streamed_only}]
     schemas["NextTokenLogprobsRequest"]["anyOf"] = [
         {"properties": {"shared_memory": {"type": "null"}}},
         {"properties": {"layout": {"const": "matrix"}}, "required": ["layout"]},
@@ -595,7 +603,7 @@ def build_openapi(settings: Settings | None = None, vocab_size: int | None = Non
         if op.path not in unguarded:
             statuses |= {"401", "429"}
         if op.request is not None:
-            statuses.add("413")
+            statuses |= {"413", "415"}
         for status in sorted(statuses):
             responses[status] = {
                 "description": ERRORS[status],
