@@ -8,6 +8,7 @@
      ├── ModelNotFoundError            404 invalid_request_error   code=model_not_found
      ├── RateLimitError                429 rate_limit_error        (a per-key or server limit; Retry-After)
      ├── ModelNotReadyError            503 service_unavailable     (still loading, or failed)
+     ├── ShuttingDownError             503 service_unavailable     code=server_shutting_down (after SIGTERM)
      └── EngineError                   500 internal_error          (the engine failed a request)
 
 Responses use OpenAI's error object: {"error": {"message", "type", "param", "code"}}.
@@ -99,6 +100,12 @@ class ModelNotReadyError(GatewayError):
     status_code = 503
     error_type = "service_unavailable"
     code = "model_not_ready"
+
+
+class ShuttingDownError(GatewayError):
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "server_shutting_down"
 
 
 class NotSupportedError(GatewayError):
