@@ -106,6 +106,7 @@ class ShuttingDownError(GatewayError):
     status_code = 503
     error_type = "service_unavailable"
     code = "server_shutting_down"
+    retry_after = 1.0  # the client may go to another replica at once
 
 
 class NotSupportedError(GatewayError):
