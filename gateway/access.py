@@ -1,5 +1,6 @@
 """Who may call the gateway, and how much: API keys kept only as SHA-256 digests, per-key limits
-(requests in flight, dense rows per minute) and the server-wide number of open streams.
+(requests in flight, dense rows per minute), the server-wide number of open streams and the
+server-wide budget of dense answers' bytes not yet read by their clients.
 
 A key entry is `[name:]sha256:<64 hex digits>`, one per line in `api_keys_file` (blank lines and
 `#` comments allowed) or per item of `api_keys`. `logprob-gateway hash-key` prints the entry
@@ -16,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.errors import RateLimitError
+from gateway.errors import InvalidRequestError, RateLimitError
 from gateway.settings import ConfigError, Limits, Settings
 
 _ENTRY = re.compile(r"(?:(?P<name>[A-Za-z0-9_.@-]{1,64}):)?sha256:(?P<digest>[0-9a-f]{64})")
@@ -120,6 +121,7 @@ class Access:
         self.limits = limits
         self.in_flight: dict[str, int] = {}
         self.streams = 0
+        self.answer_bytes = 0  # reserved by dense answers being computed, encoded or read
         self._buckets: dict[str, _Bucket] = {}
 
     def enter(self, key: str) -> None:
@@ -158,3 +160,25 @@ class Access:
 
     def release_stream(self) -> None:
         self.streams -= 1
+
+    def reserve_answer_bytes(self, nbytes: int) -> None:
+        """Reserve an answer's bytes before its work starts: a 400 for one answer larger than the
+        whole budget (it could never be served), a 429 while others hold too much of it."""
+        budget = self.limits.max_answer_bytes
+        if nbytes > budget:
+            raise InvalidRequestError(
+                f"this answer would take about {nbytes} bytes, more than the server's {budget} for all "
+                "answers; ask for fewer rows, a smaller dtype, base64 or MessagePack instead of JSON "
+                "floats, or shared_memory",
+                code="answer_too_large",
+            )
+        if self.answer_bytes + nbytes > budget:
+            raise RateLimitError(
+                f"the server holds {self.answer_bytes} bytes of answers that their clients have not "
+                f"read yet; this one needs {nbytes} more of its {budget}",
+                retry_after=1,
+            )
+        self.answer_bytes += nbytes
+
+    def release_answer_bytes(self, nbytes: int) -> None:
+        self.answer_bytes -= nbytes

@@ -40,6 +40,7 @@ from gateway.routes.weight_sync import (
     update_weights_from_distributed,
 )
 from gateway.settings import Settings
+from gateway.shutdown import Shutdown
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ def create_app(
             "dense": dense,
             "metrics": metrics,
             "access": access,
+            "shutdown": Shutdown(),
         }
     )
 
@@ -135,5 +137,5 @@ def serving_app(
     """The app, and what the server runs: the app inside the key/limit/disconnect guard, inside
     the metrics wrapper (so refused and unknown requests are counted too)."""
     app = create_app(settings, on_loaded=on_loaded)
-    guarded = guard(app, app.state.access, metrics_public=settings.metrics_public)
+    guarded = guard(app, app.state.access, app.state.shutdown, metrics_public=settings.metrics_public)
     return app, instrument(guarded, app.state.metrics)

@@ -83,25 +83,23 @@ def tune_collector() -> None:
 
 
 def serve(settings: Settings) -> None:
-    import uvicorn
-
     from gateway.app import serving_app
     from gateway.server_logging import uvicorn_log_config
+    from gateway.shutdown import run_server
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     litestar_app, app = serving_app(settings, on_loaded=tune_collector)
-    # SIGTERM: uvicorn stops accepting connections, lets in-flight requests finish for up to the
-    # grace period, then cancels what is left and runs the app's shutdown (engines, cache).
-    uvicorn.run(
+    # SIGTERM: /health turns 503 while in-flight requests finish for up to the grace period; then
+    # what is left ends cleanly and the app's shutdown runs (engines, cache): gateway/shutdown.py.
+    # The protocol answers malformed HTTP in the error shape and bounds header reads and stalled writes.
+    run_server(
         app,
-        host=settings.host,
-        port=settings.port,
+        settings,
+        litestar_app.state.shutdown,
         log_level=settings.log_level,
         log_config=uvicorn_log_config(route.path for route in litestar_app.routes),
-        timeout_graceful_shutdown=settings.shutdown_grace_s,
-        http="gateway.server_protocol:GatewayHTTPProtocol",  # malformed HTTP answered in the error shape
     )
 
 

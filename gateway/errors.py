@@ -9,6 +9,7 @@
      ├── UnsupportedMediaTypeError     415 invalid_request_error   (a body neither JSON nor MessagePack)
      ├── RateLimitError                429 rate_limit_error        (a per-key or server limit; Retry-After)
      ├── ModelNotReadyError            503 service_unavailable     (still loading, or failed)
+     ├── ShuttingDownError             503 service_unavailable     code=server_shutting_down (after SIGTERM)
      └── EngineError                   500 internal_error          (the engine failed a request)
 
 Responses use OpenAI's error object: {"error": {"message", "type", "param", "code"}}.
@@ -106,6 +107,13 @@ class ModelNotReadyError(GatewayError):
     status_code = 503
     error_type = "service_unavailable"
     code = "model_not_ready"
+
+
+class ShuttingDownError(GatewayError):
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "server_shutting_down"
+    retry_after = 1.0  # the client may go to another replica at once
 
 
 class NotSupportedError(GatewayError):

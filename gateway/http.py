@@ -23,7 +23,7 @@ from gateway.errors import (
     InvalidRequestError,
     UnsupportedMediaTypeError,
 )
-from gateway.guard import KEY_NAME, STREAM_KEY
+from gateway.guard import ANSWER_BYTES_KEY, KEY_NAME, STREAM_KEY
 from gateway.metrics import set_labels
 from gateway.registry import ModelRegistry, ServedModel
 from gateway.settings import Settings
@@ -140,17 +140,34 @@ def msgpack_response(body: Any, status_code: int = 200) -> Response:
     )
 
 
+SEND_CHUNK_BYTES = 2**20  # a body goes to the server in pieces this large at most
+
+
+def _chunks(parts: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    pieces: list[bytes | memoryview] = []
+    for part in parts:
+        if len(part) <= SEND_CHUNK_BYTES:
+            pieces.append(part)
+            continue
+        view = memoryview(part).cast("B")
+        pieces.extend(view[i : i + SEND_CHUNK_BYTES] for i in range(0, len(view), SEND_CHUNK_BYTES))
+    return pieces
+
+
 class _ASGIPartsResponse(ASGIResponse):
     __slots__ = ("parts",)
 
     def __init__(self, *, parts: Sequence[bytes | memoryview], **kwargs: Any) -> None:
-        super().__init__(content_length=sum(len(part) for part in parts), **kwargs)
+        super().__init__(content_length=sum(memoryview(part).nbytes for part in parts), **kwargs)
         self.parts = parts
 
     async def send_body(self, send: Send, receive: Receive) -> None:
-        last = len(self.parts) - 1
-        for i, part in enumerate(self.parts):
-            await send({"type": "http.response.body", "body": part, "more_body": i < last})  # type: ignore[typeddict-item]
+        # In pieces: uvicorn waits for the client to read before taking the next, so the request
+        # (and its reserved answer bytes, gateway.guard) ends when the client has read, not before.
+        pieces = _chunks(self.parts)
+        last = len(pieces) - 1
+        for i, piece in enumerate(pieces):
+            await send({"type": "http.response.body", "body": piece, "more_body": i < last})  # type: ignore[typeddict-item]
 
 
 class PartsResponse(Response):
@@ -241,6 +258,14 @@ def reserve_stream(request: Request) -> None:
     if KEY_NAME in request.scope:
         access(request).reserve_stream()
         request.scope[STREAM_KEY] = True  # type: ignore[literal-required]
+
+
+def reserve_answer_bytes(request: Request, nbytes: int) -> None:
+    """Reserve the answer's bytes in the server-wide budget (gateway.access); gateway.guard gives
+    them back once the response is sent to the client or abandoned. Without the guard: no limit."""
+    if KEY_NAME in request.scope:
+        access(request).reserve_answer_bytes(nbytes)
+        request.scope[ANSWER_BYTES_KEY] = nbytes  # type: ignore[literal-required]
 
 
 def charge_rows(request: Request, rows: int) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from gateway.errors import ErrorResponse
-from gateway.guard import open_paths
+from gateway.guard import DURING_SHUTDOWN, open_paths
 from gateway.openapi_operation import REF, Operation, schema_ref
 from gateway.openapi_vocabulary import bound_by_vocabulary
 from gateway.openapi_weight_sync import RESPONSE_TYPES as WEIGHT_SYNC_RESPONSES
@@ -62,7 +62,7 @@ ERRORS = {
     "415": "A body that is neither JSON nor MessagePack (by its Content-Type; none is read as JSON).",
     "429": "A per-key limit (requests in flight, rows per minute) or the server's stream limit; see Retry-After.",
     "500": "The engine failed; the service keeps serving.",
-    "503": "The model is still loading, or failed to load.",
+    "503": "The model is still loading, or failed to load; or the server is shutting down (see Retry-After).",
     "501": "The engine cannot do this (a restart or another backend can): new weights without a restart, "
     "or over a collective.",
 }
@@ -604,6 +604,8 @@ def build_openapi(settings: Settings | None = None, vocab_size: int | None = Non
             statuses |= {"401", "429"}
         if op.request is not None:
             statuses |= {"413", "415"}
+        if op.path not in DURING_SHUTDOWN:
+            statuses.add("503")
         for status in sorted(statuses):
             responses[status] = {
                 "description": ERRORS[status],
@@ -642,7 +644,9 @@ def build_openapi(settings: Settings | None = None, vocab_size: int | None = Non
             "title": "logprob-gateway",
             "version": "0.1.0",
             "description": "OpenAI-compatible gateway for in-process LLM engines, with dense next-token "
-            "log-probabilities over the whole vocabulary. Errors use OpenAI's error object.",
+            "log-probabilities over the whole vocabulary. Errors use OpenAI's error object. A request whose "
+            "head (request line and headers) is not complete within the server's header timeout gets a 408 "
+            "and its connection is closed.",
         },
         "paths": paths,
         **({"security": [{"apiKey": []}]} if settings.api_keys or settings.api_keys_file else {}),

@@ -34,6 +34,9 @@
     max_in_flight_per_key = 0      # 0: unlimited; 429 + Retry-After beyond
     rows_per_minute_per_key = 0    # dense rows; 0: unlimited; 429 + Retry-After beyond
     max_logprob_entries = 4194304  # logprobs one answer may carry; 400 beyond, before any work
+    max_answer_bytes = 2147483648  # dense answers not yet read by their clients, server-wide; 429 beyond
+    write_stall_timeout_s = 30     # a client that reads none of its answer this long is disconnected
+    header_timeout_s = 15          # a request head not complete this long: 408, connection closed
 
 Environment: LOGPROB_GATEWAY_CONFIG, _HOST, _PORT, _MODEL, _BACKEND, _SERVED_MODEL_NAME, _DTYPE,
 _DEVICE, _MAX_MODEL_LEN, _LOG_LEVEL, _REDIS_URL, _CACHE (false: no cache), _ADMIN_KEY,
@@ -104,6 +107,11 @@ class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rows_per_minute_per_key: Annotated[int, msgspec.Meta(ge=0)] = 0  # dense rows; 0: unlimited
     # logprob values in one answer (tokens' own, top logprobs, named token ids), counted before any work
     max_logprob_entries: Annotated[int, msgspec.Meta(gt=0)] = 4 * 2**20
+    # Dense answers' bytes held at once, server-wide, from before their rows are computed until
+    # their clients have read them (429 beyond; 400 for one answer larger than all of it).
+    max_answer_bytes: Annotated[int, msgspec.Meta(gt=0)] = 2 * 2**30
+    write_stall_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # a client reading nothing: cut
+    header_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 15.0  # request line + headers (408 beyond)
 
 
 class CacheSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -2,12 +2,14 @@
 client's shared memory with a small document saying where.
 
 Bodies are lists of buffers sent one after the other (gateway.http.PartsResponse): a MessagePack
-matrix goes out as a header and the rows' own memory, never joined.
+matrix goes out as a header and the rows' own memory, never joined; a JSON answer as its document
+around its rows, each encoded alone, so no Python list of every float exists at once.
 """
 
 from __future__ import annotations
 
 import base64
+import math
 
 import msgspec
 import numpy as np
@@ -24,9 +26,36 @@ from gateway.schemas.logprobs import (
     NextTokenLogprobsSharedMemoryResponse,
     NextTokenLogprobsUsage,
 )
-from logprob_gateway_client.encoding import matrix_view, msgpack_bin_header, row_base64, row_views
+from logprob_gateway_client.encoding import (
+    ITEMSIZE,
+    matrix_view,
+    msgpack_bin_header,
+    row_base64,
+    row_views,
+)
 
 Parts = list[bytes | memoryview]
+
+JSON_FLOAT_BYTES = 25  # "-1.2345678901234567e-05," : msgspec's longest float and its comma
+ROW_OVERHEAD_BYTES = 64  # a row's object, index and separators
+
+
+def answer_nbytes(
+    count: int, vocab_size: int, body: NextTokenLogprobsRequest, binary: bool, shared: bool
+) -> int:
+    """An upper bound of the bytes the server holds for an answer of `count` rows: the float32 rows,
+    and (unless they go into the client's shared memory) the body with any copy made to encode it."""
+    values = count * vocab_size
+    if shared:
+        return values * ITEMSIZE["float32"]
+    itemsize = ITEMSIZE[body.dtype]
+    if binary:
+        wire = 2 * itemsize  # rows converted to `dtype`, then the document
+    elif body.encoding_format == "base64":
+        wire = itemsize + math.ceil(itemsize * 4 / 3)
+    else:
+        wire = JSON_FLOAT_BYTES
+    return values * (ITEMSIZE["float32"] + wire) + count * ROW_OVERHEAD_BYTES + 4096
 
 
 def in_shared_memory(
@@ -70,21 +99,26 @@ def in_body(
             model=body.model, vocab_size=vocab_size, dtype=body.dtype, data=data, usage=usage
         )
         return [msgspec.msgpack.encode(document)]
-    if body.encoding_format == "base64":
-        rows_out = [
-            NextTokenLogprobsRow(index=i, logprobs=row_base64(r, body.dtype)) for i, r in enumerate(rows)
-        ]
-    else:
-        # JSON has no -inf: it is sent as null (msgspec writes non-finite floats as null).
-        rows_out = [NextTokenLogprobsRow(index=i, logprobs=r.tolist()) for i, r in enumerate(rows)]
+    dtype = body.dtype if body.encoding_format == "base64" else "float32"
     response = NextTokenLogprobsResponse(
-        model=body.model,
-        vocab_size=vocab_size,
-        dtype=body.dtype if body.encoding_format == "base64" else "float32",
-        data=rows_out,
-        usage=usage,
+        model=body.model, vocab_size=vocab_size, dtype=dtype, data=[], usage=usage
     )
-    return [msgspec.json.encode(response)]
+    head, tail = _around(msgspec.json.encode(response), b'"data":[]')
+    parts: Parts = [head]
+    for i, r in enumerate(rows):
+        # JSON has no -inf: it is sent as null (msgspec writes non-finite floats as null).
+        values = row_base64(r, body.dtype) if body.encoding_format == "base64" else r.tolist()
+        row = msgspec.json.encode(NextTokenLogprobsRow(index=i, logprobs=values))
+        parts.append(b"," + row if i else row)
+    parts.append(tail)
+    return parts
+
+
+def _around(document: bytes, empty: bytes) -> tuple[bytes, bytes]:
+    """The document before and after the inside of its one `empty` field ('"data":[]'), to send
+    with the field's items in between."""
+    at = document.index(empty) + len(empty) - 1
+    return document[:at], document[at:]
 
 
 def _matrix(
@@ -100,9 +134,14 @@ def _matrix(
         matrix = matrix_view(rows, body.dtype)
         return [empty[:-2] + msgpack_bin_header(len(matrix)), matrix]
     if body.encoding_format == "base64":
-        document = NextTokenLogprobsMatrixResponse(
-            **fields, dtype=body.dtype, logprobs=base64.b64encode(matrix_view(rows, body.dtype)).decode()
-        )
-    else:
-        document = NextTokenLogprobsMatrixResponse(**fields, dtype="float32", logprobs=rows.tolist())
-    return [msgspec.json.encode(document)]
+        document = NextTokenLogprobsMatrixResponse(**fields, dtype=body.dtype, logprobs="")
+        head, tail = _around(msgspec.json.encode(document), b'"logprobs":""')
+        return [head, base64.b64encode(matrix_view(rows, body.dtype)), tail]
+    document = NextTokenLogprobsMatrixResponse(**fields, dtype="float32", logprobs=[])
+    head, tail = _around(msgspec.json.encode(document), b'"logprobs":[]')
+    parts: Parts = [head]
+    for i, r in enumerate(rows):
+        row = msgspec.json.encode(r.tolist())
+        parts.append(b"," + row if i else row)
+    parts.append(tail)
+    return parts

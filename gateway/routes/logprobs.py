@@ -6,6 +6,7 @@ from litestar import Request, Response, get, post
 
 from gateway import http
 from gateway.dense import DenseService
+from gateway.dense.delivery import answer_nbytes
 from gateway.prompts import token_inputs
 from gateway.schemas.logprobs import BatchingStats, NextTokenLogprobsRequest
 
@@ -24,7 +25,12 @@ async def next_token_logprobs(request: Request) -> Response:
     )
     http.charge_rows(request, len(inputs))
     binary = http.wants_msgpack(request)
-    answer = await _dense(request).answer(served, adapter, [i.ids for i in inputs], body, binary)
+    dense = _dense(request)
+    # Before any row is computed: its size is known, and a server full of unread answers says so.
+    shared = body.shared_memory is not None and dense.shared_memory is not None
+    vocab_size = served.require_engine().vocab_size
+    http.reserve_answer_bytes(request, answer_nbytes(len(inputs), vocab_size, body, binary, shared))
+    answer = await dense.answer(served, adapter, [i.ids for i in inputs], body, binary)
     media_type = http.MSGPACK_TYPES[0] if binary else "application/json"
     return http.PartsResponse(
         answer.parts, media_type=media_type, headers={"Server-Timing": answer.server_timing}

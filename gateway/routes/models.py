@@ -74,6 +74,8 @@ async def health(request: Request) -> Response:
     healthy = registry(request).healthy
     failed = any(m.error for m in models)
     status = "ok" if healthy else ("unhealthy" if failed else "loading")
+    if request.app.state.shutdown.draining:  # out of the load balancer before the listener closes
+        status, healthy = "shutting_down", False
     body = Health(
         status=status, models=[ModelHealth(name=m.name, ready=m.ready, error=m.error) for m in models]
     )

@@ -35,7 +35,7 @@ class ModelHealth(msgspec.Struct, kw_only=True):
 
 
 class Health(msgspec.Struct, kw_only=True):
-    status: Literal["ok", "loading", "unhealthy"]
+    status: Literal["ok", "loading", "unhealthy", "shutting_down"]
     models: list[ModelHealth]
 
 
