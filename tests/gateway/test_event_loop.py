@@ -1,0 +1,131 @@
+"""The event loop never waits on a large text: while the real server tokenizes (or templates) the
+longest text its limits allow, /health still answers within 100 ms; a text over the limit is
+refused with a 400 that names the limit, before anything tokenizes it."""
+
+from __future__ import annotations
+
+import base64
+import random
+import string
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from gateway.launcher import GatewayProcess, start_gateway
+from tests.conftest import MODEL
+
+pytestmark = pytest.mark.slow
+
+HEALTH_BOUND_S = 0.1
+# The context the default configuration documents; the default text limit follows from it.
+CONTEXT = 2048
+
+
+def _text(chars: int) -> str:
+    """Prose-like text of exactly `chars` characters: many distinct words, so the tokenizer's word
+    cache does not shortcut the work as it would for a repeated phrase."""
+    rng = random.Random(0)
+    words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9))) for _ in range(20_000)]
+    text = " ".join(rng.choices(words, k=chars // 5 + 1))
+    return text[:chars]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    log_path = tmp_path_factory.mktemp("event_loop") / "gateway.log"
+    process = start_gateway(
+        ["--model", MODEL, "--dtype", "float32", "--max-model-len", str(CONTEXT)], log_path
+    )
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def http(gateway: GatewayProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.base_url, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def text_limit(http: httpx.Client) -> int:
+    """The default per-text limit, from what the server publishes: its context times the bytes
+    of its longest token."""
+    context = http.post("/v1/tokenize", json={"model": MODEL, "prompt": "x"}).json()["max_model_len"]
+    tokens = http.get(f"/v1/models/{MODEL}/vocabulary").json()["tokens"]
+    return context * max(len(base64.b64decode(t)) for t in tokens)
+
+
+def _worst_health_latency(
+    base_url: str, request: Callable[[], httpx.Response]
+) -> tuple[float, httpx.Response]:
+    """The slowest /health answer while `request` runs (polled from another thread and client)."""
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(base_url=base_url, timeout=60) as c:
+            while not stop.is_set():
+                started = time.perf_counter()
+                assert c.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - started)
+                time.sleep(0.005)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        while len(latencies) < 3:
+            time.sleep(0.01)
+        before = len(latencies)
+        response = request()
+        while len(latencies) < before + 3:  # a poll that was waiting on the stalled loop has landed
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        poller.join()
+    return max(latencies[before:]), response
+
+
+def _bodies(text: str) -> dict[str, dict]:
+    return {
+        "/v1/tokenize": {"model": MODEL, "prompt": text},
+        "/v1/completions": {"model": MODEL, "prompt": text, "max_tokens": 1},
+        "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": text}]},
+        "/generate": {"model": MODEL, "text": text, "sampling_params": {"max_new_tokens": 1}},
+    }
+
+
+@pytest.mark.parametrize("path", list(_bodies("")))
+def test_health_answers_while_the_longest_allowed_text_is_tokenized(
+    gateway, http: httpx.Client, text_limit: int, path: str
+) -> None:
+    body = _bodies(_text(text_limit))[path]
+    worst, response = _worst_health_latency(gateway.base_url, lambda: http.post(path, json=body))
+    if path == "/v1/tokenize":
+        assert response.status_code == 200, response.text
+        assert response.json()["count"] > 0
+    else:  # tokenized, then more tokens than the context holds
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert worst < HEALTH_BOUND_S, f"/health waited {worst * 1000:.0f} ms while {path} tokenized"
+
+
+@pytest.mark.parametrize("path", list(_bodies("")))
+def test_a_text_over_the_limit_is_refused_before_tokenizing(
+    gateway, http: httpx.Client, text_limit: int, path: str
+) -> None:
+    # ASCII, so the body decodes quickly: what is measured is the tokenizing that does not happen
+    body = _bodies("a" * max(text_limit + 1, 4 * 2**20))[path]
+    worst, response = _worst_health_latency(gateway.base_url, lambda: http.post(path, json=body))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "string_above_max_length"
+    assert f"at most {text_limit} are allowed" in error["message"]
+    assert worst < HEALTH_BOUND_S, f"/health waited {worst * 1000:.0f} ms while {path} was refused"
+
+
+def test_a_text_at_the_limit_is_not_refused_for_its_length(http: httpx.Client, text_limit: int) -> None:
+    response = http.post("/v1/tokenize", json={"model": MODEL, "prompt": "é" * text_limit})
+    assert response.status_code == 200, response.text
