@@ -15,13 +15,18 @@ class TokenInput:
     text: str | None  # the string it came from, when it came from one
 
 
+# Characters per token of context that a text may have by default: 4x the densest natural text
+# measured (code and docs make 3-4 characters a token), yet few enough that the worst text (a
+# token per UTF-8 byte) holds the GIL only briefly while its token ids become Python objects.
+DEFAULT_CHARS_PER_TOKEN = 16
+
+
 def max_text_chars(served: ServedModel, limits: Limits) -> int:
-    """The most characters one text may have: `limits.max_text_chars`, or by default the most a
-    text that fits the model's context can have (each token spells at most `longest_token` bytes,
-    each character takes at least one)."""
+    """The most characters one text may have: `limits.max_text_chars`, or by default
+    DEFAULT_CHARS_PER_TOKEN per token of the model's context."""
     if limits.max_text_chars is not None:
         return limits.max_text_chars
-    return served.require_engine().max_model_len * max(served.longest_token, 1)
+    return served.require_engine().max_model_len * DEFAULT_CHARS_PER_TOKEN
 
 
 def check_text_chars(served: ServedModel, limits: Limits, chars: int, param: str) -> None:

@@ -108,7 +108,6 @@ class ServedModel:
     engine: Engine | None = None
     token_bytes: list[bytes] = field(default_factory=list)
     special_ids: frozenset[int] = frozenset()  # tokens that add no text to completions
-    longest_token: int = 1  # bytes of the longest token: bounds the characters of a text that fits
     tokenizer_files: dict[str, str] = field(default_factory=dict)
     fingerprint: str = ""  # identity of the weights, for cache keys
     weights: WeightsLock = field(default_factory=WeightsLock, repr=False)  # held by whoever reads them
@@ -268,7 +267,6 @@ class ModelRegistry:
                 token_bytes_table, engine.tokenizer, engine.vocab_size
             )
             served.special_ids = special_token_ids(engine.tokenizer) | engine.eos_token_ids
-            served.longest_token = max(map(len, served.token_bytes), default=1)
             served.tokenizer_files = await asyncio.to_thread(_tokenizer_files, engine.tokenizer)
             served.fingerprint = await asyncio.to_thread(
                 weights_fingerprint,
