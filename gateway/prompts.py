@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from gateway.errors import InvalidRequestError
 from gateway.registry import ServedModel
+from gateway.settings import Limits
 
 
 @dataclass
@@ -14,9 +15,41 @@ class TokenInput:
     text: str | None  # the string it came from, when it came from one
 
 
+# Characters per token of context that a text may have by default: 4x the densest natural text
+# measured (code and docs make 3-4 characters a token), yet few enough that the worst text (a
+# token per UTF-8 byte) holds the GIL only briefly while its token ids become Python objects.
+DEFAULT_CHARS_PER_TOKEN = 16
+
+
+def max_text_chars(served: ServedModel, limits: Limits) -> int:
+    """The most characters one text may have: `limits.max_text_chars`, or by default
+    DEFAULT_CHARS_PER_TOKEN per token of the model's context."""
+    if limits.max_text_chars is not None:
+        return limits.max_text_chars
+    return served.require_engine().max_model_len * DEFAULT_CHARS_PER_TOKEN
+
+
+def check_text_chars(served: ServedModel, limits: Limits, chars: int, param: str) -> None:
+    """Refuses a text of `chars` characters over `max_text_chars`, before anything tokenizes it."""
+    limit = max_text_chars(served, limits)
+    if chars > limit:
+        raise InvalidRequestError(
+            f"{param} has a text of {chars} characters; at most {limit} are allowed per text",
+            param=param,
+            code="string_above_max_length",
+        )
+
+
+def has_text(value: str | list) -> bool:
+    """Whether a request input in OpenAI's four forms holds strings (to tokenize off the event loop)."""
+    return isinstance(value, str) or (bool(value) and isinstance(value[0], str))
+
+
 def tokenize(
     served: ServedModel, text: str, *, add_special_tokens: bool, param: str, allow_empty: bool = False
 ) -> list[int]:
+    """Blocks for as long as the text takes: call it off the event loop (asyncio.to_thread), where
+    fast tokenizers release the GIL while they encode."""
     ids = list(served.require_engine().tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
     if not ids and not allow_empty:  # a model cannot continue nothing
         raise InvalidRequestError(f"{param} is empty after tokenization", param=param)
@@ -38,9 +71,16 @@ def check_token_ids(served: ServedModel, ids: list[int], param: str) -> list[int
 
 
 def token_inputs(
-    served: ServedModel, value: str | list, *, add_special_tokens: bool, max_items: int, param: str
+    served: ServedModel,
+    value: str | list,
+    *,
+    add_special_tokens: bool,
+    limits: Limits,
+    max_items: int,
+    param: str,
 ) -> list[TokenInput]:
-    """OpenAI's four input forms: a string, strings, a token-id list, or token-id lists."""
+    """OpenAI's four input forms: a string, strings, a token-id list, or token-id lists. Tokenizes:
+    call it off the event loop when `has_text(value)`."""
     if isinstance(value, str):
         items: list = [value]
     elif value and all(isinstance(v, int) for v in value):
@@ -54,6 +94,7 @@ def token_inputs(
         )
     if len(items) > max_items:
         raise InvalidRequestError(f"at most {max_items} inputs per request in {param}", param=param)
+    check_text_chars(served, limits, max((len(i) for i in items if isinstance(i, str)), default=0), param)
     inputs = []
     for item in items:
         if isinstance(item, str):

@@ -10,6 +10,7 @@ max_new_tokens = 0 scores the prompt and reports one triple for the would-be nex
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -23,7 +24,7 @@ from backends.base import SamplingParams, TokenStep
 from backends.vocab import decode_text
 from gateway import generation as gen
 from gateway.errors import ContextLengthError, InvalidRequestError
-from gateway.prompts import check_token_ids, tokenize
+from gateway.prompts import check_text_chars, check_token_ids, tokenize
 from gateway.registry import ServedModel
 from gateway.schemas.sglang import (
     ABORTED,
@@ -105,7 +106,8 @@ def _token_ids_per_prompt(served: ServedModel, value: list[Any] | None, count: i
 
 def prompt_ids(served: ServedModel, body: GenerateRequest, limits: Limits) -> tuple[list[list[int]], bool]:
     """The prompts' token ids, and whether the request is a batch. Text is tokenized with the
-    tokenizer's special tokens (BOS), token ids are taken as they are: SGLang's rules."""
+    tokenizer's special tokens (BOS), token ids are taken as they are: SGLang's rules. Tokenizes:
+    call it off the event loop."""
     if body.image_data is not None:
         raise _unsupported("image_data", "image_data")
     if body.input_ids is not None:
@@ -123,6 +125,7 @@ def prompt_ids(served: ServedModel, body: GenerateRequest, limits: Limits) -> tu
         raise InvalidRequestError("Either text, input_ids or input_embeds should be provided.", param="text")
     if len(items) > limits.max_prompts:
         raise InvalidRequestError(f"at most {limits.max_prompts} prompts per request", param="text")
+    check_text_chars(served, limits, max((len(i) for i in items if isinstance(i, str)), default=0), "text")
     ids = [
         tokenize(served, item, add_special_tokens=True, param="text")
         if isinstance(item, str)
@@ -203,12 +206,12 @@ def _rids(rid: str | list[str] | None, count: int, batch: bool) -> list[str]:
     return [f"{rid}_{i}" for i in range(count)] if batch else [rid]
 
 
-def plan(body: GenerateRequest, served_for: Any, limits: Limits) -> tuple[list[Item], bool]:
+async def plan(body: GenerateRequest, served_for: Any, limits: Limits) -> tuple[list[Item], bool]:
     """The request's items, prompt-major, and whether it answers a list (a batch, or n > 1).
     `served_for(lora_path)` resolves a prompt's model and adapter."""
     adapters = body.lora_path if isinstance(body.lora_path, list) else None
     first_served, _ = served_for(None if adapters is not None else body.lora_path)
-    ids, batch = prompt_ids(first_served, body, limits)
+    ids, batch = await asyncio.to_thread(prompt_ids, first_served, body, limits)
     count = len(ids)
     lora = _per_item(body.lora_path, count, "lora_path")
     sps = _per_item(body.sampling_params, count, "sampling_params")

@@ -22,7 +22,7 @@ from gateway.http import (
     sse_event,
     sse_response,
 )
-from gateway.prompts import tokenize
+from gateway.prompts import check_text_chars, tokenize
 from gateway.registry import ServedModel
 from gateway.schemas.chat import (
     AssistantMessage,
@@ -38,6 +38,7 @@ from gateway.schemas.chat import (
     TopLogprob,
 )
 from gateway.schemas.common import Usage
+from gateway.settings import Limits
 
 
 def _content(message: ChatMessage) -> str:
@@ -49,8 +50,10 @@ def _content(message: ChatMessage) -> str:
 
 
 def chat_prompt_ids(
-    served: ServedModel, messages: list[ChatMessage], *, add_generation_prompt: bool = True
+    served: ServedModel, messages: list[ChatMessage], limits: Limits, *, add_generation_prompt: bool = True
 ) -> list[int]:
+    """The conversation templated and tokenized; blocks as long as that takes: call it off the
+    event loop. Its messages' text counts as one text against `limits.max_text_chars`."""
     if not messages:
         raise InvalidRequestError("messages must not be empty", param="messages")
     tokenizer = served.require_engine().tokenizer
@@ -61,6 +64,7 @@ def chat_prompt_ids(
     conversation = [
         {"role": "system" if m.role == "developer" else m.role, "content": _content(m)} for m in messages
     ]
+    check_text_chars(served, limits, sum(len(m["content"]) for m in conversation), "messages")
     try:
         text = tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, tokenize=False
@@ -104,7 +108,7 @@ async def create_chat_completion(request: Request) -> Response:
             f"top_logprobs must be at most {limits.max_top_logprobs}", param="top_logprobs"
         )
     stops = gen.check_stop(body.stop, limits)
-    prompt_ids = chat_prompt_ids(served, body.messages)
+    prompt_ids = await asyncio.to_thread(chat_prompt_ids, served, body.messages, limits)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = gen.check_context(served, len(prompt_ids), requested, limits)
     if body.logprobs:  # per token: its logprob and its top_logprobs

@@ -32,6 +32,7 @@ from gateway.schemas.completions import (
     CompletionRequest,
     CompletionResponse,
 )
+from gateway.settings import Limits
 
 
 @dataclass
@@ -40,8 +41,11 @@ class _Prompt:
     text: str
 
 
-def _prompts(served: ServedModel, prompt: str | list, max_prompts: int) -> list[_Prompt]:
-    inputs = token_inputs(served, prompt, add_special_tokens=True, max_items=max_prompts, param="prompt")
+def _prompts(served: ServedModel, prompt: str | list, limits: Limits) -> list[_Prompt]:
+    """Tokenizes, or decodes token ids to text: called off the event loop."""
+    inputs = token_inputs(
+        served, prompt, add_special_tokens=True, limits=limits, max_items=limits.max_prompts, param="prompt"
+    )
     return [
         _Prompt(i.ids, i.text if i.text is not None else decode_text(served.token_bytes, i.ids))
         for i in inputs
@@ -129,7 +133,7 @@ async def create_completion(request: Request) -> Response:
     if top is not None and top > limits.max_top_logprobs:
         raise InvalidRequestError(f"logprobs must be at most {limits.max_top_logprobs}", param="logprobs")
     stops = gen.check_stop(body.stop, limits)
-    prompts = _prompts(served, body.prompt, limits.max_prompts)
+    prompts = await asyncio.to_thread(_prompts, served, body.prompt, limits)
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     for p in prompts:
         gen.check_context(served, len(p.ids), max_tokens, limits)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+from functools import partial
+
 from litestar import Request, Response, get, post
 
 from gateway import http
 from gateway.dense import DenseService
 from gateway.dense.delivery import answer_nbytes
-from gateway.prompts import token_inputs
+from gateway.prompts import has_text, token_inputs
 from gateway.schemas.logprobs import BatchingStats, NextTokenLogprobsRequest
 
 
@@ -19,10 +22,18 @@ def _dense(request: Request) -> DenseService:
 async def next_token_logprobs(request: Request) -> Response:
     body = await http.decode_json(request, NextTokenLogprobsRequest)
     served, adapter = http.resolve_model(request, body.model)
-    limit = http.settings(request).limits.max_rows
-    inputs = token_inputs(
-        served, body.input, add_special_tokens=body.add_special_tokens, max_items=limit, param="input"
+    limits = http.settings(request).limits
+    prepare = partial(
+        token_inputs,
+        served,
+        body.input,
+        add_special_tokens=body.add_special_tokens,
+        limits=limits,
+        max_items=limits.max_rows,
+        param="input",
     )
+    # Token-id rows are checked in one C pass; only text is worth a thread.
+    inputs = await asyncio.to_thread(prepare) if has_text(body.input) else prepare()
     http.charge_rows(request, len(inputs))
     binary = http.wants_msgpack(request)
     dense = _dense(request)

@@ -63,7 +63,7 @@ def _served_for(request: Request, body: GenerateRequest):  # noqa: ANN202 (a clo
 @route("/generate", http_method=["POST", "PUT"], status_code=200, summary="Generate (SGLang's native API)")
 async def sglang_generate(request: Request) -> Response:
     body = await decode_json(request, GenerateRequest)
-    items, as_list = native.plan(body, _served_for(request, body), settings(request).limits)
+    items, as_list = await native.plan(body, _served_for(request, body), settings(request).limits)
     runs = [native.ItemRun(item) for item in items]
     if body.stream:
         reserve_stream(request)

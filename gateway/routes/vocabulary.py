@@ -3,14 +3,16 @@ with token ids as if the model were local."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
 from litestar import Request, Response, get, post
 
 from backends.vocab import decode_text, token_display
 from gateway.errors import InvalidRequestError
-from gateway.http import decode_json, json_response, msgpack_response, resolve_model, wants_msgpack
-from gateway.prompts import check_token_ids, tokenize
+from gateway.http import decode_json, json_response, msgpack_response, resolve_model, settings, wants_msgpack
+from gateway.prompts import check_text_chars, check_token_ids, tokenize
+from gateway.registry import ServedModel
 from gateway.routes.chat import chat_prompt_ids
 from gateway.schemas.logprobs import (
     DetokenizeRequest,
@@ -21,6 +23,7 @@ from gateway.schemas.logprobs import (
     Vocabulary,
     VocabularyBinary,
 )
+from gateway.settings import Limits
 
 
 @get("/v1/models/{model:str}/vocabulary", summary="Exact bytes of every token id")
@@ -56,11 +59,19 @@ async def tokenizer_files(request: Request, model: str) -> Response:
 async def tokenize_route(request: Request) -> Response:
     body = await decode_json(request, TokenizeRequest)
     served, _ = resolve_model(request, body.model)
-    engine = served.require_engine()
+    served.require_engine()
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
+    if body.prompt is not None:
+        check_text_chars(served, settings(request).limits, len(body.prompt), "prompt")
+    answer = await asyncio.to_thread(_tokenized, served, body, settings(request).limits)
+    return json_response(answer)
+
+
+def _tokenized(served: ServedModel, body: TokenizeRequest, limits: Limits) -> TokenizeResponse:
+    """Blocks as long as templating and tokenizing take: runs off the event loop."""
     if body.messages is not None:
-        ids = chat_prompt_ids(served, body.messages, add_generation_prompt=body.add_generation_prompt)
+        ids = chat_prompt_ids(served, body.messages, limits, add_generation_prompt=body.add_generation_prompt)
     else:  # text the tokenizer drops entirely ("", some control characters) has no tokens
         ids = tokenize(
             served,
@@ -70,9 +81,8 @@ async def tokenize_route(request: Request) -> Response:
             allow_empty=True,
         )
     strs = [token_display(served.token_bytes[i]) for i in ids] if body.return_token_strs else None
-    return json_response(
-        TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
-    )
+    max_model_len = served.require_engine().max_model_len
+    return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
 
 
 @post(["/v1/detokenize", "/detokenize"], status_code=200, summary="Token ids back to text (vLLM's shape)")
@@ -80,4 +90,6 @@ async def detokenize_route(request: Request) -> Response:
     body = await decode_json(request, DetokenizeRequest)
     served, _ = resolve_model(request, body.model)
     ids = check_token_ids(served, body.tokens, "tokens") if body.tokens else []
-    return json_response(DetokenizeResponse(prompt=decode_text(served.token_bytes, ids)))
+    # One Python step per id: in a thread, the event loop still gets the GIL between steps.
+    text = await asyncio.to_thread(decode_text, served.token_bytes, ids)
+    return json_response(DetokenizeResponse(prompt=text))
