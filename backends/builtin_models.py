@@ -77,9 +77,7 @@ def check_model_source(model: str) -> None:
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise EngineUnavailableError(
-                f"{model} has no config.json: not a Hugging Face model directory"
-            )
+            raise EngineUnavailableError(f"{model} has no config.json: not a Hugging Face model directory")
     elif model in BUILTIN_MODELS:
         if not (_converted_dir(model) / "config.json").is_file():
             _gguf_path(BUILTIN_MODELS[model])
