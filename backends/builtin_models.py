@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -45,6 +46,20 @@ def cache_dir() -> Path:
     return Path(configured) if configured else Path(platformdirs.user_cache_dir("logprob-gateway"))
 
 
+# what a Hub id looks like: owner/name, neither absolute nor relative to `.` or `~`
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def _not_a_model(model: str) -> EngineUnavailableError:
+    message = (
+        f"{model!r} is neither a local directory nor a built-in model "
+        f"({', '.join(BUILTIN_MODELS)}); models are never downloaded"
+    )
+    if _HUB_ID.fullmatch(model) and not model.startswith("."):
+        message += f"; put a Hub model on disk first: hf download {model} --local-dir DIR, then --model DIR"
+    return EngineUnavailableError(message)
+
+
 def resolve_model_dir(model: str) -> Path:
     """A local Hugging Face directory for `model`: the path itself, or a built-in model converted once."""
     path = Path(model).expanduser()
@@ -52,10 +67,26 @@ def resolve_model_dir(model: str) -> Path:
         return path
     if model in BUILTIN_MODELS:
         return ensure_converted(model)
-    raise EngineUnavailableError(
-        f"model {model!r} is neither a local directory nor a built-in model "
-        f"({', '.join(BUILTIN_MODELS)}); models are never downloaded"
-    )
+    raise _not_a_model(model)
+
+
+def check_model_source(model: str) -> None:
+    """What `resolve_model_dir(model)` will find, checked without loading or converting anything:
+    a directory with a config.json, or a built-in model whose weights are installed. Raises
+    EngineUnavailableError with a one-line message."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise EngineUnavailableError(f"{model} has no config.json: not a Hugging Face model directory")
+    elif model in BUILTIN_MODELS:
+        if not (_converted_dir(model) / "config.json").is_file():
+            _gguf_path(BUILTIN_MODELS[model])
+    else:
+        raise _not_a_model(model)
+
+
+def _converted_dir(name: str) -> Path:
+    return cache_dir() / f"{name}-v{FORMAT_VERSION}"
 
 
 def _gguf_path(spec: BuiltinModel) -> Path:
@@ -74,7 +105,7 @@ def _gguf_path(spec: BuiltinModel) -> Path:
 def ensure_converted(name: str) -> Path:
     """Convert the built-in model once (atomically: a half-written directory is never used)."""
     spec = BUILTIN_MODELS[name]
-    target = cache_dir() / f"{name}-v{FORMAT_VERSION}"
+    target = _converted_dir(name)
     if (target / "config.json").is_file():
         return target
     gguf = _gguf_path(spec)

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from transformers import StaticCache
 
+from backends.cache_argument import with_cache
+
 log = logging.getLogger(__name__)
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [rows, heads, columns, head_dim]
@@ -97,7 +99,7 @@ class _Shape:
             input_ids=self.ids,
             position_ids=self.positions,
             attention_mask=mask[:, None, None, :],
-            past_key_values=self.cache,
+            **with_cache(self.cache),
             use_cache=True,
             logits_to_keep=1,
         )

@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from backends.batch_layout import left_padded, mask_if_padded, plan_groups
+from backends.cache_argument import output_cache, with_cache
 from backends.decode_lane import DecodeLane
 from backends.prefix_cache import PrefixCache
 
@@ -121,7 +122,7 @@ class DenseRows:
             input_ids=ids.to(self.device),
             attention_mask=mask_if_padded(mask, self.device),
             position_ids=positions.to(self.device),
-            past_key_values=cache,
+            **with_cache(cache),
             use_cache=cache is not None,
             logits_to_keep=1,
         )
@@ -149,7 +150,7 @@ class DenseRows:
                 cache.update(keys, values, layer)
         logprobs, out = self._last_logprobs(adapters, ids, mask, positions, cache)
         # Stored while the GPU still computes: the trie's bookkeeping overlaps the forward pass.
-        layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        layers = [(layer.keys, layer.values) for layer in output_cache(out).layers]
         prefix_cache.store(list(zip(adapters, rows, strict=True)), layers)
         self._count_tokens(rows, sum(reused))
         return logprobs, layers

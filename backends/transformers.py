@@ -44,6 +44,7 @@ from backends.base import (
     resolve_auto_dtype,
 )
 from backends.builtin_models import resolve_model_dir
+from backends.cache_argument import output_cache, with_cache
 from backends.decode_lane import DecodeLane, lane_supported
 from backends.dense_rows import DenseRows
 from backends.grouped_attention import use_grouped_attention
@@ -393,9 +394,9 @@ class TransformersEngine(Engine):
     def _forward(self, state: _DecodeState, new_ids: list[int], adapter: str | None) -> np.ndarray:
         tokens = torch.tensor([new_ids], dtype=torch.long, device=self.device)
         out = self._call(
-            [adapter], input_ids=tokens, past_key_values=state.cache, use_cache=True, logits_to_keep=1
+            [adapter], input_ids=tokens, **with_cache(state.cache), use_cache=True, logits_to_keep=1
         )
-        state.cache = out.past_key_values
+        state.cache = output_cache(out)
         return out.logits[0, -1].float().cpu().numpy()
 
     async def aclose(self) -> None:

@@ -80,10 +80,13 @@ def create_app(
     registry: ModelRegistry | None = None,
     *,
     on_loaded: Callable[[], None] | None = None,
+    on_load_failed: Callable[[dict[str, str]], None] | None = None,
 ) -> Litestar:
     """Build the app. Models load in the background after start-up, so /health can say "loading"
-    while they do; requests for a model that is not ready get a 503. `on_loaded` runs once every
-    model has loaded or failed (the serving process tunes itself then)."""
+    while they do; requests for a model that is not ready get a 503. Once every model has loaded,
+    `on_loaded` runs (the serving process tunes itself then); once every model has been tried and
+    some failed, `on_load_failed` runs instead with their errors by name (the serving process
+    exits), and without it they stay failed, answering 503."""
     metrics = Metrics()
     registry = registry or ModelRegistry(settings.models, metrics)
     access = Access(KeyRing.from_settings(settings), settings.limits)
@@ -104,7 +107,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         dense.cache = build_cache(settings.cache, metrics, dense.quiet)
-        loading = asyncio.create_task(_load(registry, on_loaded))
+        loading = asyncio.create_task(_load(registry, on_loaded, on_load_failed))
         try:
             yield
         finally:
@@ -125,17 +128,27 @@ def create_app(
     )
 
 
-async def _load(registry: ModelRegistry, on_loaded: Callable[[], None] | None) -> None:
+async def _load(
+    registry: ModelRegistry,
+    on_loaded: Callable[[], None] | None,
+    on_load_failed: Callable[[dict[str, str]], None] | None,
+) -> None:
     await registry.load_all()
-    if on_loaded is not None:
+    failures = {m.name: m.error for m in registry.models.values() if m.error is not None}
+    if failures and on_load_failed is not None:
+        on_load_failed(failures)
+    elif on_loaded is not None:
         on_loaded()
 
 
 def serving_app(
-    settings: Settings, *, on_loaded: Callable[[], None] | None = None
+    settings: Settings,
+    *,
+    on_loaded: Callable[[], None] | None = None,
+    on_load_failed: Callable[[dict[str, str]], None] | None = None,
 ) -> tuple[Litestar, ASGIApp]:
     """The app, and what the server runs: the app inside the key/limit/disconnect guard, inside
     the metrics wrapper (so refused and unknown requests are counted too)."""
-    app = create_app(settings, on_loaded=on_loaded)
+    app = create_app(settings, on_loaded=on_loaded, on_load_failed=on_load_failed)
     guarded = guard(app, app.state.access, app.state.shutdown, metrics_public=settings.metrics_public)
     return app, instrument(guarded, app.state.metrics)

@@ -1,36 +1,83 @@
-"""`logprob-gateway serve`: run the gateway with uvicorn."""
+"""The `logprob-gateway` command line: `serve` (checks, then uvicorn), `hash-key`, `openapi`."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import importlib.metadata
 import logging
 import sys
 from collections.abc import Sequence
 
 from backends.base import BACKEND_NAMES
-from gateway.settings import ConfigError, Settings, load_settings
+from gateway.preflight import check_before_loading
+from gateway.settings import CacheSettings, ConfigError, ModelSettings, Settings, load_settings
+
+DESCRIPTION = (
+    "An OpenAI-compatible HTTP gateway in front of in-process language-model engines, with the "
+    "whole next-token distribution (/v1/next_token_logprobs) for research on constrained and "
+    "probabilistic generation."
+)
+SERVE_DESCRIPTION = (
+    "Serve the configured models over HTTP until SIGTERM or Ctrl-C. Flags override the "
+    "LOGPROB_GATEWAY_* environment variables, which override the config file; every setting, its "
+    "variable and its default: docs/configuration.md. Exits with 2 when a setting is invalid or a "
+    "check before loading fails (the address is taken, a backend's library or a model directory is "
+    "missing), with 1 when a model fails to load."
+)
+
+
+def distribution_version() -> str:
+    try:
+        return importlib.metadata.version("logprob-gateway")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="logprob-gateway", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve the configured models over HTTP")
-    serve.add_argument("--config", help="TOML config file (see gateway/settings.py)")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument(
-        "--model", help="local Hugging Face directory or built-in model (default: smollm2-135m)"
+    top, model, cache = Settings(), ModelSettings(), CacheSettings()
+    parser = argparse.ArgumentParser(prog="logprob-gateway", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {distribution_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,hash-key,openapi}")
+    serve = commands.add_parser(
+        "serve", help="serve the configured models over HTTP", description=SERVE_DESCRIPTION
     )
-    serve.add_argument("--backend", choices=BACKEND_NAMES)
+    serve.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML config file: docs/configuration.md (env LOGPROB_GATEWAY_CONFIG)",
+    )
+    serve.add_argument("--host", help=f"address to listen on (default: {top.host})")
+    serve.add_argument("--port", type=int, help=f"port to listen on (default: {top.port})")
+    serve.add_argument(
+        "--model",
+        metavar="NAME_OR_DIR",
+        help=f"a local Hugging Face directory or a built-in model (default: {model.model})",
+    )
+    serve.add_argument("--backend", choices=BACKEND_NAMES, help=f"the engine (default: {model.backend})")
     serve.add_argument(
         "--served-model-name", dest="name", help="the name clients use (default: from --model)"
     )
-    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    serve.add_argument("--device", help="auto, cpu, cuda or cuda:N")
-    serve.add_argument("--max-model-len", type=int)
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    serve.add_argument("--redis-url", help="share the output cache through Redis (default: in-process LRU)")
+    serve.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help=f"compute dtype; auto is float32 on CPU, bfloat16 on CUDA (default: {model.dtype})",
+    )
+    serve.add_argument("--device", help=f"auto, cpu, cuda or cuda:N (default: {model.device})")
+    serve.add_argument(
+        "--max-model-len", type=int, metavar="TOKENS", help="context length (default: the model's own)"
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help=f"how much to log (default: {top.log_level})",
+    )
+    serve.add_argument(
+        "--redis-url",
+        metavar="URL",
+        help=f"share the output cache through Redis (default: {cache.redis_url or 'an in-process LRU'})",
+    )
     serve.add_argument(
         "--no-cache",
         dest="cache_enabled",
@@ -82,25 +129,38 @@ def tune_collector() -> None:
     gc.set_threshold(SERVING_GC_THRESHOLD, *gc.get_threshold()[1:])
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: Settings) -> int:
+    """Serve until SIGTERM or Ctrl-C (0); a model that fails to load at start stops the server (1):
+    it cannot serve what it was configured for, so it exits for the orchestrator to see."""
     from gateway.app import serving_app
     from gateway.server_logging import uvicorn_log_config
-    from gateway.shutdown import run_server
+    from gateway.shutdown import draining_server
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    litestar_app, app = serving_app(settings, on_loaded=tune_collector)
+    failed: dict[str, str] = {}
+
+    def stop_serving(failures: dict[str, str]) -> None:
+        failed.update(failures)
+        server.should_exit = True  # the same drain and shutdown as after SIGTERM
+
+    litestar_app, app = serving_app(settings, on_loaded=tune_collector, on_load_failed=stop_serving)
     # SIGTERM: /health turns 503 while in-flight requests finish for up to the grace period; then
     # what is left ends cleanly and the app's shutdown runs (engines, cache): gateway/shutdown.py.
     # The protocol answers malformed HTTP in the error shape and bounds header reads and stalled writes.
-    run_server(
+    server = draining_server(
         app,
         settings,
         litestar_app.state.shutdown,
         log_level=settings.log_level,
         log_config=uvicorn_log_config(route.path for route in litestar_app.routes),
     )
+    with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run
+        server.run()
+    for name, error in failed.items():
+        print(f"logprob-gateway: model {name!r} failed to load: {error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def write_openapi(output: str) -> None:
@@ -135,8 +195,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"logprob-gateway: {exc}", file=sys.stderr)
         return 2
-    serve(settings)
-    return 0
+    problems = check_before_loading(settings)
+    for problem in problems:
+        print(f"logprob-gateway: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    return serve(settings)
 
 
 if __name__ == "__main__":

@@ -79,8 +79,11 @@ class DrainingServer(uvicorn.Server):
         return state.ending and now >= self._deadline
 
 
-def run_server(app: ASGIApp, settings: Settings, shutdown: Shutdown, **uvicorn_options: object) -> None:
-    """Serve `app` with uvicorn until SIGTERM or SIGINT, then drain and shut down as described above."""
+def draining_server(
+    app: ASGIApp, settings: Settings, shutdown: Shutdown, **uvicorn_options: object
+) -> DrainingServer:
+    """The server of `app`: its `run()` serves until SIGTERM, SIGINT or `should_exit`, then drains
+    and shuts down as described above."""
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -89,4 +92,4 @@ def run_server(app: ASGIApp, settings: Settings, shutdown: Shutdown, **uvicorn_o
         timeout_graceful_shutdown=ENDING_WAIT_S,  # the drain happened before uvicorn's own shutdown
         **uvicorn_options,  # type: ignore[arg-type]
     )
-    DrainingServer(config, shutdown, settings.shutdown_grace_s).run()
+    return DrainingServer(config, shutdown, settings.shutdown_grace_s)

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
+import logging
+import warnings
+
 import numpy as np
 import pytest
+from transformers.utils import logging as hf_logging
 
 from backends.base import EngineConfig, SamplingParams
+from backends.cache_argument import CACHE_ARGUMENT
 from backends.transformers import TransformersEngine
 
 pytestmark = pytest.mark.slow
@@ -46,3 +52,23 @@ def test_defaults_pick_float32_on_cpu(engine):
     assert next(engine.model.parameters()).dtype.is_floating_point
     assert str(next(engine.model.parameters()).dtype) == "torch.float32"
     assert engine.eos_token_ids == {2}
+
+
+async def test_the_kv_cache_goes_by_the_installed_transformers_name(engine, reference):
+    # Recent transformers call it `cache` and warn, once per process, on `past_key_values`.
+    assert CACHE_ARGUMENT in inspect.signature(type(engine.model).forward).parameters
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    hf_logging.add_handler(handler)
+    hf_logging.warning_once.cache_clear()  # earlier tests may have had it said already
+    try:
+        with warnings.catch_warnings(record=True) as warned:  # its FutureWarning, besides the log line
+            warnings.simplefilter("always")
+            ids = reference.tokenizer("The capital of France is").input_ids
+            await engine.next_token_logprobs([ids, [*ids, 7042]])  # the second row extends the first's K/V
+            _ = [s async for s in engine.generate(ids, SamplingParams(max_tokens=2, temperature=0))]
+    finally:
+        hf_logging.remove_handler(handler)
+    said = [r.getMessage() for r in records] + [str(w.message) for w in warned]
+    assert not [message for message in said if "past_key_values" in message]

@@ -4,7 +4,9 @@ server, it reads the same rows and vocabulary from the real gateway as this proc
 from __future__ import annotations
 
 import base64
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -126,3 +128,28 @@ def test_the_installed_client_reads_the_rows_and_vocabulary_this_process_reads(
 
     vocabulary = http.get(f"/v1/models/{MODEL}/vocabulary").json()
     assert answer.byte_vocab == [base64.b64decode(token) for token in vocabulary["tokens"]]
+
+
+def test_the_genlm_extra_brings_what_the_docs_genlm_example_needs(client_venv: Path):
+    api = (CLIENT_DIR.parent / "docs" / "api.md").read_text()
+    example = api[api.index("```python\nfrom logprob_gateway_client import AsyncGatewayLM") :]
+    example = example[: example.index("```\n", 10)]
+    assert (
+        "from genlm.control import" in example and "llm.tokenizer" in example
+    )  # genlm-control, transformers
+    assert 'pip\ninstall "./client[genlm]"' in api or 'pip install "./client[genlm]"' in api
+    declared = subprocess.run(
+        [
+            str(client_venv),
+            "-c",
+            "import importlib.metadata as m, json; print(json.dumps(m.requires('logprob-gateway-client')))",
+        ],
+        env=_clean_env(),
+        cwd=client_venv.parent,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    requires = json.loads(declared.stdout)
+    genlm = {re.match(r"[\w.-]+", r).group(0) for r in requires if re.search(r"extra == .genlm.", r)}
+    assert {"genlm-control", "transformers"} <= genlm

@@ -3,7 +3,9 @@ and one-line errors. No server is started and no model is loaded."""
 
 from __future__ import annotations
 
+import argparse
 import gc
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -14,7 +16,15 @@ import pytest
 from backends.base import BACKEND_NAMES
 from gateway import cli
 from gateway.cli import SERVING_GC_THRESHOLD, tune_collector
-from gateway.settings import ENV_PREFIX, ConfigError, load_settings
+from gateway.launcher import free_port
+from gateway.settings import (
+    ENV_PREFIX,
+    CacheSettings,
+    ConfigError,
+    ModelSettings,
+    Settings,
+    load_settings,
+)
 from tests.conftest import mock_app_client
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +65,7 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def no_serve(monkeypatch: pytest.MonkeyPatch) -> list:
     """Replace cli.serve: records the settings it would serve instead of starting a server."""
     served: list = []
-    monkeypatch.setattr(cli, "serve", served.append)
+    monkeypatch.setattr(cli, "serve", lambda settings: served.append(settings) or 0)
     return served
 
 
@@ -392,12 +402,14 @@ def test_main_with_malformed_models_and_backend_flag_returns_2(tmp_path, capsys,
 
 
 def test_main_with_good_config_serves_its_settings(tmp_path, capsys, no_serve):
-    path = write(tmp_path, TWO_MODELS)
-    assert cli.main(["serve", "--config", str(path), "--port", "9400"]) == 0
+    tiny_llama = tmp_path / "models" / "tiny-llama"
+    tiny_llama.mkdir(parents=True)
+    (tiny_llama / "config.json").write_text("{}")  # what is checked before loading
+    path = write(tmp_path, TWO_MODELS.replace("/models/tiny-llama/", f"{tiny_llama}/"))
+    assert cli.main(["serve", "--config", str(path), "--port", str(free_port())]) == 0
     assert capsys.readouterr().err == ""
     assert len(no_serve) == 1
     settings = no_serve[0]
-    assert settings.port == 9400
     assert [m.served_name for m in settings.models] == ["small", "tiny-llama"]
 
 
@@ -430,3 +442,54 @@ def test_a_serving_process_freezes_what_loading_made_and_collects_less_often_an_
     finally:
         gc.unfreeze()  # this test process goes on creating and dropping apps
         gc.set_threshold(*threshold)
+
+
+# ---------------------------------------------------------------- --help and --version
+
+
+def _serve_parser():
+    commands = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices["serve"]
+
+
+def test_help_describes_the_gateway_not_the_module(capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["--help"])
+    assert caught.value.code == 0
+    out = capsys.readouterr().out
+    assert "OpenAI-compatible HTTP gateway" in out
+    assert "`logprob-gateway" not in out  # no docstring in the help
+
+
+def test_every_serve_flag_has_help_and_the_settings_default():
+    settings, model, cache = Settings(), ModelSettings(), CacheSettings()
+    assert model.max_model_len is None and cache.redis_url is None  # said in words below
+    expected = {
+        "--host": settings.host,
+        "--port": settings.port,
+        "--model": model.model,
+        "--backend": model.backend,
+        "--dtype": model.dtype,
+        "--device": model.device,
+        "--log-level": settings.log_level,
+        "--max-model-len": "the model's own",
+        "--served-model-name": "from --model",
+        "--redis-url": "an in-process LRU",
+    }
+    helps = {a.option_strings[-1]: a.help for a in _serve_parser()._actions if a.option_strings}
+    for flag, default in expected.items():
+        assert helps[flag].endswith(f"(default: {default})"), (flag, helps[flag])
+    assert all(helps.values()), [flag for flag, text in helps.items() if not text]
+
+
+def test_config_help_points_at_the_configuration_docs():
+    config = next(a for a in _serve_parser()._actions if "--config" in a.option_strings)
+    assert "docs/configuration.md" in config.help
+    assert (REPO / "docs" / "configuration.md").is_file()
+
+
+def test_version_is_the_installed_distributions(capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["--version"])
+    assert caught.value.code == 0
+    assert capsys.readouterr().out == f"logprob-gateway {importlib.metadata.version('logprob-gateway')}\n"
