@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     serve.add_argument("--max-model-len", type=int)
+    serve.add_argument("--weights-root", help="/update_weights_from_disk reads only inside it (default: off)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--redis-url", help="share the output cache through Redis (default: in-process LRU)")
     serve.add_argument(
