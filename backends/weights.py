@@ -61,7 +61,7 @@ def _check_tensors(
 
 def _read(path: Path, take: Callable[[Any, str], Any]) -> dict[str, Any]:
     """`take(file, name)` of each tensor in the safetensors files of `path`; WeightsError for a
-    file that is no safetensors file."""
+    file that is no safetensors file or cannot be read."""
     found: dict[str, Any] = {}
     for file in _weight_files(path):
         try:
@@ -70,6 +70,8 @@ def _read(path: Path, take: Callable[[Any, str], Any]) -> dict[str, Any]:
                     found[name] = take(f, name)
         except SafetensorError as exc:
             raise WeightsError(f"{file.name} is not a readable safetensors file: {exc}") from None
+        except OSError as exc:
+            raise WeightsError(f"{file.name} cannot be read: {exc.strerror or exc}") from None
     return found
 
 

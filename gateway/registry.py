@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import struct
 import tempfile
 import time
@@ -179,8 +178,8 @@ class ServedModel:
 
         def fingerprint() -> str:
             try:
-                extra = (self.settings.backend, engine.dtype, str(engine.vocab_size), *weight_files_stat(path))
-                return weights_fingerprint(path, *extra)
+                extra = (self.settings.backend, engine.dtype, str(engine.vocab_size))
+                return weights_fingerprint(path, *extra, *weight_files_stat(path))
             except OSError:  # the files changed since they were loaded: a key no other replica shares
                 return hashlib.sha256(f"{self.fingerprint}:disk:{uuid.uuid4().hex}".encode()).hexdigest()
 
@@ -239,8 +238,10 @@ class ServedModel:
                 self.fingerprint = f"{self.fingerprint}:update-failed-{self.weight_updates + 1}"
                 self.weight_updates += 1
                 if isinstance(exc, OSError):  # unreadable files: the caller's to fix
-                    reason = os.strerror(exc.errno) if exc.errno is not None else type(exc).__name__
-                    raise InvalidRequestError(f"the new weights cannot be read: {reason}", param=param) from None
+                    reason = exc.strerror or type(exc).__name__
+                    raise InvalidRequestError(
+                        f"the new weights cannot be read: {reason}", param=param
+                    ) from None
                 raise
             self.fingerprint = await asyncio.to_thread(fingerprint)
             self.weight_updates += 1

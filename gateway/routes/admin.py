@@ -11,7 +11,6 @@ from gateway.adapters import confine
 from gateway.errors import AuthenticationError, ForbiddenError, GatewayError, InvalidRequestError
 from gateway.http import access, decode_json, json_response, registry, resolve_model, settings
 from gateway.registry import ServedModel
-from gateway.weights_root import weights_dir
 from gateway.schemas.models import (
     AdapterStatus,
     LoadLoraAdapterRequest,
@@ -19,6 +18,7 @@ from gateway.schemas.models import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
 )
+from gateway.weights_root import weights_dir
 
 
 def require_admin(request: Request) -> None:

@@ -168,7 +168,9 @@ def test_unreadable_weights_inside_the_root_are_the_callers_error(replicas, scal
 
 def test_without_a_weights_root_updates_are_off(model_dir, tmp_path):
     """As adapters without an adapters_root: 403, whatever the path."""
-    settings = Settings(admin_key="admin-secret", models=[ModelSettings(name="mock", model=str(model_dir), backend="mock")])
+    settings = Settings(
+        admin_key="admin-secret", models=[ModelSettings(name="mock", model=str(model_dir), backend="mock")]
+    )
     _, served = serving_app(settings)
     with TestClient(served) as client:
         for path in (str(tmp_path), "/proc/1/root", "/no/such/dir"):
@@ -189,7 +191,11 @@ def test_requests_in_flight_finish_on_the_weights_they_began_with(model_dir, tmp
     (weights / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     save_file({"w": np.ones(2, np.float32)}, weights / "model.safetensors")
     model = ModelSettings(
-        name="mock", model=str(model_dir), backend="mock", options={"delay_s": 0.5}, weights_root=str(tmp_path)
+        name="mock",
+        model=str(model_dir),
+        backend="mock",
+        options={"delay_s": 0.5},
+        weights_root=str(tmp_path),
     )
     settings = Settings(admin_key="admin-secret", models=[model])
     app, served = serving_app(settings)
