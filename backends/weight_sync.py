@@ -5,9 +5,14 @@ it as its given rank, and each update broadcasts every tensor from rank 0 in the
 
 The calls that wait for the trainer (joining, the broadcasts) run on threads of their own, never
 on an engine's compute thread, so requests are served meanwhile; each waits at most the group's
-timeout. The announcement is checked against the model before the first broadcast, and received
-tensors are staged in full before any parameter changes. An announcement that does not fit is
-still received (into one scratch buffer, then dropped), so the trainer is not left waiting, and
+timeout. torch.distributed does not bound a join by it (its store client retries a failed
+connection with a full timeout again, and waits without one for a peer that accepts but never
+answers), so a join is answered at its timeout whatever its thread does: a join given up on is
+left as soon as it forms, and at most `MAX_UNSETTLED_JOINS` threads may still be trying.
+
+The announcement is checked against the model before the first broadcast, and received tensors
+are staged in full before any parameter changes. An announcement that does not fit is still
+received (into one scratch buffer, then dropped), so the trainer is not left waiting, and
 refused; one whose tensors are too large even for that leaves the group, so that the trainer's
 broadcasts fail (gloo at once; NCCL at its timeout) instead of hanging.
 """
@@ -17,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from math import prod
@@ -43,13 +50,32 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _MIN_SCRATCH_BYTES = 1 << 20
+_POLL_S = 0.2  # between tries to reach a trainer's store
+MAX_UNSETTLED_JOINS = 8  # joins whose thread still runs, given up on or not: each holds a socket
+
+
+def _until_accepting(host: str, port: int, deadline: float) -> None:
+    """Until `host:port` accepts a connection, tried every `_POLL_S` until `deadline` (OSError
+    then): torch's store client backs off exponentially between its tries, long enough to miss a
+    trainer whose store waits for this rank a few seconds only."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), _POLL_S)):
+                return
+        except socket.gaierror:
+            raise
+        except OSError:
+            if time.monotonic() + _POLL_S >= deadline:
+                raise
+            time.sleep(_POLL_S)
 
 
 def join_group(group: WeightsGroup, backend: str, device: torch.device) -> Any:
     """A process group of `group.world_size` ranks with this process as `group.rank`, formed as
     SGLang's `init_custom_process_group` forms it (and TorchRL's trainer, its mirror): a TCP
     rendezvous at the trainer, a store prefixed with the group's name, no default group. Blocks
-    until every rank has joined, at most `group.timeout_s`."""
+    until every rank has joined, at most `group.timeout_s` unless a peer accepts the store's
+    connection but never answers (torch then waits without bound)."""
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -60,10 +86,14 @@ def join_group(group: WeightsGroup, backend: str, device: torch.device) -> Any:
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=group.timeout_s)
+    deadline = time.monotonic() + group.timeout_s
     host = f"[{group.master_address}]" if ":" in group.master_address else group.master_address
     url = f"tcp://{host}:{group.master_port}"
+    _until_accepting(group.master_address, group.master_port, deadline)
+    timeout = timedelta(seconds=max(deadline - time.monotonic(), 1.0))
     store, rank, world_size = next(rendezvous(url, group.rank, group.world_size, timeout=timeout))
+    # what is left of the timeout, for the group's own exchange over the store
+    timeout = timedelta(seconds=max(deadline - time.monotonic(), 1.0))
     store.set_timeout(timeout)
     pg, _ = _new_process_group_helper(
         world_size,
@@ -144,6 +174,11 @@ def receive_tensors(
     return staged
 
 
+def _destroy_quietly(pg: Any) -> None:
+    with contextlib.suppress(Exception):  # a broken group is gone either way
+        torch.distributed.destroy_process_group(pg)
+
+
 def in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
     """`fn(*args)` on a daemon thread of its own: a trainer that never comes keeps neither a pool's
     thread nor the process's exit waiting."""
@@ -178,7 +213,13 @@ class CollectiveGroups:
         self.device = device
         self._groups: dict[str, Any] = {}  # name -> torch ProcessGroup
         self._joining: set[str] = set()
+        self._unsettled = 0  # join threads still running
         self._busy: dict[str, asyncio.Lock] = {}
+
+    @property
+    def unsettled(self) -> int:
+        """Join threads still running, those given up on included."""
+        return self._unsettled
 
     def _backend(self, requested: str | None) -> str:
         if requested is None:
@@ -190,22 +231,44 @@ class CollectiveGroups:
         return requested
 
     async def join(self, group: WeightsGroup) -> None:
+        """Join `group`, answered within `group.timeout_s`: a join not formed by then is given up
+        (WeightsError), and left if it forms later."""
         if group.name in self._groups or group.name in self._joining:
             raise WeightsGroupError(
                 f"a weights update group named {group.name!r} exists already; destroy it first"
             )
+        if self._unsettled >= MAX_UNSETTLED_JOINS:
+            raise WeightsError(
+                f"{self._unsettled} joins are still trying to reach their trainers; try again once "
+                "they have failed (a peer that accepts connections but never answers holds one)"
+            )
         backend = self._backend(group.backend)
         self._joining.add(group.name)
+        self._unsettled += 1
         joined = in_thread(join_group, group, backend, self.device)
+        given_up = False
 
         def register(future: asyncio.Future[Any]) -> None:  # on the loop, whether or not anyone waits
+            self._unsettled -= 1
+            formed = not future.cancelled() and future.exception() is None
+            if given_up:
+                if formed:  # its caller was told it failed: the trainer must not count on it
+                    in_thread(_destroy_quietly, future.result())
+                return
             self._joining.discard(group.name)
-            if not future.cancelled() and future.exception() is None:
+            if formed:
                 self._groups[group.name] = future.result()
 
         joined.add_done_callback(register)
         try:
-            await asyncio.shield(joined)
+            await asyncio.wait_for(asyncio.shield(joined), group.timeout_s)
+        except TimeoutError:
+            given_up = True
+            self._joining.discard(group.name)
+            raise WeightsError(
+                "Failed to initialize custom process group: not every rank joined within "
+                f"{group.timeout_s:g} s"
+            ) from None
         except Exception as exc:
             raise WeightsError(
                 f"Failed to initialize custom process group: {type(exc).__name__}: {exc}"
@@ -268,8 +331,7 @@ class CollectiveGroups:
         pg = self._groups.pop(name, None)
         self._busy.pop(name, None)
         if pg is not None:
-            with contextlib.suppress(Exception):  # a broken group is gone either way
-                await in_thread(torch.distributed.destroy_process_group, pg)
+            await in_thread(_destroy_quietly, pg)
             log.info("left a weights update group")
 
     async def aclose(self) -> None:

@@ -9,12 +9,12 @@ Tensors received from a trainer (backends/weight_sync.py) are checked there, the
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from backends.base import WeightsError
 
@@ -59,14 +59,25 @@ def _check_tensors(
             )
 
 
+def _read(path: Path, take: Callable[[Any, str], Any]) -> dict[str, Any]:
+    """`take(file, name)` of each tensor in the safetensors files of `path`; WeightsError for a
+    file that is no safetensors file or cannot be read."""
+    found: dict[str, Any] = {}
+    for file in _weight_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                    found[name] = take(f, name)
+        except SafetensorError as exc:
+            raise WeightsError(f"{file.name} is not a readable safetensors file: {exc}") from None
+        except OSError as exc:
+            raise WeightsError(f"{file.name} cannot be read: {exc.strerror or exc}") from None
+    return found
+
+
 def _shapes(path: Path) -> dict[str, list[int]]:
     """Each tensor's shape, from the safetensors headers alone."""
-    shapes: dict[str, list[int]] = {}
-    for file in _weight_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
-                shapes[name] = list(f.get_slice(name).get_shape())
-    return shapes
+    return _read(path, lambda f, name: list(f.get_slice(name).get_shape()))
 
 
 def check_same_tensors(current: str | Path, new: str | Path) -> None:
@@ -110,11 +121,7 @@ def copy_weights_in_place(model: Any, path: str | Path) -> None:
     safetensors files of the directory `path`, converted to the parameter's dtype and device."""
     path = Path(path)
     _check_architecture(path, _architectures(path), getattr(model.config, "architectures", None))
-    tensors: dict[str, torch.Tensor] = {}
-    for file in _weight_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
-                tensors[name] = f.get_tensor(name)
+    tensors: dict[str, torch.Tensor] = _read(path, lambda f, name: f.get_tensor(name))
     parameters = model_parameters(model)
     shapes = {name: tensor.shape for name, tensor in tensors.items()}
     _check_tensors(path, shapes, ((name, parameter.shape) for name, parameter in parameters.items()))

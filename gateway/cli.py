@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-model-len", type=int, metavar="TOKENS", help="context length (default: the model's own)"
     )
     serve.add_argument(
+        "--weights-root",
+        metavar="DIR",
+        help="/update_weights_from_disk reads only inside it (default: off, no run-time weight loads)",
+    )
+    serve.add_argument(
         "--log-level",
         choices=["debug", "info", "warning", "error"],
         help=f"how much to log (default: {top.log_level})",

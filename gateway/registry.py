@@ -178,8 +178,11 @@ class ServedModel:
         engine = self.require_engine()
 
         def fingerprint() -> str:
-            extra = (self.settings.backend, engine.dtype, str(engine.vocab_size), *weight_files_stat(path))
-            return weights_fingerprint(path, *extra)
+            try:
+                extra = (self.settings.backend, engine.dtype, str(engine.vocab_size))
+                return weights_fingerprint(path, *extra, *weight_files_stat(path))
+            except OSError:  # the files changed since they were loaded: a key no other replica shares
+                return hashlib.sha256(f"{self.fingerprint}:disk:{uuid.uuid4().hex}".encode()).hexdigest()
 
         await self._replace_weights(
             lambda: engine.update_weights(str(path)), fingerprint, version, "model_path", "disk"
@@ -226,15 +229,20 @@ class ServedModel:
         """`load` new weights into the engine once no request reads the old ones, then change the
         fingerprint and the version. WeightsError: nothing changed (400, `param` named); an engine
         that cannot, 501; any other failure may have left weights half written, so rows computed
-        from then on match no earlier key."""
+        from then on match no earlier key (an unreadable file, OSError, is then a 400)."""
         async with self.weights.writing():
             try:
                 await load()
             except (WeightsError, WeightsUpdateUnsupported) as exc:
                 raise _weights_error(exc, param) from None
-            except BaseException:
+            except BaseException as exc:
                 self.fingerprint = f"{self.fingerprint}:update-failed-{self.weight_updates + 1}"
                 self.weight_updates += 1
+                if isinstance(exc, OSError):  # unreadable files: the caller's to fix
+                    reason = exc.strerror or type(exc).__name__
+                    raise InvalidRequestError(
+                        f"the new weights cannot be read: {reason}", param=param
+                    ) from None
                 raise
             self.fingerprint = await asyncio.to_thread(fingerprint)
             self.weight_updates += 1

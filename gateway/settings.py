@@ -20,6 +20,7 @@
     max_model_len = 2048
     adapters = {lora_1 = "/adapters/lora_1"}   # served as "smollm2-135m:lora_1"
     adapters_root = "/adapters"    # run-time loads (admin endpoints) must lie inside it
+    weights_root = "/checkpoints"  # /update_weights_from_disk must read inside it; unset: off
     max_batch_rows = 256           # distinct dense rows per engine call
     batch_window_ms = 2.0          # how long an idle engine waits for more rows
     options = {}                   # backend-specific
@@ -42,7 +43,8 @@
 Environment: LOGPROB_GATEWAY_CONFIG, _HOST, _PORT, _MODEL, _BACKEND, _SERVED_MODEL_NAME, _DTYPE,
 _DEVICE, _MAX_MODEL_LEN, _LOG_LEVEL, _REDIS_URL, _CACHE (false: no cache), _ADMIN_KEY,
 _API_KEYS (comma-separated entries), _API_KEYS_FILE, _METRICS_PUBLIC, _SHUTDOWN_GRACE_S,
-_SHARED_MEMORY, _TRUSTED_WEIGHT_SYNC, _WEIGHT_SYNC_TIMEOUT_S, _OPEN_FLUSH_CACHE.
+_SHARED_MEMORY, _TRUSTED_WEIGHT_SYNC, _WEIGHT_SYNC_TIMEOUT_S, _OPEN_FLUSH_CACHE,
+_WEIGHTS_ROOT.
 A model given by flag or environment replaces the file's model list.
 """
 
@@ -78,6 +80,7 @@ class ModelSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     adapters: dict[str, str] = {}  # LoRA adapters loaded at start: name -> PEFT directory
     adapters_root: str | None = None  # run-time loads must lie inside it; None: run-time loads off
     max_lora_rank: Annotated[int, msgspec.Meta(gt=0)] = 64
+    weights_root: str | None = None  # run-time weight loads must lie inside it; None: they are off
     options: dict[str, Any] = {}
 
     @property
@@ -171,7 +174,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigError(f"model name {m.served_name!r} must not contain ':' (it selects adapters)")
 
 
-_MODEL_KEYS = ("model", "backend", "name", "dtype", "device", "max_model_len")
+_MODEL_KEYS = ("model", "backend", "name", "dtype", "device", "max_model_len", "weights_root")
 _ENV_KEYS = {
     "HOST": "host",
     "PORT": "port",
@@ -182,6 +185,7 @@ _ENV_KEYS = {
     "DTYPE": "dtype",
     "DEVICE": "device",
     "MAX_MODEL_LEN": "max_model_len",
+    "WEIGHTS_ROOT": "weights_root",
     "REDIS_URL": "redis_url",
     "CACHE": "cache_enabled",
     "ADMIN_KEY": "admin_key",

@@ -3,7 +3,7 @@ and new weights (SGLang's)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import asyncio
 
 from litestar import Request, Response, post
 
@@ -18,6 +18,7 @@ from gateway.schemas.models import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
 )
+from gateway.weights_root import weights_dir
 
 
 def require_admin(request: Request) -> None:
@@ -63,12 +64,13 @@ async def unload_lora_adapter(request: Request) -> Response:
 async def update_weights_from_disk(request: Request) -> Response:
     """New weights of the same architecture, without a restart. Requests reading the old weights
     finish on them first; the model's fingerprint, and every output-cache key, changes with them.
-    Answers SGLang's {success, message}; a failure (4xx, 501) adds this API's error object."""
+    The directory must lie inside the model's `weights_root` (gateway/weights_root.py). Answers
+    SGLang's {success, message}; a failure (4xx, 501) adds this API's error object."""
     require_admin(request)
     body = await decode_json(request, UpdateWeightsFromDiskRequest)
     try:
         served = base_model(request, body.model)
-        if not body.model_path or "\0" in body.model_path:
+        if not body.model_path:
             raise InvalidRequestError("model_path must name a directory", param="model_path")
         if body.load_format not in (None, "auto", "safetensors"):
             raise InvalidRequestError(
@@ -80,7 +82,8 @@ async def update_weights_from_disk(request: Request) -> Response:
                 "abort_all_requests is not supported: an update waits for the requests in flight",
                 param="abort_all_requests",
             )
-        await served.update_weights(Path(body.model_path), body.weight_version)
+        path = await asyncio.to_thread(weights_dir, served.settings.weights_root, body.model_path)
+        await served.update_weights(path, body.weight_version)
     except GatewayError as exc:
         return json_response(
             UpdateWeightsFromDiskResponse(success=False, message=exc.message, error=exc.error_object()),

@@ -160,6 +160,7 @@ def test_config_toml_writes_any_value_faithfully(render, tmp_path):
         "max_model_len": 4096,
         "batch_window_ms": 2.5,
         "adapters": {"v1.2": "/adapters/v1.2", "plain_name": "/adapters/p"},
+        "weights_root": "/models/checkpoints",
         "options": {
             "tensor_parallel_size": 2,
             "gpu_memory_utilization": 0.9,

@@ -202,6 +202,15 @@ def test_backend_alone_applies_to_every_configured_model(tmp_path):
     assert [(m.served_name, m.backend) for m in default.models] == [("smollm2-135m", "mock")]
 
 
+def test_weights_root_from_a_flag_or_the_environment_applies_to_every_model(tmp_path):
+    path = write(tmp_path, TWO_MODELS)
+    assert [m.weights_root for m in load_settings(path, environ={}).models] == [None, None]
+    from_env = load_settings(path, environ={"LOGPROB_GATEWAY_WEIGHTS_ROOT": "/checkpoints"})
+    assert [m.weights_root for m in from_env.models] == ["/checkpoints", "/checkpoints"]
+    args = cli.build_parser().parse_args(["serve", "--config", str(path), "--weights-root", "/ckpt"])
+    assert [m.weights_root for m in cli.settings_from_args(args).models] == ["/ckpt", "/ckpt"]
+
+
 BAD_FILES = {
     "duplicate-names": (
         '[[models]]\nname = "a"\n\n[[models]]\nname = "a"\nmodel = "/x/y"\n',

@@ -51,6 +51,7 @@ model = "{model_dir}"
 backend = "vllm"
 max_model_len = 2048
 adapters = {{a = "{adapters["a"]}", b = "{adapters["b"]}"}}
+weights_root = "{tmp_path_factory.getbasetemp()}"
 """)
     gateway = start_gateway(["--config", str(config), "--no-cache"], config.parent / "gateway.log")
     yield gateway

@@ -11,6 +11,7 @@ import msgspec
 import numpy as np
 import pytest
 from litestar.testing import TestClient
+from safetensors.numpy import save_file
 
 from gateway.app import serving_app
 from gateway.launcher import start_gateway
@@ -23,7 +24,13 @@ PREFIXES = [[504, 3575, 282, 4649, 314], [410, 2251, 30]]
 
 
 @pytest.fixture(scope="module")
-def replicas(redis_server, model_dir, tmp_path_factory):
+def weights_root(tmp_path_factory):
+    """Where the replicas may load weights from: pytest's base directory, which holds scaled_dir."""
+    return tmp_path_factory.getbasetemp()
+
+
+@pytest.fixture(scope="module")
+def replicas(redis_server, model_dir, weights_root, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("weights")
     config = workdir / "gateway.toml"
     config.write_text(f"""
@@ -33,6 +40,7 @@ admin_key = "admin-secret"
 name = "{MODEL}"
 model = "{model_dir}"
 dtype = "float32"
+weights_root = "{weights_root}"
 
 [cache]
 redis_url = "{redis_server.url}"
@@ -80,19 +88,19 @@ def test_an_update_serves_the_new_weights_and_no_replica_reads_an_old_row(
 @pytest.mark.parametrize(
     ("body", "status", "words"),
     [
-        ({"model_path": "/nowhere/at/all"}, 400, "is not a directory"),
-        ({"model_path": "{model_dir}", "load_format": "gguf"}, 400, "load_format"),
-        ({"model_path": "{model_dir}", "abort_all_requests": True}, 400, "abort_all_requests"),
-        ({"model_path": "{model_dir}", "model": "nope"}, 404, "does not exist"),
+        ({"model_path": "/nowhere/at/all"}, 400, "inside this model's weights_root"),
+        ({"model_path": "{scaled_dir}", "load_format": "gguf"}, 400, "load_format"),
+        ({"model_path": "{scaled_dir}", "abort_all_requests": True}, 400, "abort_all_requests"),
+        ({"model_path": "{scaled_dir}", "model": "nope"}, 404, "does not exist"),
         ({"load_format": "auto"}, 400, "model_path"),
-        ({"model_path": "a\u0000b"}, 400, "must name a directory"),
-        ({"model_path": "{model_dir}/config.json"}, 400, "is not a directory"),
+        ({"model_path": "a\u0000b"}, 400, "inside this model's weights_root"),
+        ({"model_path": "{scaled_dir}/config.json"}, 400, "inside this model's weights_root"),
     ],
 )
-def test_bad_updates_are_refused_and_change_nothing(replicas, model_dir, reference, body, status, words):
+def test_bad_updates_are_refused_and_change_nothing(replicas, scaled_dir, reference, body, status, words):
     base_url = replicas[0].base_url
     before, _ = dense_rows(base_url, [[9690, 2114, 7]])
-    body = {k: (v.format(model_dir=model_dir) if isinstance(v, str) else v) for k, v in body.items()}
+    body = {k: (v.format(scaled_dir=scaled_dir) if isinstance(v, str) else v) for k, v in body.items()}
     answer = update(base_url, body)
     assert answer.status_code == status and words in answer.text
     if status != 422 and "model_path" in body:
@@ -106,16 +114,90 @@ def test_an_update_needs_the_admin_key(replicas, model_dir):
     assert answer.status_code == 401
 
 
+def test_paths_outside_the_weights_root_are_answered_as_missing_ones(
+    replicas, model_dir, weights_root, tmp_path
+):
+    """An existing directory outside the root (a real model), the root of another process, a
+    symlink in the root leading out, a directory whose weights file leads out, and a missing
+    directory: one answer, word for word, and nothing changes."""
+    (weights_root / "leads-out").symlink_to(model_dir, target_is_directory=True)
+    half = tmp_path / "half-outside"
+    half.mkdir()
+    (half / "config.json").write_text((model_dir / "config.json").read_text())
+    (half / "model.safetensors").symlink_to(model_dir / "model.safetensors")
+    base_url = replicas[0].base_url
+    before, _ = dense_rows(base_url, [[9690, 2114, 7]])
+    paths = [
+        str(model_dir),
+        "/proc/1/root",
+        "/proc/1/root/etc",
+        "leads-out",
+        str(weights_root / "leads-out"),
+        str(half),
+        str(weights_root / "no-such-checkpoint"),
+        "no-such-checkpoint",
+        "/no/such/dir",
+        "../" * 40 + "etc",
+    ]
+    answers = [update(base_url, {"model_path": path}) for path in paths]
+    assert answers[0].status_code == 400, answers[0].text
+    assert answers[0].json()["success"] is False and "weights_root" in answers[0].json()["message"]
+    for path, answer in zip(paths, answers, strict=True):
+        assert (answer.status_code, answer.content) == (answers[0].status_code, answers[0].content), path
+    after, _ = dense_rows(base_url, [[9690, 2114, 7]])
+    assert np.array_equal(before, after)
+
+
+@pytest.mark.parametrize("junk", ["not-safetensors", "a-directory"])
+def test_unreadable_weights_inside_the_root_are_the_callers_error(replicas, scaled_dir, tmp_path, junk):
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (checkpoint / name).symlink_to(scaled_dir / name)
+    if junk == "a-directory":
+        (checkpoint / "extra.safetensors").mkdir()
+    else:
+        (checkpoint / "extra.safetensors").write_bytes(b"\xff" * 64)
+    base_url = replicas[0].base_url
+    before, _ = dense_rows(base_url, [[9690, 2114, 7]])
+    answer = update(base_url, {"model_path": str(checkpoint)})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["success"] is False and "extra.safetensors" in answer.json()["message"]
+    assert np.array_equal(before, dense_rows(base_url, [[9690, 2114, 7]])[0])
+
+
+def test_without_a_weights_root_updates_are_off(model_dir, tmp_path):
+    """As adapters without an adapters_root: 403, whatever the path."""
+    settings = Settings(
+        admin_key="admin-secret", models=[ModelSettings(name="mock", model=str(model_dir), backend="mock")]
+    )
+    _, served = serving_app(settings)
+    with TestClient(served) as client:
+        for path in (str(tmp_path), "/proc/1/root", "/no/such/dir"):
+            answer = client.post("/update_weights_from_disk", json={"model_path": path}, headers=ADMIN)
+            assert answer.status_code == 403 and answer.json()["success"] is False
+            assert "no weights_root" in answer.json()["message"]
+        adapter = client.post(
+            "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(tmp_path)}, headers=ADMIN
+        )
+        assert adapter.status_code == 403 and "no adapters_root" in adapter.text
+
+
 def test_requests_in_flight_finish_on_the_weights_they_began_with(model_dir, tmp_path):
     """The mock engine, slow: a dense request under way when an update arrives gets the old rows;
     the update waits for it, and a request after the update gets the new ones."""
     weights = tmp_path / "weights"
     weights.mkdir()
     (weights / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
-    settings = Settings(
-        admin_key="admin-secret",
-        models=[ModelSettings(name="mock", model=str(model_dir), backend="mock", options={"delay_s": 0.5})],
+    save_file({"w": np.ones(2, np.float32)}, weights / "model.safetensors")
+    model = ModelSettings(
+        name="mock",
+        model=str(model_dir),
+        backend="mock",
+        options={"delay_s": 0.5},
+        weights_root=str(tmp_path),
     )
+    settings = Settings(admin_key="admin-secret", models=[model])
     app, served = serving_app(settings)
     with TestClient(served) as client:
         deadline = time.monotonic() + 120
