@@ -27,7 +27,7 @@ MiB = 2**20
 
 
 @pytest.fixture(scope="module")
-def bounded(model_dir, tmp_path_factory):
+def bounded(model_dir, scaled_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("bounds")
     config = workdir / "gateway.toml"
     config.write_text(f"""
@@ -41,6 +41,7 @@ max_body_bytes = {BODY_LIMIT}
 name = "{MODEL}"
 model = "{model_dir}"
 dtype = "float32"
+weights_root = "{scaled_dir.parent}"
 """)
     process = start_gateway(["--config", str(config)], workdir / "gateway.log")
     yield process
