@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from gateway.launcher import GatewayProcess, start_gateway
-from tests.conftest import MODEL, dense_rows
+from gateway.launcher import GatewayProcess
+from tests.conftest import dense_rows, start_real_gateway
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 3.0
@@ -24,18 +24,12 @@ MARGIN_S = 1.5  # an HTTP round trip and a loaded machine; torch's own retries t
 @pytest.fixture(scope="module")
 def impatient(model_dir, tmp_path_factory) -> Iterator[GatewayProcess]:
     workdir = tmp_path_factory.mktemp("weight-sync-timeout")
-    config = workdir / "gateway.toml"
-    config.write_text(f"""
-trusted_weight_sync = true
-weight_sync_timeout_s = {TIMEOUT_S}
-weight_sync_max_pending_joins = {PENDING_JOINS}
-
-[[models]]
-name = "{MODEL}"
-model = "{model_dir}"
-dtype = "float32"
-""")
-    gateway = start_gateway(["--config", str(config)], workdir / "gateway.log")
+    settings = (
+        "trusted_weight_sync = true\n"
+        f"weight_sync_timeout_s = {TIMEOUT_S}\n"
+        f"weight_sync_max_pending_joins = {PENDING_JOINS}"
+    )
+    gateway = start_real_gateway(model_dir, workdir, settings)
     yield gateway
     gateway.stop()
 
