@@ -54,6 +54,9 @@ class WeightsGroup:
     world_size: int
     backend: str | None  # "nccl" or "gloo"; None: nccl on CUDA, gloo on the CPU
     timeout_s: float  # joining, and each broadcast of an update
+    # joins of the engine still trying (given up on or not; each holds a thread and a socket)
+    # beyond which this one is refused
+    max_pending_joins: int = 8
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ on an engine's compute thread, so requests are served meanwhile; each waits at m
 timeout. torch.distributed does not bound a join by it (its store client retries a failed
 connection with a full timeout again, and waits without one for a peer that accepts but never
 answers), so a join is answered at its timeout whatever its thread does: a join given up on is
-left as soon as it forms, and at most `MAX_UNSETTLED_JOINS` threads may still be trying.
+left as soon as it forms, and at most `WeightsGroup.max_pending_joins` threads may still be trying.
 
 The announcement is checked against the model before the first broadcast, and received tensors
 are staged in full before any parameter changes. An announcement that does not fit is still
@@ -51,7 +51,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _MIN_SCRATCH_BYTES = 1 << 20
 _POLL_S = 0.2  # between tries to reach a trainer's store
-MAX_UNSETTLED_JOINS = 8  # joins whose thread still runs, given up on or not: each holds a socket
 
 
 def _until_accepting(host: str, port: int, deadline: float) -> None:
@@ -237,7 +236,7 @@ class CollectiveGroups:
             raise WeightsGroupError(
                 f"a weights update group named {group.name!r} exists already; destroy it first"
             )
-        if self._unsettled >= MAX_UNSETTLED_JOINS:
+        if self._unsettled >= group.max_pending_joins:
             raise WeightsError(
                 f"{self._unsettled} joins are still trying to reach their trainers; try again once "
                 "they have failed (a peer that accepts connections but never answers holds one)"

@@ -10,6 +10,7 @@
     trusted_weight_sync = false    # a trainer's weight-sync calls without the admin key
     open_flush_cache = false       # /flush_cache for every key, not only the admin key
     weight_sync_timeout_s = 300    # joining a trainer's collective, each update's transfer
+    weight_sync_max_pending_joins = 8  # joins still trying, given up on or not; 400 beyond
 
     [[models]]
     name = "smollm2-135m"          # the name clients put in `model`
@@ -151,6 +152,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # TorchRL never sends (gateway/routes/weight_sync.py).
     trusted_weight_sync: bool = False
     weight_sync_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # joining, each update's transfer
+    # joins of a trainer's collective still trying, given up on or not (a silent peer holds one)
+    weight_sync_max_pending_joins: Annotated[int, msgspec.Meta(gt=0)] = 8
     # /flush_cache empties a shared service's caches: the admin key's unless this opens it to every key
     open_flush_cache: bool = False
     models: list[ModelSettings] = msgspec.field(default_factory=lambda: [ModelSettings()])

@@ -57,7 +57,9 @@ def _log_outcome(task: asyncio.Future) -> None:
         log.warning("a weight-sync operation whose client had gone away failed: %s", type(failure).__name__)
 
 
-def weights_group(body: InitWeightsUpdateGroupRequest, timeout_s: float) -> WeightsGroup:
+def weights_group(
+    body: InitWeightsUpdateGroupRequest, timeout_s: float, max_pending_joins: int
+) -> WeightsGroup:
     if body.rank_offset >= body.world_size:
         raise InvalidRequestError(
             f"rank_offset {body.rank_offset} is not a rank of a group of {body.world_size}: "
@@ -76,6 +78,7 @@ def weights_group(body: InitWeightsUpdateGroupRequest, timeout_s: float) -> Weig
         world_size=body.world_size,
         backend=body.backend,
         timeout_s=timeout_s,
+        max_pending_joins=max_pending_joins,
     )
 
 

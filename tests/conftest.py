@@ -188,6 +188,18 @@ def scaled(scaled_dir: Path, reference: Reference) -> Reference:
     return Reference(model, reference.tokenizer)
 
 
+def start_real_gateway(
+    model_dir: Path, workdir: Path, settings: str = "", model_settings: str = ""
+) -> GatewayProcess:
+    """The real model in float32, served with the config file's top-level `settings` and the
+    model's own `model_settings` (TOML lines)."""
+    config = workdir / "gateway.toml"
+    config.write_text(
+        f'{settings}\n[[models]]\nname = "{MODEL}"\nmodel = "{model_dir}"\ndtype = "float32"\n{model_settings}\n'
+    )
+    return start_gateway(["--config", str(config)], workdir / "gateway.log")
+
+
 def start_admin_gateway(
     model_dir: Path,
     workdir: Path,
@@ -198,18 +210,12 @@ def start_admin_gateway(
     """The real model in float32 with the admin endpoints on: an admin key, an adapters root for
     loads at run time, and `adapters` (name -> directory) loaded at start."""
     loaded = ", ".join(f'{name} = "{path}"' for name, path in (adapters or {}).items())
-    config = workdir / "gateway.toml"
-    config.write_text(f"""
-admin_key = "{admin_key}"
-
-[[models]]
-name = "{MODEL}"
-model = "{model_dir}"
-dtype = "float32"
-adapters_root = "{adapters_root}"
-adapters = {{{loaded}}}
-""")
-    return start_gateway(["--config", str(config)], workdir / "gateway.log")
+    return start_real_gateway(
+        model_dir,
+        workdir,
+        f'admin_key = "{admin_key}"',
+        f'adapters_root = "{adapters_root}"\nadapters = {{{loaded}}}',
+    )
 
 
 def dense_rows(base_url: str, rows) -> tuple[Any, int]:

@@ -39,7 +39,10 @@ async def init_weights_update_group(request: Request) -> Response:
     body = await decode_json(request, InitWeightsUpdateGroupRequest)
     try:
         served = base_model(request, body.model)
-        group = weight_sync.weights_group(body, settings(request).weight_sync_timeout_s)
+        config = settings(request)
+        group = weight_sync.weights_group(
+            body, config.weight_sync_timeout_s, config.weight_sync_max_pending_joins
+        )
         await weight_sync.to_the_end(served.join_weights_group(group))
     except GatewayError as exc:
         return _failure(exc)

@@ -23,7 +23,7 @@ from backends.base import (
     WeightsUpdateUnsupported,
     engine_class,
 )
-from backends.weight_sync import DTYPES, MAX_UNSETTLED_JOINS, CollectiveGroups, mismatch
+from backends.weight_sync import DTYPES, CollectiveGroups, mismatch
 from gateway.launcher import free_port
 from gateway.schemas.weight_sync import TensorDtype
 
@@ -203,7 +203,8 @@ async def test_a_name_is_joined_once_and_a_trainer_that_never_comes_times_out():
 
 async def test_joins_given_up_on_are_answered_at_the_timeout_and_bounded_in_number():
     """A peer that accepts connections but never answers holds torch's join for ever: each join is
-    answered at its timeout all the same, and at most MAX_UNSETTLED_JOINS may still be trying."""
+    answered at its timeout all the same, and at most `max_pending_joins` may still be trying."""
+    pending = 3
     groups = CollectiveGroups(torch.device("cpu"))
     loop = asyncio.get_running_loop()
     with socket.socket() as listener:
@@ -212,14 +213,14 @@ async def test_joins_given_up_on_are_answered_at_the_timeout_and_bounded_in_numb
         port = listener.getsockname()[1]
         started = loop.time()
         joins = [
-            groups.join(WeightsGroup(f"g{i}", "127.0.0.1", port, 1, 2, None, 0.5))
-            for i in range(MAX_UNSETTLED_JOINS)
+            groups.join(WeightsGroup(f"g{i}", "127.0.0.1", port, 1, 2, None, 0.5, pending))
+            for i in range(pending)
         ]
         failures = await asyncio.gather(*joins, return_exceptions=True)
         assert loop.time() - started < 2.5
         assert all(isinstance(f, WeightsError) and "within 0.5 s" in str(f) for f in failures), failures
         with pytest.raises(WeightsError, match="still trying to reach their trainers"):
-            await groups.join(WeightsGroup("one-more", "127.0.0.1", port, 1, 2, None, 0.5))
+            await groups.join(WeightsGroup("one-more", "127.0.0.1", port, 1, 2, None, 0.5, pending))
     deadline = loop.time() + 30  # the listener is gone: the threads fail, and their places are free
     while groups.unsettled:
         assert loop.time() < deadline, "the joins given up on never ended"

@@ -16,7 +16,7 @@ import pytest
 
 from gateway.access import hash_key
 from gateway.launcher import start_gateway
-from tests.conftest import MODEL, mock_app_client
+from tests.conftest import MODEL, mock_app_client, start_real_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -29,21 +29,8 @@ MiB = 2**20
 @pytest.fixture(scope="module")
 def bounded(model_dir, scaled_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("bounds")
-    config = workdir / "gateway.toml"
-    config.write_text(f"""
-api_keys = ["{hash_key(ALICE, "alice")}"]
-admin_key = "{ADMIN}"
-
-[limits]
-max_body_bytes = {BODY_LIMIT}
-
-[[models]]
-name = "{MODEL}"
-model = "{model_dir}"
-dtype = "float32"
-weights_root = "{scaled_dir.parent}"
-""")
-    process = start_gateway(["--config", str(config)], workdir / "gateway.log")
+    settings = f'api_keys = ["{hash_key(ALICE, "alice")}"]\nadmin_key = "{ADMIN}"\n\n[limits]\nmax_body_bytes = {BODY_LIMIT}'
+    process = start_real_gateway(model_dir, workdir, settings, f'weights_root = "{scaled_dir.parent}"')
     yield process
     process.stop()
 

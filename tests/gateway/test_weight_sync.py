@@ -18,8 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from gateway.launcher import start_gateway
-from tests.conftest import MODEL, dense_rows
+from tests.conftest import MODEL, dense_rows, start_real_gateway
 
 pytestmark = pytest.mark.slow
 TRAINER = Path(__file__).with_name("weight_sync_trainer.py")
@@ -76,17 +75,7 @@ class TrainerProcess:
 def served(model_dir, tmp_path_factory):
     """A gateway dedicated to one trainer: keyless weight sync, though an admin key is set."""
     workdir = tmp_path_factory.mktemp("weight-sync")
-    config = workdir / "gateway.toml"
-    config.write_text(f"""
-admin_key = "admin-secret"
-trusted_weight_sync = true
-
-[[models]]
-name = "{MODEL}"
-model = "{model_dir}"
-dtype = "float32"
-""")
-    gateway = start_gateway(["--config", str(config)], workdir / "gateway.log")
+    gateway = start_real_gateway(model_dir, workdir, 'admin_key = "admin-secret"\ntrusted_weight_sync = true')
     yield gateway
     gateway.stop()
 

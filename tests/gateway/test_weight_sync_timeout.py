@@ -12,28 +12,24 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from gateway.launcher import GatewayProcess, start_gateway
-from tests.conftest import MODEL, dense_rows
+from gateway.launcher import GatewayProcess
+from tests.conftest import dense_rows, start_real_gateway
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 3.0
+PENDING_JOINS = 2
 MARGIN_S = 1.5  # an HTTP round trip and a loaded machine; torch's own retries took 2 s and more
 
 
 @pytest.fixture(scope="module")
 def impatient(model_dir, tmp_path_factory) -> Iterator[GatewayProcess]:
     workdir = tmp_path_factory.mktemp("weight-sync-timeout")
-    config = workdir / "gateway.toml"
-    config.write_text(f"""
-trusted_weight_sync = true
-weight_sync_timeout_s = {TIMEOUT_S}
-
-[[models]]
-name = "{MODEL}"
-model = "{model_dir}"
-dtype = "float32"
-""")
-    gateway = start_gateway(["--config", str(config)], workdir / "gateway.log")
+    settings = (
+        "trusted_weight_sync = true\n"
+        f"weight_sync_timeout_s = {TIMEOUT_S}\n"
+        f"weight_sync_max_pending_joins = {PENDING_JOINS}"
+    )
+    gateway = start_real_gateway(model_dir, workdir, settings)
     yield gateway
     gateway.stop()
 
@@ -97,3 +93,21 @@ def test_a_trainer_that_is_not_there_is_a_400_within_the_timeout(impatient, requ
         impatient.base_url + "/destroy_weights_update_group", json={"group_name": f"group-{port}"}
     )
     assert destroyed.status_code == 400 and "does not exist" in destroyed.text
+
+
+def test_joins_held_by_a_silent_peer_are_bounded_by_the_setting(impatient, silent_port):
+    """Each join a silent peer holds keeps a thread and a socket until the peer closes: beyond
+    `weight_sync_max_pending_joins` of them a join is refused at once."""
+    deadline = time.monotonic() + 30  # joins held by earlier tests' peers end once those closed
+    while True:
+        first, _ = join(impatient.base_url, silent_port, "held-0")
+        if "still trying" not in first.text or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert first.status_code == 400 and "Failed to initialize" in first.json()["message"], first.text
+    for i in range(1, PENDING_JOINS):
+        held, _ = join(impatient.base_url, silent_port, f"held-{i}")
+        assert held.status_code == 400 and "Failed to initialize" in held.json()["message"], held.text
+    refused, took = join(impatient.base_url, silent_port, "one-more")
+    assert refused.status_code == 400 and "still trying" in refused.json()["message"], refused.text
+    assert took < MARGIN_S
