@@ -11,14 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import msgspec
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.access import Access
 from gateway.errors import (
     AuthenticationError,
-    ErrorDetail,
-    ErrorResponse,
     GatewayError,
     ShuttingDownError,
     error_body,
@@ -178,6 +175,6 @@ async def _end_at_shutdown(send: Send, started: bool, stream: bool, done: bool) 
         if not started:
             await _send_error(send, exc)
         elif stream and not done:
-            error = ErrorResponse(error=ErrorDetail(message=exc.message, type=exc.error_type, code=exc.code))
-            event = b"data: " + msgspec.json.encode(error) + b"\n\ndata: [DONE]\n\n"
+            error = error_body(exc.message, exc.error_type, code=exc.code)
+            event = b"data: " + error + b"\n\ndata: [DONE]\n\n"
             await send({"type": "http.response.body", "body": event, "more_body": False})
