@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import math
+from collections.abc import Iterable
 
 import msgspec
 import numpy as np
@@ -103,15 +104,14 @@ def in_body(
     response = NextTokenLogprobsResponse(
         model=body.model, vocab_size=vocab_size, dtype=dtype, data=[], usage=usage
     )
-    head, tail = _around(msgspec.json.encode(response), b'"data":[]')
-    parts: Parts = [head]
-    for i, r in enumerate(rows):
-        # JSON has no -inf: it is sent as null (msgspec writes non-finite floats as null).
-        values = row_base64(r, body.dtype) if body.encoding_format == "base64" else r.tolist()
-        row = msgspec.json.encode(NextTokenLogprobsRow(index=i, logprobs=values))
-        parts.append(b"," + row if i else row)
-    parts.append(tail)
-    return parts
+    # JSON has no -inf: it is sent as null (msgspec writes non-finite floats as null).
+    items = (
+        NextTokenLogprobsRow(
+            index=i, logprobs=row_base64(r, body.dtype) if body.encoding_format == "base64" else r.tolist()
+        )
+        for i, r in enumerate(rows)
+    )
+    return _filled(msgspec.json.encode(response), b'"data":[]', items)
 
 
 def _around(document: bytes, empty: bytes) -> tuple[bytes, bytes]:
@@ -119,6 +119,17 @@ def _around(document: bytes, empty: bytes) -> tuple[bytes, bytes]:
     with the field's items in between."""
     at = document.index(empty) + len(empty) - 1
     return document[:at], document[at:]
+
+
+def _filled(document: bytes, empty: bytes, items: Iterable[object]) -> Parts:
+    """The document with its one empty array field `empty` holding `items`, each encoded alone."""
+    head, tail = _around(document, empty)
+    parts: Parts = [head]
+    for i, item in enumerate(items):
+        encoded = msgspec.json.encode(item)
+        parts.append(b"," + encoded if i else encoded)
+    parts.append(tail)
+    return parts
 
 
 def _matrix(
@@ -138,10 +149,4 @@ def _matrix(
         head, tail = _around(msgspec.json.encode(document), b'"logprobs":""')
         return [head, base64.b64encode(matrix_view(rows, body.dtype)), tail]
     document = NextTokenLogprobsMatrixResponse(**fields, dtype="float32", logprobs=[])
-    head, tail = _around(msgspec.json.encode(document), b'"logprobs":[]')
-    parts: Parts = [head]
-    for i, r in enumerate(rows):
-        row = msgspec.json.encode(r.tolist())
-        parts.append(b"," + row if i else row)
-    parts.append(tail)
-    return parts
+    return _filled(msgspec.json.encode(document), b'"logprobs":[]', (r.tolist() for r in rows))
