@@ -71,21 +71,27 @@ def check_adapter_dir(path: Path, max_rank: int, root: str | None = None) -> dic
         raise _unusable_path(exc) from None
 
 
+def leaving_entry(directory: Path, base: Path) -> Path | None:
+    """The first entry of `directory` that resolves outside `base` (a symlink loop counts), if any:
+    engines read files of a directory by name (PEFT, vLLM and MLX do not all read the same ones),
+    so none may lead outside a root, whatever its name. OSError as the filesystem raises it."""
+    for entry in directory.iterdir():
+        try:
+            if not entry.resolve().is_relative_to(base):
+                return entry
+        except RuntimeError:  # a symlink loop
+            return entry
+    return None
+
+
 def _confine_files(path: Path, root: str) -> None:
-    """Engines read files of the directory by name (PEFT, vLLM and MLX do not all read the same
-    ones), so no entry of it may lead outside the root, whatever its name."""
     if not path.is_dir():  # nothing to read here: the checks that follow say what is missing
         return
-    base = Path(root).resolve()
-    for entry in path.iterdir():
-        try:
-            inside = entry.resolve().is_relative_to(base)
-        except RuntimeError:  # a symlink loop
-            inside = False
-        if not inside:
-            raise ForbiddenError(
-                f"{entry.name!r} in the adapter directory leads outside the adapters root", param="lora_path"
-            )
+    entry = leaving_entry(path, Path(root).resolve())
+    if entry is not None:
+        raise ForbiddenError(
+            f"{entry.name!r} in the adapter directory leads outside the adapters root", param="lora_path"
+        )
 
 
 def _check_adapter_files(path: Path, max_rank: int) -> dict:

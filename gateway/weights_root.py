@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gateway.adapters import leaving_entry
 from gateway.errors import ForbiddenError, InvalidRequestError
 
 UNAVAILABLE = (
@@ -39,9 +40,8 @@ def weights_dir(root: str | None, given: str) -> Path:
         path = (base / given).resolve()
         if not path.is_relative_to(base) or not path.is_dir():
             raise _unavailable()
-        for entry in path.iterdir():
-            if not entry.resolve().is_relative_to(base):
-                raise _unavailable()
+        if leaving_entry(path, base) is not None:
+            raise _unavailable()
         has_config = (path / "config.json").is_file()
         has_safetensors = any(file.is_file() for file in path.glob("*.safetensors"))
     except (OSError, ValueError, RuntimeError):  # RuntimeError: pathlib's report of a symlink loop
