@@ -188,6 +188,14 @@ def scaled(scaled_dir: Path, reference: Reference) -> Reference:
     return Reference(model, reference.tokenizer)
 
 
+def memory_kib(pid: int, field: str) -> int:
+    """A memory figure of process `pid` from /proc/<pid>/status, in KiB (VmRSS, VmHWM: its peak)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
 def start_real_gateway(
     model_dir: Path, workdir: Path, settings: str = "", model_settings: str = ""
 ) -> GatewayProcess:

@@ -16,7 +16,7 @@ import pytest
 
 from gateway.access import hash_key
 from gateway.launcher import start_gateway
-from tests.conftest import MODEL, mock_app_client, start_real_gateway
+from tests.conftest import MODEL, memory_kib, mock_app_client, start_real_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -53,18 +53,11 @@ def error_of(response, status, param=None):
 def peak_rss_reset(pid: int) -> int:
     """The process's resident set now, after resetting its peak (VmHWM) to it."""
     Path(f"/proc/{pid}/clear_refs").write_text("5")
-    return _status_kib(pid, "VmRSS") * 1024
+    return memory_kib(pid, "VmRSS") * 1024
 
 
 def peak_rss(pid: int) -> int:
-    return _status_kib(pid, "VmHWM") * 1024
-
-
-def _status_kib(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
+    return memory_kib(pid, "VmHWM") * 1024
 
 
 # -- item: the answer's size, bounded before any work -------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -17,7 +16,7 @@ import pytest
 
 from gateway.launcher import GatewayProcess, start_gateway
 from gateway.settings import Limits
-from tests.conftest import MODEL
+from tests.conftest import MODEL, memory_kib
 
 LIMITS = Limits()  # the defaults under test
 
@@ -25,13 +24,6 @@ LIMITS = Limits()  # the defaults under test
 def _address(gateway: GatewayProcess) -> tuple[str, int]:
     url = urlsplit(gateway.base_url)
     return url.hostname or "127.0.0.1", url.port or 80
-
-
-def _memory_kib(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(f"{field} not in /proc/{pid}/status")
 
 
 @pytest.fixture
@@ -147,7 +139,7 @@ def test_clients_that_never_read_are_cut_off_within_the_answer_budget(model_dir,
         body = msgspec.json.encode(
             {"model": MODEL, "input": rows, "encoding_format": "base64", "dtype": "float32"}
         )
-        idle_kib = _memory_kib(pid, "VmRSS")
+        idle_kib = memory_kib(pid, "VmRSS")
         socks = [_raw_request(host, port, body) for _ in range(8)]
         time.sleep(5)
         begun = time.monotonic()
@@ -159,7 +151,7 @@ def test_clients_that_never_read_are_cut_off_within_the_answer_budget(model_dir,
             )
             assert small.status_code == 200  # others are served throughout
             time.sleep(2)
-        peak_kib = _memory_kib(pid, "VmHWM")
+        peak_kib = memory_kib(pid, "VmHWM")
         answers = [_read_all(sock, limit=64 * 2**20) for sock in socks]
     finally:
         gateway.stop()
