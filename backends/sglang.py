@@ -53,7 +53,7 @@ from backends.base import (
     resolve_auto_dtype,
 )
 from backends.builtin_models import resolve_model_dir
-from backends.sglang_transport import EngineTransport, HttpTransport, ManagedServer, Transport
+from backends.sglang_transport import EngineTransport, HttpTransport, ManagedServer, Transport, free_port
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +166,6 @@ class SglangEngine(Engine):
 
     @staticmethod
     def _launch(config: EngineConfig, path: Path, options: dict[str, Any], http: dict) -> HttpTransport:
-        from gateway.launcher import free_port
-
         command = list(options.get("server_command") or [sys.executable, "-m", "sglang.launch_server"])
         command += ["--model-path", str(path), "--dtype", config.dtype, "--skip-server-warmup"]
         if config.max_model_len:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -187,6 +188,13 @@ class HttpTransport:
 
 
 # -- a managed server process -------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ManagedServer:

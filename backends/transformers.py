@@ -52,8 +52,8 @@ from backends.host_copy import CudaHostWrites, release_pinned_memory, rows_to_ho
 from backends.prefix_cache import PrefixCache
 from backends.sampling import sample_tokens
 from backends.step_scheduler import StepScheduler
-from backends.weight_sync import CollectiveGroups
-from backends.weights import copy_tensors_in_place, copy_weights_in_place, model_parameters
+from backends.weights_collective import CollectiveGroups
+from backends.weights_in_place import copy_tensors_in_place, copy_weights_in_place, model_parameters
 
 log = logging.getLogger(__name__)
 

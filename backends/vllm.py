@@ -55,7 +55,7 @@ from backends.base import (
 )
 from backends.builtin_models import resolve_model_dir
 from backends.vllm_capture import CAPTURE_KEY, DenseRowCapture
-from backends.weights import check_same_tensors
+from backends.weights_in_place import check_same_tensors
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.launcher import RedisServer, start_gateway  # noqa: E402
+from tests.launcher import RedisServer, start_gateway  # noqa: E402
 
 MODELS = {
     "mock": ("mock", 'backend = "mock"\noptions = {vocab_size = 131072}'),

@@ -25,7 +25,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.launcher import start_gateway  # noqa: E402
+from tests.launcher import start_gateway  # noqa: E402
 
 TOPICS = [
     "the sea",

@@ -39,8 +39,8 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.builtin_models import DEFAULT_MODEL  # noqa: E402
-from gateway.launcher import start_gateway  # noqa: E402
 from logprob_gateway_client.encoding import decode_row  # noqa: E402
+from tests.launcher import start_gateway  # noqa: E402
 
 MSGPACK = "application/msgpack"
 WEIGHTS = {

@@ -41,8 +41,8 @@ from backends.builtin_models import resolve_model_dir  # noqa: E402
 from backends.transformers import resolve_device, resolve_dtype  # noqa: E402
 from bench.smc import add_model_arguments, random_model_dir  # noqa: E402
 from bench.smc_ways import SGLANG_ARGS  # noqa: E402
-from gateway.launcher import start_gateway  # noqa: E402
 from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
+from tests.launcher import start_gateway  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",

@@ -13,7 +13,7 @@ way runs the same algorithm:
   engine    our TransformersEngine in-process (prefix K/V reuse), identical rows sent once
   sglang    our SGLang engine with sglang.Engine in-process (CUDA only; one SGLang request per
             distinct row, a step's rows submitted together)
-  gateway   a real gateway process (gateway.launcher), through logprob_gateway_client.AsyncGatewayLM's
+  gateway   a real gateway process (tests.launcher), through logprob_gateway_client.AsyncGatewayLM's
             batch_next_token_logprobs (one request per step); on one host the gateway writes the
             answers into the client's memory (shared memory, the client's default)
   gateway-socket   `gateway` with the answers in the HTTP body (shared_memory=False): what a

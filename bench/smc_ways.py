@@ -13,8 +13,8 @@ import torch
 
 from backends.base import Engine, EngineConfig
 from backends.host_copy import rows_to_host
-from gateway.launcher import GatewayProcess, start_gateway
 from logprob_gateway_client import AsyncGatewayLM
+from tests.launcher import GatewayProcess, start_gateway
 
 NextRows = Callable[[list[list[int]]], Awaitable[np.ndarray]]  # rows -> float32 [rows, vocab]
 # SGLang with what scripts/stage_sglang.sh leaves out kept off; a fraction of the GPU's memory that

@@ -29,11 +29,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gateway.dense.delivery import in_body  # noqa: E402
-from gateway.launcher import start_gateway  # noqa: E402
 from gateway.schemas.logprobs import NextTokenLogprobsRequest, NextTokenLogprobsUsage  # noqa: E402
 from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
 from logprob_gateway_client.encoding import decode_row  # noqa: E402
 from logprob_gateway_client.wire import decode_msgpack_matrix, decode_msgpack_rows  # noqa: E402
+from tests.launcher import start_gateway  # noqa: E402
 
 ENCODINGS = [  # (label, encoding_format, dtype, msgpack, layout)
     ("json float", "float", "float32", False, "rows"),

@@ -13,25 +13,29 @@ from litestar.datastructures import State
 from litestar.types import ASGIApp
 
 from gateway.access import Access, KeyRing
-from gateway.dense import DenseService, SharedMemoryWriter, build_cache
+from gateway.dense.routes import batching_stats, next_token_logprobs
+from gateway.dense.row_cache import build_cache
+from gateway.dense.service import DenseService
+from gateway.dense.shared_memory import SharedMemoryWriter
+from gateway.dense.vocabulary import detokenize_route, tokenize_route, tokenizer_files, vocabulary
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.guard import guard
 from gateway.metrics import Metrics, StateCollector, instrument
+from gateway.openai.chat import create_chat_completion
+from gateway.openai.completions import create_completion
+from gateway.openai.models import list_models, retrieve_model
 from gateway.registry import ModelRegistry
-from gateway.routes.admin import load_lora_adapter, unload_lora_adapter, update_weights_from_disk
-from gateway.routes.chat import create_chat_completion
-from gateway.routes.completions import create_completion
-from gateway.routes.logprobs import batching_stats, next_token_logprobs
-from gateway.routes.models import health, list_models, openapi_document, prometheus_metrics, retrieve_model
-from gateway.routes.sglang import (
+from gateway.server.shutdown import Shutdown
+from gateway.settings import Settings
+from gateway.sglang.routes import (
     flush_cache,
     health_generate,
     sglang_generate,
     sglang_model_info,
     sglang_server_info,
 )
-from gateway.routes.vocabulary import detokenize_route, tokenize_route, tokenizer_files, vocabulary
-from gateway.routes.weight_sync import (
+from gateway.status import health, openapi_document, prometheus_metrics
+from gateway.weights.group_routes import (
     continue_generation,
     destroy_weights_update_group,
     get_load,
@@ -39,8 +43,7 @@ from gateway.routes.weight_sync import (
     pause_generation,
     update_weights_from_distributed,
 )
-from gateway.settings import Settings
-from gateway.shutdown import Shutdown
+from gateway.weights.routes import load_lora_adapter, unload_lora_adapter, update_weights_from_disk
 
 log = logging.getLogger(__name__)
 

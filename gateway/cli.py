@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from backends.base import BACKEND_NAMES
-from gateway.preflight import check_before_loading
+from gateway.server.preflight import check_before_loading
 from gateway.settings import CacheSettings, ConfigError, ModelSettings, Settings, load_settings
 
 DESCRIPTION = (
@@ -138,8 +138,8 @@ def serve(settings: Settings) -> int:
     """Serve until SIGTERM or Ctrl-C (0); a model that fails to load at start stops the server (1):
     it cannot serve what it was configured for, so it exits for the orchestrator to see."""
     from gateway.app import serving_app
-    from gateway.server_logging import uvicorn_log_config
-    from gateway.shutdown import draining_server
+    from gateway.server.log_config import uvicorn_log_config
+    from gateway.server.shutdown import draining_server
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -171,7 +171,7 @@ def serve(settings: Settings) -> int:
 def write_openapi(output: str) -> None:
     import json
 
-    from gateway.openapi import build_openapi
+    from gateway.openapi.document import build_openapi
 
     text = json.dumps(build_openapi(), indent=2, sort_keys=True) + "\n"
     if output == "-":

@@ -22,7 +22,7 @@ from gateway.errors import (
     retry_after_headers,
 )
 from gateway.metrics import DISCONNECTED_KEY
-from gateway.shutdown import Shutdown
+from gateway.server.shutdown import Shutdown
 
 STREAM_KEY = "logprob_gateway.stream"  # set by a route that reserved a stream slot
 ANSWER_BYTES_KEY = "logprob_gateway.answer_bytes"  # bytes a route reserved for its answer

@@ -26,7 +26,6 @@ from backends.base import (
     engine_class,
 )
 from backends.vocab import token_bytes_table
-from gateway.adapters import adapter_fingerprint, check_adapter_dir, check_adapter_name
 from gateway.errors import (
     GatewayError,
     InvalidRequestError,
@@ -36,7 +35,8 @@ from gateway.errors import (
 )
 from gateway.metrics import Metrics
 from gateway.settings import ModelSettings
-from gateway.weights import WeightsLock, weight_files_stat
+from gateway.weights.adapters import adapter_fingerprint, check_adapter_dir, check_adapter_name
+from gateway.weights.lock import WeightsLock, weight_files_stat
 
 log = logging.getLogger(__name__)
 

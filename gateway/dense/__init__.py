@@ -9,9 +9,3 @@ delivery.py       the answer in the body (JSON, MessagePack) or in the client's 
 shared_memory.py  clients' segments, mapped and checked
 parallel_copy.py  large copies on several threads
 """
-
-from gateway.dense.row_cache import build_cache
-from gateway.dense.service import Answer, DenseService
-from gateway.dense.shared_memory import SharedMemoryWriter
-
-__all__ = ["Answer", "DenseService", "SharedMemoryWriter", "build_cache"]

@@ -1,7 +1,7 @@
 """The bytes of a dense answer: rows or one matrix, as JSON or MessagePack, or written into the
 client's shared memory with a small document saying where.
 
-Bodies are lists of buffers sent one after the other (gateway.http.PartsResponse): a MessagePack
+Bodies are lists of buffers sent one after the other (gateway.responses.PartsResponse): a MessagePack
 matrix goes out as a header and the rows' own memory, never joined; a JSON answer as its document
 around its rows, each encoded alone, so no Python list of every float exists at once.
 """

@@ -11,8 +11,8 @@ pytest.importorskip("mlx_lm")
 
 from backends.base import AdapterError, EngineConfig, SamplingParams, WeightsError  # noqa: E402
 from backends.mlx import MlxEngine  # noqa: E402
-from gateway.launcher import start_gateway  # noqa: E402
 from tests.conftest import MODEL, make_lora_adapter  # noqa: E402
+from tests.launcher import start_gateway  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.mlx]
 TEXTS = ["The capital of France is", "Hi", "A longer sentence about the weather in Paris today"]

@@ -20,8 +20,8 @@ require_engine_library("sglang")
 from backends.base import AdapterError, EngineConfig, RequestRejectedError, SamplingParams  # noqa: E402
 from backends.sglang import ScatterError, SglangEngine, scatter_row  # noqa: E402
 from backends.sglang_transport import ManagedServer, SglangError  # noqa: E402
-from gateway.launcher import free_port  # noqa: E402
 from tests.backends.sglang_standin import distribution  # noqa: E402
+from tests.launcher import free_port  # noqa: E402
 
 STANDIN = [sys.executable, str(Path(__file__).with_name("sglang_standin.py"))]
 

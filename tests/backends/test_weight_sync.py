@@ -23,9 +23,9 @@ from backends.base import (
     WeightsUpdateUnsupported,
     engine_class,
 )
-from backends.weight_sync import DTYPES, CollectiveGroups, mismatch
-from gateway.launcher import free_port
+from backends.weights_collective import DTYPES, CollectiveGroups, mismatch
 from gateway.schemas.weight_sync import TensorDtype
+from tests.launcher import free_port
 
 HOOKS = ("join_weights_group", "update_weights_from_group", "leave_weights_group")
 

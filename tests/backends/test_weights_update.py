@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from backends.base import EngineConfig, WeightsError
 from backends.transformers import TransformersEngine
-from backends.weights import check_same_tensors
+from backends.weights_in_place import check_same_tensors
 
 pytestmark = pytest.mark.slow
 PREFIXES = [[504, 3575, 282, 4649, 314], [410, 2251, 30], [504, 3575, 282]]

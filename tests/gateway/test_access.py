@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from gateway.access import hash_key
-from gateway.launcher import start_gateway
+from tests.launcher import start_gateway
 
 ALICE, BOB, ADMIN = "sk-alice-0123456789", "sk-bob-9876543210", "admin-secret-42"
 WRONG = "sk-wrong-key-555"

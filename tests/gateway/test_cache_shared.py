@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from gateway.dense.row_cache import FORMAT
-from gateway.launcher import start_gateway
 from tests.conftest import MODEL
+from tests.launcher import start_gateway
 
 pytestmark = pytest.mark.slow
 MSGPACK = {"Accept": "application/msgpack"}

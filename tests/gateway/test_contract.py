@@ -22,11 +22,11 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.launcher import start_gateway
-from gateway.openapi import build_openapi
-from gateway.openapi_vocabulary import decimal_below
+from gateway.openapi.document import build_openapi
+from gateway.openapi.vocabulary import decimal_below
 from gateway.settings import Settings
 from tests.conftest import MODEL
+from tests.launcher import start_gateway
 
 SPEC = Path(__file__).parents[2] / "openapi" / "openapi.json"
 EXAMPLES = int(os.environ.get("CONTRACT_EXAMPLES", "20"))

@@ -34,7 +34,7 @@ from litestar.testing import TestClient
 
 from gateway.app import serving_app
 from gateway.dense.delivery import in_body
-from gateway.openapi import build_openapi
+from gateway.openapi.document import build_openapi
 from gateway.schemas.chat import ChatCompletionResponse
 from gateway.schemas.completions import CompletionResponse
 from gateway.schemas.logprobs import (

@@ -7,7 +7,7 @@ import pytest
 from backends.base import EngineConfig, SamplingParams
 from backends.mock import MockEngine
 from backends.vocab import decode_text, token_bytes_table
-from gateway import generation as gen
+from gateway.generation import choices as gen
 from gateway.registry import ServedModel
 from gateway.settings import Limits, ModelSettings
 

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from gateway.access import hash_key
-from gateway.launcher import start_gateway
 from tests.conftest import MODEL, memory_kib, mock_app_client, start_real_gateway
+from tests.launcher import start_gateway
 
 pytestmark = pytest.mark.slow
 

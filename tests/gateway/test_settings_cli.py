@@ -16,7 +16,6 @@ import pytest
 from backends.base import BACKEND_NAMES
 from gateway import cli
 from gateway.cli import SERVING_GC_THRESHOLD, tune_collector
-from gateway.launcher import free_port
 from gateway.settings import (
     ENV_PREFIX,
     CacheSettings,
@@ -26,6 +25,7 @@ from gateway.settings import (
     load_settings,
 )
 from tests.conftest import mock_app_client
+from tests.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

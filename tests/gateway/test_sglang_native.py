@@ -13,8 +13,8 @@ import httpx
 import numpy as np
 import pytest
 
-from gateway.launcher import start_gateway
 from tests.conftest import MODEL, mock_app_client
+from tests.launcher import start_gateway
 
 pytestmark = pytest.mark.slow
 

@@ -20,12 +20,12 @@ import torch
 from gateway.dense.parallel_copy import copy_into
 from gateway.dense.shared_memory import SharedMemoryWriter
 from gateway.errors import InvalidRequestError
-from gateway.launcher import start_gateway
 from gateway.schemas.logprobs import SharedMemoryTarget
 from logprob_gateway_client import AsyncGatewayLM, GatewayClientError
 from logprob_gateway_client import shared_memory as client_memory
 from logprob_gateway_client.shared_memory import KEY_BYTES
 from tests.conftest import MODEL
+from tests.launcher import start_gateway
 
 pytestmark = [
     pytest.mark.slow,

@@ -18,8 +18,8 @@ import httpx
 import msgspec
 import pytest
 
-from gateway.launcher import start_gateway
 from tests.conftest import MODEL
+from tests.launcher import start_gateway
 
 BENCH = Path(__file__).parents[2] / "bench" / "load.py"
 SOAK_S = 60.0

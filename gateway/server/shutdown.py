@@ -22,7 +22,7 @@ from types import FrameType
 import uvicorn
 from litestar.types import ASGIApp
 
-from gateway.server_protocol import protocol_with_limits
+from gateway.server.protocol import protocol_with_limits
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -7,9 +7,9 @@ from functools import partial
 
 from litestar import Request, Response, get, post
 
-from gateway import http
-from gateway.dense import DenseService
+from gateway import requests, responses
 from gateway.dense.delivery import answer_nbytes
+from gateway.dense.service import DenseService
 from gateway.prompts import has_text, token_inputs
 from gateway.schemas.logprobs import BatchingStats, NextTokenLogprobsRequest
 
@@ -20,9 +20,9 @@ def _dense(request: Request) -> DenseService:
 
 @post("/v1/next_token_logprobs", status_code=200, summary="Dense next-token log-probabilities")
 async def next_token_logprobs(request: Request) -> Response:
-    body = await http.decode_json(request, NextTokenLogprobsRequest)
-    served, adapter = http.resolve_model(request, body.model)
-    limits = http.settings(request).limits
+    body = await requests.decode_json(request, NextTokenLogprobsRequest)
+    served, adapter = requests.resolve_model(request, body.model)
+    limits = requests.settings(request).limits
     prepare = partial(
         token_inputs,
         served,
@@ -34,25 +34,25 @@ async def next_token_logprobs(request: Request) -> Response:
     )
     # Token-id rows are checked in one C pass; only text is worth a thread.
     inputs = await asyncio.to_thread(prepare) if has_text(body.input) else prepare()
-    http.charge_rows(request, len(inputs))
-    binary = http.wants_msgpack(request)
+    requests.charge_rows(request, len(inputs))
+    binary = requests.wants_msgpack(request)
     dense = _dense(request)
     # Before any row is computed: its size is known, and a server full of unread answers says so.
     shared = body.shared_memory is not None and dense.shared_memory is not None
     vocab_size = served.require_engine().vocab_size
-    http.reserve_answer_bytes(request, answer_nbytes(len(inputs), vocab_size, body, binary, shared))
+    requests.reserve_answer_bytes(request, answer_nbytes(len(inputs), vocab_size, body, binary, shared))
     answer = await dense.answer(served, adapter, [i.ids for i in inputs], body, binary)
-    media_type = http.MSGPACK_TYPES[0] if binary else "application/json"
-    return http.PartsResponse(
+    media_type = requests.MSGPACK_TYPES[0] if binary else "application/json"
+    return responses.PartsResponse(
         answer.parts, media_type=media_type, headers={"Server-Timing": answer.server_timing}
     )
 
 
 @get("/v1/models/{model:str}/stats", summary="Dense-row batching counters of a model")
 async def batching_stats(request: Request, model: str) -> Response:
-    served, _ = http.resolve_model(request, model)
+    served, _ = requests.resolve_model(request, model)
     s = _dense(request).batcher(served).stats
-    return http.json_response(
+    return responses.json_response(
         BatchingStats(
             model=served.name,
             requests=s.requests,

@@ -9,21 +9,12 @@ from litestar import Request, Response, post
 
 from backends.base import SamplingParams, TokenStep
 from backends.vocab import token_display
-from gateway import generation as gen
 from gateway.errors import InvalidRequestError
-from gateway.http import (
-    decode_json,
-    json_response,
-    new_id,
-    now,
-    reserve_stream,
-    resolve_model,
-    settings,
-    sse_event,
-    sse_response,
-)
+from gateway.generation import choices as gen
 from gateway.prompts import check_text_chars, tokenize
 from gateway.registry import ServedModel
+from gateway.requests import decode_json, reserve_stream, resolve_model, settings
+from gateway.responses import json_response, new_id, now, sse_event, sse_response
 from gateway.schemas.chat import (
     AssistantMessage,
     ChatChoice,

@@ -16,10 +16,10 @@ import msgspec
 
 from gateway.errors import ErrorResponse
 from gateway.guard import DURING_SHUTDOWN, open_paths
-from gateway.openapi_operation import REF, Operation, schema_ref
-from gateway.openapi_vocabulary import bound_by_vocabulary
-from gateway.openapi_weight_sync import RESPONSE_TYPES as WEIGHT_SYNC_RESPONSES
-from gateway.openapi_weight_sync import WEIGHT_SYNC_OPERATIONS
+from gateway.openapi.operation import REF, Operation, schema_ref
+from gateway.openapi.vocabulary import bound_by_vocabulary
+from gateway.openapi.weight_sync import RESPONSE_TYPES as WEIGHT_SYNC_RESPONSES
+from gateway.openapi.weight_sync import WEIGHT_SYNC_OPERATIONS
 from gateway.schemas.chat import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse
 from gateway.schemas.completions import CompletionRequest, CompletionResponse
 from gateway.schemas.logprobs import (

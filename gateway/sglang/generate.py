@@ -22,8 +22,8 @@ import numpy as np
 
 from backends.base import SamplingParams, TokenStep
 from backends.vocab import decode_text
-from gateway import generation as gen
 from gateway.errors import ContextLengthError, InvalidRequestError
+from gateway.generation import choices as gen
 from gateway.prompts import check_text_chars, check_token_ids, tokenize
 from gateway.registry import ServedModel
 from gateway.schemas.sglang import (
@@ -36,7 +36,7 @@ from gateway.schemas.sglang import (
     Triple,
 )
 from gateway.settings import Limits
-from gateway.sglang_logprobs import (
+from gateway.sglang.triples import (
     Scores,
     Triples,
     at_temperature,

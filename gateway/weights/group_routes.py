@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from litestar import Request, Response, get, post
 
-from gateway import weight_sync
 from gateway.errors import GatewayError
-from gateway.http import decode_json, json_response, registry, settings
-from gateway.routes.admin import base_model, require_admin
+from gateway.requests import decode_json, registry, settings
+from gateway.responses import json_response
 from gateway.schemas.weight_sync import (
     ContinueGenerationRequest,
     DestroyWeightsUpdateGroupRequest,
@@ -20,6 +19,8 @@ from gateway.schemas.weight_sync import (
     UpdateWeightsFromDistributedRequest,
     WeightsGroupResponse,
 )
+from gateway.weights import group as weight_sync
+from gateway.weights.routes import base_model, require_admin
 
 
 def require_weight_sync_access(request: Request) -> None:

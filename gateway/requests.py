@@ -1,37 +1,22 @@
-"""Request decoding and response encoding helpers shared by the routes (JSON and SSE)."""
+"""What routes read off a request: its body (JSON or MessagePack, by Content-Type), the answer
+it prefers (Accept), the app's services, and the reservations a request takes (stream slots,
+answer bytes, dense rows of its key's budget)."""
 
 from __future__ import annotations
 
-import itertools
-import logging
-import time
-import uuid
-from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
 import msgspec
-from litestar import Request, Response
-from litestar.background_tasks import BackgroundTask
-from litestar.response.base import ASGIResponse
-from litestar.types import Receive, Send
+from litestar import Request
 
 from gateway.access import Access
-from gateway.errors import (
-    ErrorDetail,
-    ErrorResponse,
-    GatewayError,
-    InvalidRequestError,
-    UnsupportedMediaTypeError,
-)
+from gateway.errors import InvalidRequestError, UnsupportedMediaTypeError
 from gateway.guard import ANSWER_BYTES_KEY, KEY_NAME, STREAM_KEY
 from gateway.metrics import set_labels
 from gateway.registry import ModelRegistry, ServedModel
 from gateway.settings import Settings
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
-_encoder = msgspec.json.Encoder()
-
 
 MSGPACK_TYPES = ("application/msgpack", "application/vnd.msgpack", "application/x-msgpack")
 
@@ -134,105 +119,6 @@ def wants_msgpack(request: Request) -> bool:
     return best["msgpack"] > 0 and best["msgpack"] > best["json"]
 
 
-def msgpack_response(body: Any, status_code: int = 200) -> Response:
-    return Response(
-        content=msgspec.msgpack.encode(body), status_code=status_code, media_type=MSGPACK_TYPES[0]
-    )
-
-
-SEND_CHUNK_BYTES = 2**20  # a body goes to the server in pieces this large at most
-
-
-def _chunks(parts: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
-    pieces: list[bytes | memoryview] = []
-    for part in parts:
-        if len(part) <= SEND_CHUNK_BYTES:
-            pieces.append(part)
-            continue
-        view = memoryview(part).cast("B")
-        pieces.extend(view[i : i + SEND_CHUNK_BYTES] for i in range(0, len(view), SEND_CHUNK_BYTES))
-    return pieces
-
-
-class _ASGIPartsResponse(ASGIResponse):
-    __slots__ = ("parts",)
-
-    def __init__(self, *, parts: Sequence[bytes | memoryview], **kwargs: Any) -> None:
-        super().__init__(content_length=sum(memoryview(part).nbytes for part in parts), **kwargs)
-        self.parts = parts
-
-    async def send_body(self, send: Send, receive: Receive) -> None:
-        # In pieces: uvicorn waits for the client to read before taking the next, so the request
-        # (and its reserved answer bytes, gateway.guard) ends when the client has read, not before.
-        pieces = _chunks(self.parts)
-        last = len(pieces) - 1
-        for i, piece in enumerate(pieces):
-            await send({"type": "http.response.body", "body": piece, "more_body": i < last})  # type: ignore[typeddict-item]
-
-
-class PartsResponse(Response):
-    """A body sent as it lies in memory, in several buffers (a small header, then megabytes of an
-    array), under one Content-Length: joining them would copy the array once more."""
-
-    def __init__(
-        self,
-        parts: Sequence[bytes | memoryview],
-        *,
-        media_type: str,
-        headers: dict[str, str] | None = None,
-        background: BackgroundTask | None = None,
-    ) -> None:
-        super().__init__(content=b"", media_type=media_type, headers=headers, background=background)
-        self.parts = parts
-
-    def to_asgi_response(self, request: Request, **kwargs: Any) -> ASGIResponse:  # type: ignore[override]
-        return _ASGIPartsResponse(parts=self.parts, **_asgi_fields(self, kwargs))
-
-
-def _asgi_fields(response: Response, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """What Litestar hands `to_asgi_response`, merged with the response's own fields."""
-    return {
-        "background": response.background or kwargs.get("background"),
-        "cookies": itertools.chain(response.cookies, kwargs.get("cookies") or ()),
-        "headers": {**(kwargs.get("headers") or {}), **response.headers},
-        "media_type": response.media_type,
-        "status_code": response.status_code or kwargs.get("status_code"),
-    }
-
-
-class _ASGIEventStream(ASGIResponse):
-    __slots__ = ("events",)
-    _should_set_content_length = False
-
-    def __init__(self, *, events: AsyncIterator[bytes], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.events = events
-
-    async def send_body(self, send: Send, receive: Receive) -> None:
-        async for event in self.events:
-            await send({"type": "http.response.body", "body": event, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-class EventStreamResponse(Response):
-    """Server-sent events, produced in the request's own task. Litestar's `Stream` produces them in
-    a child task and cancels it through anyio when the client leaves; anyio skips a task whose
-    wait has just ended, which a producer that never waits long (the mock engine) ends at every
-    turn, so generation ran to the end. Here the guard's cancellation of the request's task
-    (gateway/guard.py) reaches the producer at its next await."""
-
-    def __init__(self, events: AsyncIterator[bytes], *, headers: dict[str, str] | None = None) -> None:
-        super().__init__(content=b"", media_type="text/event-stream", headers=headers)
-        self.events = events
-
-    def to_asgi_response(self, request: Request, **kwargs: Any) -> ASGIResponse:  # type: ignore[override]
-        return _ASGIEventStream(events=self.events, **_asgi_fields(self, kwargs))
-
-
-def json_response(body: Any, status_code: int = 200) -> Response:
-    return Response(content=_encoder.encode(body), status_code=status_code, media_type="application/json")
-
-
 def registry(request: Request) -> ModelRegistry:
     return request.app.state.registry
 
@@ -271,36 +157,3 @@ def reserve_answer_bytes(request: Request, nbytes: int) -> None:
 def charge_rows(request: Request, rows: int) -> None:
     """Count dense rows against the API key's per-minute budget (429 when spent)."""
     access(request).take_rows(request.scope.get(KEY_NAME), rows)  # type: ignore[arg-type]
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def sse_event(body: Any) -> bytes:
-    return b"data: " + _encoder.encode(body) + b"\n\n"
-
-
-async def _sse(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The stream's events, then `data: [DONE]`; a failure mid-stream becomes an error event."""
-    try:
-        async for event in events:
-            yield event
-    except GatewayError as exc:
-        yield sse_event(
-            ErrorResponse(error=ErrorDetail(message=exc.message, type=exc.error_type, code=exc.code))
-        )
-    except Exception:
-        log.exception("stream failed")
-        yield sse_event(
-            ErrorResponse(error=ErrorDetail(message="internal server error", type="internal_error"))
-        )
-    yield b"data: [DONE]\n\n"
-
-
-def sse_response(events: AsyncIterator[bytes]) -> EventStreamResponse:
-    return EventStreamResponse(_sse(events), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -7,10 +7,10 @@ import asyncio
 
 from litestar import Request, Response, post
 
-from gateway.adapters import confine
 from gateway.errors import AuthenticationError, ForbiddenError, GatewayError, InvalidRequestError
-from gateway.http import access, decode_json, json_response, registry, resolve_model, settings
 from gateway.registry import ServedModel
+from gateway.requests import access, decode_json, registry, resolve_model, settings
+from gateway.responses import json_response
 from gateway.schemas.models import (
     AdapterStatus,
     LoadLoraAdapterRequest,
@@ -18,7 +18,8 @@ from gateway.schemas.models import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
 )
-from gateway.weights_root import weights_dir
+from gateway.weights.adapters import confine
+from gateway.weights.root import weights_dir
 
 
 def require_admin(request: Request) -> None:

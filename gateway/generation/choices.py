@@ -17,7 +17,7 @@ from backends.vocab import IncrementalText
 from gateway.errors import ContextLengthError, InvalidRequestError
 from gateway.registry import ServedModel
 from gateway.settings import Limits
-from gateway.weights import GenerationAborted
+from gateway.weights.lock import GenerationAborted
 
 
 @dataclass

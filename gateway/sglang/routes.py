@@ -12,22 +12,14 @@ from pathlib import Path
 from litestar import Request, Response, get, route
 
 from backends.base import SamplingParams
-from gateway import generation as gen
-from gateway import sglang_native as native
 from gateway.errors import InvalidRequestError
-from gateway.http import (
-    decode_json,
-    json_response,
-    registry,
-    reserve_stream,
-    resolve_model,
-    settings,
-    sse_event,
-    sse_response,
-)
+from gateway.generation import choices as gen
 from gateway.registry import ServedModel
-from gateway.routes.admin import require_admin
+from gateway.requests import decode_json, registry, reserve_stream, resolve_model, settings
+from gateway.responses import json_response, sse_event, sse_response
 from gateway.schemas.sglang import GenerateRequest, GenerateResponse, ModelInfo, ServerInfo
+from gateway.sglang import generate as native
+from gateway.weights.routes import require_admin
 
 SGLANG_VERSION = "0.5.17"
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gateway.adapters import leaving_entry
 from gateway.errors import ForbiddenError, InvalidRequestError
+from gateway.weights.adapters import leaving_entry
 
 UNAVAILABLE = (
     "model_path must name a directory inside this model's weights_root "

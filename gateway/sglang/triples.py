@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gateway.generation import check_logprob_entries
+from gateway.generation.choices import check_logprob_entries
 from gateway.schemas.sglang import Triple
 from gateway.settings import Limits
 
 if TYPE_CHECKING:
-    from gateway.sglang_native import Item
+    from gateway.sglang.generate import Item
 
 ROWS_PER_CALL = 64  # next-token rows asked of the engine at once (vocab_size float32 each)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.openapi_operation import Operation, schema_ref
+from gateway.openapi.operation import Operation, schema_ref
 from gateway.schemas.weight_sync import (
     ContinueGenerationRequest,
     DestroyWeightsUpdateGroupRequest,

@@ -1,1 +1,0 @@
-"""HTTP routes, one module per endpoint family; handlers stay thin."""

@@ -1,0 +1,40 @@
+"""The service's own endpoints: GET /health, GET /metrics, GET /openapi.json."""
+
+from __future__ import annotations
+
+from litestar import Request, Response, get
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from gateway.openapi.document import build_openapi
+from gateway.requests import registry
+from gateway.responses import json_response
+from gateway.schemas.models import Health, ModelHealth
+
+
+@get("/metrics", summary="Prometheus metrics (text exposition format)")
+async def prometheus_metrics(request: Request) -> Response:
+    return Response(content=request.app.state.metrics.expose(), media_type=CONTENT_TYPE_LATEST)
+
+
+@get("/openapi.json", summary="The OpenAPI document of this server")
+async def openapi_document(request: Request) -> Response:
+    """The document; once every model has loaded, token ids bounded by the largest vocabulary (a
+    request naming a smaller model's id beyond its own vocabulary gets a 400)."""
+    models = registry(request).models.values()
+    sizes = [m.engine.vocab_size for m in models if m.ready and m.engine is not None]
+    vocab = max(sizes) if sizes and len(sizes) == len(models) else None
+    return json_response(build_openapi(request.app.state.settings, vocab))
+
+
+@get("/health", summary="200 when every model is loaded and healthy, else 503")
+async def health(request: Request) -> Response:
+    models = registry(request).models.values()
+    healthy = registry(request).healthy
+    failed = any(m.error for m in models)
+    status = "ok" if healthy else ("unhealthy" if failed else "loading")
+    if request.app.state.shutdown.draining:  # out of the load balancer before the listener closes
+        status, healthy = "shutting_down", False
+    body = Health(
+        status=status, models=[ModelHealth(name=m.name, ready=m.ready, error=m.error) for m in models]
+    )
+    return json_response(body, status_code=200 if healthy else 503)
