@@ -98,7 +98,7 @@ class DenseService:
         started = time.perf_counter()
         try:
             async with served.weights.reading():  # keys and rows of the same weights
-                computed, hits = await self._rows(served, adapter, rows, into)
+                computed, hits = await self.rows(served, adapter, rows, into)
         except GatewayError:
             raise
         except Exception as exc:
@@ -145,11 +145,16 @@ class DenseService:
         nbytes = count * engine.vocab_size * ITEMSIZE[body.dtype]
         return self.shared_memory.target(body.shared_memory, nbytes, engine.host_writes)
 
-    async def _rows(
-        self, served: ServedModel, adapter: str | None, rows: list[list[int]], into: np.ndarray | None
+    async def rows(
+        self,
+        served: ServedModel,
+        adapter: str | None,
+        rows: list[list[int]],
+        into: np.ndarray | None = None,
     ) -> tuple[np.ndarray | WrittenRows, int]:
         """float32 [len(rows), vocab] (or what the engine wrote `into`), and how many rows came from
-        the output cache (bit-identical to computing them)."""
+        the output cache (bit-identical to computing them): the one way to dense rows, for every
+        route. The caller holds the model's weights for reading (`served.weights.reading()`)."""
         batcher = self.batcher(served)
         cache = self.cache
         if cache is None:
