@@ -83,6 +83,7 @@ def create_app(
     state = State(
         {
             "settings": settings,
+            "route_handlers": ROUTE_HANDLERS,  # what the app serves, for its OpenAPI document
             "registry": registry,
             "dense": dense,
             "metrics": metrics,

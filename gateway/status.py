@@ -36,7 +36,8 @@ async def openapi_document(request: Request) -> Response:
     models = registry(request).models.values()
     sizes = [m.engine.vocab_size for m in models if m.ready and m.engine is not None]
     vocab = max(sizes) if sizes and len(sizes) == len(models) else None
-    return json_response(build_openapi(request.app.state.settings, vocab))
+    state = request.app.state
+    return json_response(build_openapi(state.route_handlers, state.settings, vocab))
 
 
 @get(

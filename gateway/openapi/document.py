@@ -141,16 +141,11 @@ def _responses(
 
 
 def build_openapi(
-    settings: Settings | None = None,
-    vocab_size: int | None = None,
-    handlers: Iterable[HTTPRouteHandler] | None = None,
+    handlers: Iterable[HTTPRouteHandler], settings: Settings | None = None, vocab_size: int | None = None
 ) -> dict[str, Any]:
-    """The document of `handlers` (by default the app's) for `settings`; with `vocab_size` (the
-    running server's, once its models have loaded), token ids and `logit_bias` keys bounded by it."""
-    if handlers is None:
-        from gateway.app import ROUTE_HANDLERS  # the app serves this document: imported at call time
-
-        handlers = ROUTE_HANDLERS
+    """The document of the route `handlers` (gateway.app.ROUTE_HANDLERS) for `settings`; with
+    `vocab_size` (the running server's, once its models have loaded), token ids and `logit_bias`
+    keys bounded by it. The handlers are given, not imported: gateway/status.py serves the document."""
     settings = settings or Settings()
     every = endpoints(handlers)
     schemas = _Schemas(_declared_types(e.operation for e in every))

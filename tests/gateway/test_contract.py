@@ -51,7 +51,7 @@ MODEL_REQUESTS = (
 
 
 def test_committed_spec_is_current():
-    assert json.loads(SPEC.read_text()) == build_openapi(), (
+    assert json.loads(SPEC.read_text()) == build_openapi(ROUTE_HANDLERS), (
         "openapi/openapi.json is stale: regenerate it with `logprob-gateway openapi -o openapi/openapi.json`"
     )
 
@@ -67,7 +67,9 @@ def test_the_document_describes_every_route_the_app_serves():
         if method not in ("HEAD", "OPTIONS")  # the framework's
     }
     documented = {
-        (path, method) for path, operations in build_openapi()["paths"].items() for method in operations
+        (path, method)
+        for path, operations in build_openapi(ROUTE_HANDLERS)["paths"].items()
+        for method in operations
     }
     assert served == documented
 
@@ -84,7 +86,7 @@ async def example_handler(request: Request, model: str) -> Response:
 
 
 def test_a_handler_is_documented_from_its_decorator_and_docstring():
-    document = build_openapi(handlers=[*ROUTE_HANDLERS, example_handler])
+    document = build_openapi([*ROUTE_HANDLERS, example_handler])
     operation = document["paths"]["/v1/example/{model}"]["get"]
     assert operation["summary"] == "An example"
     assert operation["description"] == "Says what the example does."
@@ -94,7 +96,7 @@ def test_a_handler_is_documented_from_its_decorator_and_docstring():
     # a model-naming path: the model list links to it
     assert "get_v1_example_model" in document["paths"]["/v1/models"]["get"]["responses"]["200"]["links"]
     with pytest.raises(TypeError, match="declares no"):
-        build_openapi(handlers=[get("/undeclared")(example_handler.fn)])
+        build_openapi([get("/undeclared")(example_handler.fn)])
 
 
 def test_server_serves_the_committed_spec_bounded_by_its_vocabulary(http):
@@ -102,7 +104,7 @@ def test_server_serves_the_committed_spec_bounded_by_its_vocabulary(http):
     `logit_bias` key bounded by its model's vocabulary."""
     vocab = http.get(f"/v1/models/{MODEL}").json()["vocab_size"]
     served = http.get("/openapi.json").json()
-    assert served == build_openapi(vocab_size=vocab)
+    assert served == build_openapi(ROUTE_HANDLERS, vocab_size=vocab)
     schemas = served["components"]["schemas"]
     ids = schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]
     assert (ids["minimum"], ids["maximum"]) == (0, vocab - 1)
@@ -128,8 +130,11 @@ def test_the_document_says_which_paths_need_a_key():
             p for p, ops in document["paths"].items() if all(op.get("security") == [] for op in ops.values())
         }
 
-    assert keyless(build_openapi(Settings(api_keys=["sha256:" + "0" * 64]))) == {"/health", "/metrics"}
-    closed = build_openapi(Settings(api_keys=["sha256:" + "0" * 64], metrics_public=False))
+    assert keyless(build_openapi(ROUTE_HANDLERS, Settings(api_keys=["sha256:" + "0" * 64]))) == {
+        "/health",
+        "/metrics",
+    }
+    closed = build_openapi(ROUTE_HANDLERS, Settings(api_keys=["sha256:" + "0" * 64], metrics_public=False))
     assert keyless(closed) == {"/health"}
     assert "401" in closed["paths"]["/metrics"]["get"]["responses"]
     assert "401" in closed["paths"]["/health_generate"]["get"]["responses"]
