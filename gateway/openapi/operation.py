@@ -3,8 +3,8 @@ methods, summary, description, tags, status): our routes decode their own bodies
 MessagePack, and build their own responses, so the request type, the response media types and the
 documented statuses are declared here, in the decorator's `opt`:
 
-    @post("/v1/tokenize", summary="Tokenize", tags=["Tokenizer"], opt={OPENAPI: Operation(
-        request=TokenizeRequest, content={"application/json": TokenizeResponse}))})
+    @post("/v1/tokenize", summary="Tokenize", description="...", tags=["Tokenizer"], opt={OPENAPI:
+        Operation(request=TokenizeRequest, content={"application/json": TokenizeResponse})})
 
 gateway/openapi/document.py reads these from the handlers and assembles the document.
 """
