@@ -6,76 +6,60 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
+from types import ModuleType
 
 from litestar import Litestar
 from litestar.datastructures import State
+from litestar.handlers import HTTPRouteHandler
 from litestar.types import ASGIApp
 
+from gateway import status
 from gateway.access import Access, KeyRing
-from gateway.dense.routes import batching_stats, next_token_logprobs
+from gateway.dense import routes as dense_routes
+from gateway.dense import vocabulary as dense_vocabulary
 from gateway.dense.row_cache import build_cache
 from gateway.dense.service import DenseService
 from gateway.dense.shared_memory import SharedMemoryWriter
-from gateway.dense.vocabulary import detokenize_route, tokenize_route, tokenizer_files, vocabulary
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.guard import guard
 from gateway.metrics import Metrics, StateCollector, instrument
-from gateway.openai.chat import create_chat_completion
-from gateway.openai.completions import create_completion
-from gateway.openai.models import list_models, retrieve_model
+from gateway.openai import chat, completions, models
 from gateway.registry import ModelRegistry
 from gateway.server.shutdown import Shutdown
 from gateway.settings import Settings
-from gateway.sglang.routes import (
-    flush_cache,
-    health_generate,
-    sglang_generate,
-    sglang_model_info,
-    sglang_server_info,
-)
-from gateway.status import health, openapi_document, prometheus_metrics
-from gateway.weights.group_routes import (
-    continue_generation,
-    destroy_weights_update_group,
-    get_load,
-    init_weights_update_group,
-    pause_generation,
-    update_weights_from_distributed,
-)
-from gateway.weights.routes import load_lora_adapter, unload_lora_adapter, update_weights_from_disk
+from gateway.sglang import routes as sglang_routes
+from gateway.weights import group_routes
+from gateway.weights import routes as weights_routes
 
 log = logging.getLogger(__name__)
 
-ROUTES = [
-    create_completion,
-    create_chat_completion,
-    next_token_logprobs,
-    list_models,
-    retrieve_model,
-    vocabulary,
-    tokenizer_files,
-    batching_stats,
-    tokenize_route,
-    detokenize_route,
-    load_lora_adapter,
-    unload_lora_adapter,
-    update_weights_from_disk,
-    health,
-    prometheus_metrics,
-    openapi_document,
-    sglang_generate,
-    sglang_model_info,
-    sglang_server_info,
-    health_generate,
-    flush_cache,
-    init_weights_update_group,
-    update_weights_from_distributed,
-    destroy_weights_update_group,
-    pause_generation,
-    continue_generation,
-    get_load,
-]
+# The feature modules whose route handlers the app serves, and the OpenAPI document describes
+# (gateway/openapi/document.py): adding an endpoint is writing its handler in one of them.
+ROUTE_MODULES: tuple[ModuleType, ...] = (
+    completions,
+    chat,
+    dense_routes,
+    models,
+    dense_vocabulary,
+    weights_routes,
+    sglang_routes,
+    group_routes,
+    status,
+)
+
+
+def route_handlers(modules: Iterable[ModuleType]) -> list[HTTPRouteHandler]:
+    """Every Litestar route handler defined at the top level of `modules`, in their order."""
+    return [
+        handler
+        for module in modules
+        for handler in vars(module).values()
+        if isinstance(handler, HTTPRouteHandler) and handler.fn.__module__ == module.__name__
+    ]
+
+
+ROUTE_HANDLERS = route_handlers(ROUTE_MODULES)
 
 
 def create_app(
@@ -99,6 +83,7 @@ def create_app(
     state = State(
         {
             "settings": settings,
+            "route_handlers": ROUTE_HANDLERS,  # what the app serves, for its OpenAPI document
             "registry": registry,
             "dense": dense,
             "metrics": metrics,
@@ -121,7 +106,7 @@ def create_app(
             await registry.aclose()
 
     return Litestar(
-        route_handlers=ROUTES,
+        route_handlers=ROUTE_HANDLERS,
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
         state=state,

@@ -171,9 +171,10 @@ def serve(settings: Settings) -> int:
 def write_openapi(output: str) -> None:
     import json
 
+    from gateway.app import ROUTE_HANDLERS
     from gateway.openapi.document import build_openapi
 
-    text = json.dumps(build_openapi(), indent=2, sort_keys=True) + "\n"
+    text = json.dumps(build_openapi(ROUTE_HANDLERS), indent=2, sort_keys=True) + "\n"
     if output == "-":
         sys.stdout.write(text)
     else:

@@ -6,27 +6,55 @@ from litestar import Request, Response, get
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.openapi.document import build_openapi
+from gateway.openapi.operation import OPENAPI, TEXT, Operation, Reply
 from gateway.requests import registry
 from gateway.responses import json_response
 from gateway.schemas.models import Health, ModelHealth
 
 
-@get("/metrics", summary="Prometheus metrics (text exposition format)")
+@get(
+    "/metrics",
+    summary="Prometheus metrics",
+    description="Prometheus text exposition format.",
+    tags=["Operations"],
+    opt={OPENAPI: Operation(content={"text/plain": TEXT}, errors=())},
+)
 async def prometheus_metrics(request: Request) -> Response:
     return Response(content=request.app.state.metrics.expose(), media_type=CONTENT_TYPE_LATEST)
 
 
-@get("/openapi.json", summary="The OpenAPI document of this server")
+@get(
+    "/openapi.json",
+    summary="This document",
+    description="The OpenAPI document of the running server.",
+    tags=["Operations"],
+    opt={OPENAPI: Operation(content={"application/json": {"type": "object"}}, errors=())},
+)
 async def openapi_document(request: Request) -> Response:
     """The document; once every model has loaded, token ids bounded by the largest vocabulary (a
     request naming a smaller model's id beyond its own vocabulary gets a 400)."""
     models = registry(request).models.values()
     sizes = [m.engine.vocab_size for m in models if m.ready and m.engine is not None]
     vocab = max(sizes) if sizes and len(sizes) == len(models) else None
-    return json_response(build_openapi(request.app.state.settings, vocab))
+    state = request.app.state
+    return json_response(build_openapi(state.route_handlers, state.settings, vocab))
 
 
-@get("/health", summary="200 when every model is loaded and healthy, else 503")
+@get(
+    "/health",
+    summary="Readiness",
+    description="200 when every model (and its configured adapters) is loaded and healthy; 503 with the "
+    "same body otherwise.",
+    tags=["Operations"],
+    opt={
+        OPENAPI: Operation(
+            content={"application/json": Health},
+            errors=("503",),
+            # the health document, not an error object
+            replies={"503": Reply("Loading or unhealthy.", {"application/json": Health})},
+        )
+    },
+)
 async def health(request: Request) -> Response:
     models = registry(request).models.values()
     healthy = registry(request).healthy

@@ -10,15 +10,68 @@ from litestar import Request, Response, get, post
 from gateway import requests, responses
 from gateway.dense.delivery import answer_nbytes
 from gateway.dense.service import DenseService
+from gateway.openapi.operation import OPENAPI, Operation
 from gateway.prompts import has_text, token_inputs
-from gateway.schemas.logprobs import BatchingStats, NextTokenLogprobsRequest
+from gateway.schemas.logprobs import (
+    BatchingStats,
+    NextTokenLogprobsBinaryMatrixResponse,
+    NextTokenLogprobsBinaryResponse,
+    NextTokenLogprobsMatrixResponse,
+    NextTokenLogprobsRequest,
+    NextTokenLogprobsResponse,
+    NextTokenLogprobsSharedMemoryResponse,
+)
 
 
 def _dense(request: Request) -> DenseService:
     return request.app.state.dense
 
 
-@post("/v1/next_token_logprobs", status_code=200, summary="Dense next-token log-probabilities")
+@post(
+    "/v1/next_token_logprobs",
+    status_code=200,
+    summary="Dense next-token log-probabilities",
+    description="For each input (a token-id list, or a string tokenized without special tokens unless "
+    "`add_special_tokens`), the log_softmax of the model's logits after it, over the whole vocabulary "
+    "(`vocab_size` = width of the logits). `encoding_format: float` gives JSON numbers (-inf as null); "
+    "`base64` gives little-endian `dtype` bytes (bfloat16 = upper half of the float32). With "
+    "`Accept: application/msgpack` the document is MessagePack with rows as raw bytes. `layout: matrix` "
+    "returns one `[rows, vocab_size]` array instead of one object per input (in MessagePack a single "
+    "`bin`, the last field, that a client reads without copying). A client on the gateway's host may "
+    "name a sealed memfd of its own in `shared_memory`, with the key it keeps in the segment's last 16 "
+    "bytes: the matrix is written there and the answer says where (`next_token_logprobs.shared_memory`); "
+    "a segment the gateway cannot open, or whose key differs, is ignored and the matrix comes in the "
+    "body. Request bodies may be MessagePack too (`Content-Type: application/msgpack`). Concurrent "
+    "requests share engine batches; rows may come from the output cache (`usage.cache_hits`), "
+    "bit-identical to computing them.",
+    tags=["Dense logprobs"],
+    opt={
+        OPENAPI: Operation(
+            request=NextTokenLogprobsRequest,
+            content={
+                "application/json": {
+                    "oneOf": [
+                        NextTokenLogprobsResponse,
+                        NextTokenLogprobsMatrixResponse,
+                        NextTokenLogprobsSharedMemoryResponse,
+                    ]
+                },
+                "application/msgpack": {
+                    "oneOf": [
+                        NextTokenLogprobsBinaryResponse,
+                        NextTokenLogprobsBinaryMatrixResponse,
+                        NextTokenLogprobsSharedMemoryResponse,
+                    ]
+                },
+            },
+            example={
+                "model": "smollm2-135m",
+                "input": [[504, 3575, 282, 4649, 314]],
+                "encoding_format": "base64",
+            },
+        )
+    },
+)
 async def next_token_logprobs(request: Request) -> Response:
     body = await requests.decode_json(request, NextTokenLogprobsRequest)
     served, adapter = requests.resolve_model(request, body.model)
@@ -48,7 +101,13 @@ async def next_token_logprobs(request: Request) -> Response:
     )
 
 
-@get("/v1/models/{model:str}/stats", summary="Dense-row batching counters of a model")
+@get(
+    "/v1/models/{model:str}/stats",
+    summary="Batching counters",
+    description="Counters of the dense-row batcher of a model.",
+    tags=["Dense logprobs"],
+    opt={OPENAPI: Operation(content={"application/json": BatchingStats})},
+)
 async def batching_stats(request: Request, model: str) -> Response:
     served, _ = requests.resolve_model(request, model)
     s = _dense(request).batcher(served).stats

@@ -11,6 +11,7 @@ from litestar import Request, Response, get, post
 from backends.vocab import decode_text, token_display
 from gateway.errors import InvalidRequestError
 from gateway.openai.chat import chat_prompt_ids
+from gateway.openapi.operation import OPENAPI, Operation
 from gateway.prompts import check_text_chars, check_token_ids, tokenize
 from gateway.registry import ServedModel
 from gateway.requests import decode_json, resolve_model, settings, wants_msgpack
@@ -27,7 +28,16 @@ from gateway.schemas.logprobs import (
 from gateway.settings import Limits
 
 
-@get("/v1/models/{model:str}/vocabulary", summary="Exact bytes of every token id")
+@get(
+    "/v1/models/{model:str}/vocabulary",
+    summary="Token bytes",
+    description="Every token id's exact bytes (base64 in JSON, raw bytes in MessagePack), for byte-level "
+    "constrained decoding. An adapter name resolves to its base.",
+    tags=["Dense logprobs"],
+    opt={
+        OPENAPI: Operation(content={"application/json": Vocabulary, "application/msgpack": VocabularyBinary})
+    },
+)
 async def vocabulary(request: Request, model: str) -> Response:
     served, _ = resolve_model(request, model)
     engine = served.require_engine()
@@ -45,7 +55,13 @@ async def vocabulary(request: Request, model: str) -> Response:
     return json_response(Vocabulary(**fields, tokens=tokens))
 
 
-@get("/v1/models/{model:str}/tokenizer", summary="The tokenizer's files, to rebuild it offline")
+@get(
+    "/v1/models/{model:str}/tokenizer",
+    summary="Tokenizer files",
+    description="The tokenizer's files (tokenizer.json, config, chat template) to rebuild it offline.",
+    tags=["Dense logprobs"],
+    opt={OPENAPI: Operation(content={"application/json": TokenizerFiles})},
+)
 async def tokenizer_files(request: Request, model: str) -> Response:
     served, _ = resolve_model(request, model)
     served.require_engine()
@@ -55,7 +71,16 @@ async def tokenizer_files(request: Request, model: str) -> Response:
 @post(
     ["/v1/tokenize", "/tokenize"],
     status_code=200,
-    summary="Tokenize a prompt or chat messages (vLLM's shape)",
+    summary="Tokenize",
+    description="vLLM's shape: `prompt` or chat `messages` to token ids.",
+    tags=["Tokenizer"],
+    opt={
+        OPENAPI: Operation(
+            request=TokenizeRequest,
+            content={"application/json": TokenizeResponse},
+            example={"model": "smollm2-135m", "prompt": "Hello world"},
+        )
+    },
 )
 async def tokenize_route(request: Request) -> Response:
     body = await decode_json(request, TokenizeRequest)
@@ -86,7 +111,20 @@ def _tokenized(served: ServedModel, body: TokenizeRequest, limits: Limits) -> To
     return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
 
 
-@post(["/v1/detokenize", "/detokenize"], status_code=200, summary="Token ids back to text (vLLM's shape)")
+@post(
+    ["/v1/detokenize", "/detokenize"],
+    status_code=200,
+    summary="Detokenize",
+    description="vLLM's shape: token ids to text.",
+    tags=["Tokenizer"],
+    opt={
+        OPENAPI: Operation(
+            request=DetokenizeRequest,
+            content={"application/json": DetokenizeResponse},
+            example={"model": "smollm2-135m", "tokens": [504, 3575]},
+        )
+    },
+)
 async def detokenize_route(request: Request) -> Response:
     body = await decode_json(request, DetokenizeRequest)
     served, _ = resolve_model(request, body.model)

@@ -11,6 +11,7 @@ from backends.base import SamplingParams, TokenStep
 from backends.vocab import token_display
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
+from gateway.openapi.operation import OPENAPI, SSE, Operation
 from gateway.prompts import check_text_chars, tokenize
 from gateway.registry import ServedModel
 from gateway.requests import decode_json, reserve_stream, resolve_model, settings
@@ -84,7 +85,25 @@ def _token_logprobs(served: ServedModel, steps: Sequence[TokenStep]) -> list[Tok
     return out
 
 
-@post("/v1/chat/completions", status_code=200, summary="Create a chat completion")
+@post(
+    "/v1/chat/completions",
+    status_code=200,
+    summary="Create a chat completion",
+    description="OpenAI's chat completions through the model's chat template; with `stream: true`, "
+    "server-sent events of `ChatCompletionChunk`.",
+    tags=["OpenAI"],
+    opt={
+        OPENAPI: Operation(
+            request=ChatCompletionRequest,
+            content={"application/json": ChatCompletionResponse, "text/event-stream": SSE},
+            example={
+                "model": "smollm2-135m",
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 16,
+            },
+        )
+    },
+)
 async def create_chat_completion(request: Request) -> Response:
     body = await decode_json(request, ChatCompletionRequest)
     gen.check_stream_options(body.stream, body.stream_options)

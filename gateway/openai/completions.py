@@ -12,6 +12,7 @@ from backends.base import PromptLogprobs, SamplingParams, TokenStep
 from backends.vocab import decode_text, token_display
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
+from gateway.openapi.operation import OPENAPI, SSE, Operation
 from gateway.prompts import token_inputs
 from gateway.registry import ServedModel
 from gateway.requests import decode_json, reserve_stream, resolve_model, settings
@@ -108,7 +109,28 @@ def _join(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
 _SMALLER = "ask fewer logprobs, prompts, n or max_tokens, or ask /v1/next_token_logprobs for whole rows"
 
 
-@post("/v1/completions", status_code=200, summary="Create a completion (OpenAI legacy completions)")
+@post(
+    "/v1/completions",
+    status_code=200,
+    summary="Create a completion",
+    description="OpenAI's (legacy) completions. `prompt` is a string, a list of strings, a list of token ids, "
+    "or a list of token-id lists. `echo` + `logprobs` + `max_tokens: 0` scores the prompt (the first token "
+    "has no score). With `stream: true` the response is server-sent events of `CompletionResponse` chunks.",
+    tags=["OpenAI"],
+    opt={
+        OPENAPI: Operation(
+            request=CompletionRequest,
+            content={"application/json": CompletionResponse, "text/event-stream": SSE},
+            example={
+                "model": "smollm2-135m",
+                "prompt": "The capital of France is",
+                "max_tokens": 8,
+                "temperature": 0,
+                "logprobs": 2,
+            },
+        )
+    },
+)
 async def create_completion(request: Request) -> Response:
     body = await decode_json(request, CompletionRequest)
     gen.check_stream_options(body.stream, body.stream_options)

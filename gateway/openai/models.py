@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 from litestar import Request, Response, get
 
+from gateway.openapi.operation import OPENAPI, Operation
 from gateway.registry import AdapterInfo, ServedModel
 from gateway.requests import registry, resolve_model
 from gateway.responses import json_response
@@ -35,7 +36,13 @@ def _adapter_card(served: ServedModel, adapter: AdapterInfo) -> ModelCard:
     )
 
 
-@get("/v1/models", summary="List the served models and their adapters")
+@get(
+    "/v1/models",
+    summary="List models",
+    description="Served base models and their adapters (`base:adapter`).",
+    tags=["OpenAI"],
+    opt={OPENAPI: Operation(content={"application/json": ModelList}, errors=("500",))},
+)
 async def list_models(request: Request) -> Response:
     cards = []
     for served in registry(request).models.values():
@@ -44,7 +51,13 @@ async def list_models(request: Request) -> Response:
     return json_response(ModelList(data=cards))
 
 
-@get("/v1/models/{model:str}", summary="Describe one served model or adapter")
+@get(
+    "/v1/models/{model:str}",
+    summary="Describe a model",
+    description="One served model or adapter.",
+    tags=["OpenAI"],
+    opt={OPENAPI: Operation(content={"application/json": ModelCard}, errors=("404", "500"))},
+)
 async def retrieve_model(request: Request, model: str) -> Response:
     served, adapter = resolve_model(request, model)
     return json_response(

@@ -14,6 +14,7 @@ from litestar import Request, Response, get, route
 from backends.base import SamplingParams
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
+from gateway.openapi.operation import EMPTY_TEXT, OPENAPI, SSE, TEXT, Operation, Reply
 from gateway.registry import ServedModel
 from gateway.requests import decode_json, registry, reserve_stream, resolve_model, settings
 from gateway.responses import json_response, sse_event, sse_response
@@ -52,7 +53,34 @@ def _served_for(request: Request, body: GenerateRequest):  # noqa: ANN202 (a clo
     return served_for
 
 
-@route("/generate", http_method=["POST", "PUT"], status_code=200, summary="Generate (SGLang's native API)")
+@route(
+    "/generate",
+    http_method=["POST", "PUT"],
+    status_code=200,
+    summary="Generate (SGLang's native API)",
+    description="SGLang 0.5.17's `/generate` for SGLang's own clients (its frontend language, TorchRL): "
+    "`text` or `input_ids`, one prompt or a batch, `sampling_params`, logprob triples; one object for one "
+    "prompt, an array for a batch or `n > 1`; with `stream: true`, server-sent events of cumulative objects. "
+    "Lists in per-prompt fields (`sampling_params`, `rid`, `return_logprob`, `logprob_start_len`, "
+    "`top_logprobs_num`, `lora_path`) have one value per prompt; `logprob_start_len` is at most the "
+    "prompt's length. See docs/sglang-clients.md.",
+    tags=["SGLang"],
+    opt={
+        OPENAPI: Operation(
+            request=GenerateRequest,
+            content={
+                "application/json": {
+                    "anyOf": [GenerateResponse, {"type": "array", "items": GenerateResponse}]
+                },
+                "text/event-stream": SSE,
+            },
+            example={
+                "text": "The capital of France is",
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+            },
+        )
+    },
+)
 async def sglang_generate(request: Request) -> Response:
     body = await decode_json(request, GenerateRequest)
     items, as_list = await native.plan(body, _served_for(request, body), settings(request).limits)
@@ -94,7 +122,14 @@ def _config(served: ServedModel) -> dict:
         return {}
 
 
-@get(["/model_info", "/get_model_info"], summary="The model, as SGLang describes it")
+@get(
+    ["/model_info", "/get_model_info"],
+    summary="The model, as SGLang describes it",
+    description="`model_path` (the weights' directory), `tokenizer_path`, `is_generation`, ... of the model "
+    "named by the `model` query parameter (default: the first configured model).",
+    tags=["SGLang"],
+    opt={OPENAPI: Operation(content={"application/json": ModelInfo})},
+)
 async def sglang_model_info(request: Request, model: str | None = None) -> Response:
     served, _ = _model(request, model)
     path = served.require_engine().model_path
@@ -111,7 +146,13 @@ async def sglang_model_info(request: Request, model: str | None = None) -> Respo
     )
 
 
-@get(["/server_info", "/get_server_info"], summary="The server, as SGLang describes it")
+@get(
+    ["/server_info", "/get_server_info"],
+    summary="The server, as SGLang describes it",
+    description="`tp_size` and `dp_size` (1), the context length, and the SGLang API version served.",
+    tags=["SGLang"],
+    opt={OPENAPI: Operation(content={"application/json": ServerInfo})},
+)
 async def sglang_server_info(request: Request, model: str | None = None) -> Response:
     served, _ = _model(request, model)
     engine = served.require_engine()
@@ -131,7 +172,21 @@ async def sglang_server_info(request: Request, model: str | None = None) -> Resp
     )
 
 
-@get("/health_generate", summary="200 when every model generates a token, else 503")
+@get(
+    "/health_generate",
+    summary="Generation health",
+    description="200 with an empty body once every model generates a token within 20 s; 503 with an empty "
+    "body otherwise.",
+    tags=["SGLang"],
+    opt={
+        OPENAPI: Operation(
+            content={"text/plain": EMPTY_TEXT},
+            errors=("503",),
+            # SGLang's: an empty body either way
+            replies={"503": Reply("Loading, or a model failed to generate.", {"text/plain": EMPTY_TEXT})},
+        )
+    },
+)
 async def health_generate(request: Request) -> Response:
     models = registry(request)
     if not models.healthy:
@@ -147,7 +202,16 @@ async def health_generate(request: Request) -> Response:
     return Response(content=b"", status_code=200, media_type="text/plain")
 
 
-@route("/flush_cache", http_method=["GET", "POST"], status_code=200, summary="Empty the caches")
+@route(
+    "/flush_cache",
+    http_method=["GET", "POST"],
+    status_code=200,
+    summary="Empty the caches",
+    description="Every model's prefix keys/values in its engine and its rows in the output cache. Needs the "
+    "admin key unless `open_flush_cache` (or `trusted_weight_sync`) is set.",
+    tags=["SGLang"],
+    opt={OPENAPI: Operation(content={"text/plain": TEXT}, errors=("403", "413"))},
+)
 async def flush_cache(request: Request) -> Response:
     """Every model's prefix K/V in its engine, and its rows in the output cache (by a new cache
     scope: in Redis the old entries stay until they expire, unreachable). The admin key's: one key

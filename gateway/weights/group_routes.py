@@ -5,9 +5,13 @@ it. `/get_load` only reads, and needs no more than any other request."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from litestar import Request, Response, get, post
+from msgspec import Meta
 
 from gateway.errors import GatewayError
+from gateway.openapi.operation import OPENAPI, Operation
 from gateway.requests import decode_json, registry, settings
 from gateway.responses import json_response
 from gateway.schemas.weight_sync import (
@@ -15,12 +19,22 @@ from gateway.schemas.weight_sync import (
     DestroyWeightsUpdateGroupRequest,
     GenerationStatus,
     InitWeightsUpdateGroupRequest,
+    Load,
     PauseGenerationRequest,
     UpdateWeightsFromDistributedRequest,
     WeightsGroupResponse,
 )
 from gateway.weights import group as weight_sync
 from gateway.weights.routes import base_model, require_admin
+
+ACCESS = (
+    "Needs `Authorization: Bearer <admin key>`, unless the gateway is configured with "
+    "`trusted_weight_sync` (a gateway dedicated to one trainer). "
+)
+TAGS = ["RL weight sync"]
+GROUP_ERRORS = ("400", "401", "403", "404", "501", "503")
+GROUP_ANSWER = {"application/json": WeightsGroupResponse}
+GENERATION_ANSWER = {"application/json": GenerationStatus}
 
 
 def require_weight_sync_access(request: Request) -> None:
@@ -34,7 +48,30 @@ def _failure(exc: GatewayError) -> Response:
     )
 
 
-@post("/init_weights_update_group", status_code=200, summary="Join a trainer's collective (SGLang's)")
+@post(
+    "/init_weights_update_group",
+    status_code=200,
+    summary="Join a trainer's collective (SGLang's)",
+    description=ACCESS + "The engine joins the trainer's torch.distributed group (TCP rendezvous at "
+    "`master_address:master_port`, no default group) as rank `rank_offset`, and answers once every rank "
+    "has joined. `backend`: nccl (CUDA) or gloo (CPU); by default the engine's device decides. Answers "
+    "SGLang's `{success, message}`; a failure adds the error object. See docs/sglang-clients.md.",
+    tags=TAGS,
+    opt={
+        OPENAPI: Operation(
+            request=InitWeightsUpdateGroupRequest,
+            content=GROUP_ANSWER,
+            errors=GROUP_ERRORS,
+            example={
+                "master_address": "10.0.0.5",
+                "master_port": 29500,
+                "rank_offset": 1,
+                "world_size": 2,
+                "group_name": "weight_update_group_1a2b3c4d",
+            },
+        )
+    },
+)
 async def init_weights_update_group(request: Request) -> Response:
     require_weight_sync_access(request)
     body = await decode_json(request, InitWeightsUpdateGroupRequest)
@@ -56,6 +93,28 @@ async def init_weights_update_group(request: Request) -> Response:
     "/update_weights_from_distributed",
     status_code=200,
     summary="Receive new weights over a trainer's collective (SGLang's)",
+    description=ACCESS + "The trainer broadcasts one tensor per name from rank 0, in this order, while the "
+    "request is under way. All are received before any parameter changes; floating-point tensors are "
+    "converted to the parameter's dtype. Announced tensors that do not fit the model (a name it lacks, "
+    "another shape, a non-floating dtype) are still received, then refused with a 400: nothing changes. "
+    "Requests reading the old weights (unless held by a pause) finish first; the model's output-cache keys "
+    "change with the weights.",
+    tags=TAGS,
+    opt={
+        OPENAPI: Operation(
+            request=UpdateWeightsFromDistributedRequest,
+            content=GROUP_ANSWER,
+            errors=GROUP_ERRORS,
+            example={
+                "names": ["model.layers.0.mlp.down_proj.weight"],
+                "dtypes": ["float32"],
+                "shapes": [[576, 1536]],
+                "group_name": "weight_update_group_1a2b3c4d",
+                "flush_cache": False,
+                "abort_all_requests": False,
+            },
+        )
+    },
 )
 async def update_weights_from_distributed(request: Request) -> Response:
     require_weight_sync_access(request)
@@ -74,7 +133,18 @@ async def update_weights_from_distributed(request: Request) -> Response:
     return json_response(WeightsGroupResponse(success=True, message=message))
 
 
-@post("/destroy_weights_update_group", status_code=200, summary="Leave a trainer's collective (SGLang's)")
+@post(
+    "/destroy_weights_update_group",
+    status_code=200,
+    summary="Leave a trainer's collective (SGLang's)",
+    description=ACCESS + "The engine leaves the group.",
+    tags=TAGS,
+    opt={
+        OPENAPI: Operation(
+            request=DestroyWeightsUpdateGroupRequest, content=GROUP_ANSWER, errors=GROUP_ERRORS
+        )
+    },
+)
 async def destroy_weights_update_group(request: Request) -> Response:
     require_weight_sync_access(request)
     body = await decode_json(request, DestroyWeightsUpdateGroupRequest)
@@ -88,7 +158,23 @@ async def destroy_weights_update_group(request: Request) -> Response:
     )
 
 
-@post("/pause_generation", status_code=200, summary="Pause generation (SGLang's)")
+@post(
+    "/pause_generation",
+    status_code=200,
+    summary="Pause generation (SGLang's)",
+    description=ACCESS + "Every model: `abort` ends the generations in flight at their next step (finish "
+    "reason `abort`) and answers once they have ended; `retract` and `in_place` hold them there until "
+    "`/continue_generation`, and an update may go ahead meanwhile. New requests wait until then.",
+    tags=TAGS,
+    opt={
+        OPENAPI: Operation(
+            request=PauseGenerationRequest,
+            content=GENERATION_ANSWER,
+            errors=("400", "403"),
+            example={"mode": "retract"},
+        )
+    },
+)
 async def pause_generation(request: Request) -> Response:
     """abort: requests in flight end at their next step; retract, in_place: they are held there
     until /continue_generation. New requests wait either way."""
@@ -101,7 +187,21 @@ async def pause_generation(request: Request) -> Response:
     return json_response(GenerationStatus(message="Generation paused successfully."))
 
 
-@post("/continue_generation", status_code=200, summary="Continue generation (SGLang's)")
+@post(
+    "/continue_generation",
+    status_code=200,
+    summary="Continue generation (SGLang's)",
+    description=ACCESS + "Held and waiting requests go on, on the weights the model then has.",
+    tags=TAGS,
+    opt={
+        OPENAPI: Operation(
+            request=ContinueGenerationRequest,
+            content=GENERATION_ANSWER,
+            errors=("400", "403"),
+            example={"torch_empty_cache": True},
+        )
+    },
+)
 async def continue_generation(request: Request) -> Response:
     require_weight_sync_access(request)
     await decode_json(request, ContinueGenerationRequest)
@@ -109,6 +209,18 @@ async def continue_generation(request: Request) -> Response:
     return json_response(GenerationStatus(message="Generation continued successfully."))
 
 
-@get("/get_load", summary="Requests running and waiting (SGLang's)")
+@get(
+    "/get_load",
+    summary="Requests running and waiting (SGLang's)",
+    description="One entry for the server: `num_reqs` requests reading weights, of which `num_waiting_reqs` "
+    "are held by a pause or wait for an update; a trainer waits for the difference to be 0 before it "
+    "updates.",
+    tags=TAGS,
+    opt={
+        OPENAPI: Operation(
+            content={"application/json": Annotated[list[Load], Meta(min_length=1, max_length=1)]}, errors=()
+        )
+    },
+)
 async def get_load(request: Request) -> Response:
     return json_response([weight_sync.load(registry(request).models.values())])

@@ -8,6 +8,7 @@ import asyncio
 from litestar import Request, Response, post
 
 from gateway.errors import AuthenticationError, ForbiddenError, GatewayError, InvalidRequestError
+from gateway.openapi.operation import OPENAPI, Operation
 from gateway.registry import ServedModel
 from gateway.requests import access, decode_json, registry, resolve_model, settings
 from gateway.responses import json_response
@@ -20,6 +21,8 @@ from gateway.schemas.models import (
 )
 from gateway.weights.adapters import confine
 from gateway.weights.root import weights_dir
+
+ADMIN_ERRORS = ("400", "401", "403", "404", "500", "503")
 
 
 def require_admin(request: Request) -> None:
@@ -42,7 +45,19 @@ def base_model(request: Request, model: str | None) -> ServedModel:
     return served
 
 
-@post("/v1/load_lora_adapter", status_code=200, summary="Load a LoRA adapter (admin)")
+@post(
+    "/v1/load_lora_adapter",
+    status_code=200,
+    summary="Load a LoRA adapter (admin)",
+    description="Needs `Authorization: Bearer <admin key>`. `lora_path` must lie inside the model's adapters "
+    "root; the adapter must be a PEFT LoRA adapter with safetensors weights and a rank within the limit.",
+    tags=["Admin"],
+    opt={
+        OPENAPI: Operation(
+            request=LoadLoraAdapterRequest, content={"application/json": AdapterStatus}, errors=ADMIN_ERRORS
+        )
+    },
+)
 async def load_lora_adapter(request: Request) -> Response:
     require_admin(request)
     body = await decode_json(request, LoadLoraAdapterRequest)
@@ -52,7 +67,18 @@ async def load_lora_adapter(request: Request) -> Response:
     return json_response(AdapterStatus(id=f"{served.name}:{body.lora_name}", status="loaded"))
 
 
-@post("/v1/unload_lora_adapter", status_code=200, summary="Unload a LoRA adapter (admin)")
+@post(
+    "/v1/unload_lora_adapter",
+    status_code=200,
+    summary="Unload a LoRA adapter (admin)",
+    description="Needs `Authorization: Bearer <admin key>`.",
+    tags=["Admin"],
+    opt={
+        OPENAPI: Operation(
+            request=UnloadLoraAdapterRequest, content={"application/json": AdapterStatus}, errors=ADMIN_ERRORS
+        )
+    },
+)
 async def unload_lora_adapter(request: Request) -> Response:
     require_admin(request)
     body = await decode_json(request, UnloadLoraAdapterRequest)
@@ -61,7 +87,24 @@ async def unload_lora_adapter(request: Request) -> Response:
     return json_response(AdapterStatus(id=f"{served.name}:{body.lora_name}", status="unloaded"))
 
 
-@post("/update_weights_from_disk", status_code=200, summary="Load new weights in place (admin; SGLang's)")
+@post(
+    "/update_weights_from_disk",
+    status_code=200,
+    summary="Load new weights in place (admin; SGLang's)",
+    description="Needs `Authorization: Bearer <admin key>`. New weights of the same architecture from a Hugging "
+    "Face directory of safetensors weights, without a restart: requests reading the old weights finish on "
+    "them first, and the model's output-cache keys change with the weights. Answers SGLang's "
+    "`{success, message}`; a failure (400 weights that do not fit, 501 an engine that cannot) adds the "
+    "error object. See docs/sglang-clients.md.",
+    tags=["Admin"],
+    opt={
+        OPENAPI: Operation(
+            request=UpdateWeightsFromDiskRequest,
+            content={"application/json": UpdateWeightsFromDiskResponse},
+            errors=("400", "401", "403", "404", "501", "503"),
+        )
+    },
+)
 async def update_weights_from_disk(request: Request) -> Response:
     """New weights of the same architecture, without a restart. Requests reading the old weights
     finish on them first; the model's fingerprint, and every output-cache key, changes with them.

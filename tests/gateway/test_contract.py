@@ -21,8 +21,11 @@ from typing import Any
 
 import httpx
 import pytest
+from litestar import Request, Response, get
 
+from gateway.app import ROUTE_HANDLERS, create_app
 from gateway.openapi.document import build_openapi
+from gateway.openapi.operation import OPENAPI, TEXT, Operation
 from gateway.openapi.vocabulary import decimal_below
 from gateway.settings import Settings
 from tests.conftest import MODEL
@@ -48,9 +51,52 @@ MODEL_REQUESTS = (
 
 
 def test_committed_spec_is_current():
-    assert json.loads(SPEC.read_text()) == build_openapi(), (
+    assert json.loads(SPEC.read_text()) == build_openapi(ROUTE_HANDLERS), (
         "openapi/openapi.json is stale: regenerate it with `logprob-gateway openapi -o openapi/openapi.json`"
     )
+
+
+def test_the_document_describes_every_route_the_app_serves():
+    """One declaration per endpoint: the app's routes and the document's operations are the same
+    handlers' paths and methods."""
+    app = create_app(Settings())
+    served = {
+        (route.path_format, method.lower())
+        for route in app.routes
+        for method in route.methods
+        if method not in ("HEAD", "OPTIONS")  # the framework's
+    }
+    documented = {
+        (path, method)
+        for path, operations in build_openapi(ROUTE_HANDLERS)["paths"].items()
+        for method in operations
+    }
+    assert served == documented
+
+
+@get(
+    "/v1/example/{model:str}",
+    summary="An example",
+    tags=["Example"],
+    opt={OPENAPI: Operation({"text/plain": TEXT})},
+)
+async def example_handler(request: Request, model: str) -> Response:
+    """Says what the example does."""
+    return Response(content="", media_type="text/plain")
+
+
+def test_a_handler_is_documented_from_its_decorator_and_docstring():
+    document = build_openapi([*ROUTE_HANDLERS, example_handler])
+    operation = document["paths"]["/v1/example/{model}"]["get"]
+    assert operation["summary"] == "An example"
+    assert operation["description"] == "Says what the example does."
+    assert operation["tags"] == ["Example"]
+    assert operation["responses"]["200"]["content"] == {"text/plain": {"schema": TEXT}}
+    assert operation["parameters"][0]["name"] == "model"
+    # a model-naming path: the model list links to it
+    assert "get_v1_example_model" in document["paths"]["/v1/models"]["get"]["responses"]["200"]["links"]
+    with pytest.raises(TypeError, match="declares no"):
+        build_openapi([get("/undeclared")(example_handler.fn)])
 
 
 def test_server_serves_the_committed_spec_bounded_by_its_vocabulary(http):
@@ -58,7 +104,7 @@ def test_server_serves_the_committed_spec_bounded_by_its_vocabulary(http):
     `logit_bias` key bounded by its model's vocabulary."""
     vocab = http.get(f"/v1/models/{MODEL}").json()["vocab_size"]
     served = http.get("/openapi.json").json()
-    assert served == build_openapi(vocab_size=vocab)
+    assert served == build_openapi(ROUTE_HANDLERS, vocab_size=vocab)
     schemas = served["components"]["schemas"]
     ids = schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]
     assert (ids["minimum"], ids["maximum"]) == (0, vocab - 1)
@@ -84,8 +130,11 @@ def test_the_document_says_which_paths_need_a_key():
             p for p, ops in document["paths"].items() if all(op.get("security") == [] for op in ops.values())
         }
 
-    assert keyless(build_openapi(Settings(api_keys=["sha256:" + "0" * 64]))) == {"/health", "/metrics"}
-    closed = build_openapi(Settings(api_keys=["sha256:" + "0" * 64], metrics_public=False))
+    assert keyless(build_openapi(ROUTE_HANDLERS, Settings(api_keys=["sha256:" + "0" * 64]))) == {
+        "/health",
+        "/metrics",
+    }
+    closed = build_openapi(ROUTE_HANDLERS, Settings(api_keys=["sha256:" + "0" * 64], metrics_public=False))
     assert keyless(closed) == {"/health"}
     assert "401" in closed["paths"]["/metrics"]["get"]["responses"]
     assert "401" in closed["paths"]["/health_generate"]["get"]["responses"]

@@ -1,0 +1,139 @@
+"""What the settings and the routes' own checks allow, written into the request schemas of the
+OpenAPI document: limits from the settings (n, logprobs, max_tokens, rows, ...) as maxima, and the
+routes' checks (nothing empty, best_of equal to n, ...) as constraints, so that the document
+describes exactly what the running server accepts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.settings import Settings
+
+
+def constrain(schemas: dict[str, Any], settings: Settings) -> None:
+    """The limits of `settings` and the routes' checks, into `schemas` (msgspec's, by name)."""
+    _apply_limits(schemas, settings)
+    _apply_route_checks(schemas, settings)
+
+
+def _apply_limits(schemas: dict[str, Any], settings: Settings) -> None:
+    """Write the configured limits into the schemas as maxima."""
+    limits = settings.limits
+
+    def cap(schema: str, prop: str, maximum: int) -> None:
+        target = schemas[schema]["properties"][prop]
+        options = target.get("anyOf", [target])
+        for option in options:
+            if option.get("type") == "integer":
+                option["maximum"] = maximum
+            if option.get("type") == "array":
+                option["maxItems"] = maximum
+        if isinstance(target.get("default"), int) and target["default"] > maximum:
+            # the route applies the default as if sent, and refuses it: the field must be given
+            schemas[schema]["properties"][prop] = next(o for o in options if o.get("type") == "integer")
+            schemas[schema]["required"].append(prop)
+
+    cap("CompletionRequest", "n", limits.max_n)
+    cap("ChatCompletionRequest", "n", limits.max_n)
+    cap("CompletionRequest", "logprobs", limits.max_top_logprobs)
+    cap("ChatCompletionRequest", "top_logprobs", limits.max_top_logprobs)
+    cap("CompletionRequest", "max_tokens", limits.max_tokens)
+    cap("ChatCompletionRequest", "max_tokens", limits.max_tokens)
+    cap("ChatCompletionRequest", "max_completion_tokens", limits.max_tokens)
+
+
+def _text() -> dict[str, Any]:
+    return {"type": "string", "minLength": 1}
+
+
+def _token_ids() -> dict[str, Any]:
+    return {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
+
+def _inputs(max_items: int) -> dict[str, Any]:
+    """OpenAI's four input forms as gateway/prompts.py takes them: one kind per list, nothing empty;
+    a token-id list is one input, the limit counts the strings or lists of a list."""
+    return {
+        "anyOf": [
+            _text(),
+            {"type": "array", "items": _text(), "minItems": 1, "maxItems": max_items},
+            _token_ids(),
+            {"type": "array", "items": _token_ids(), "minItems": 1, "maxItems": max_items},
+        ]
+    }
+
+
+def _null_or(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}], "default": None}
+
+
+def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
+    """Write what the routes check beyond the types (gateway/prompts.py, gateway/generation.py and
+    the routes themselves) into the schemas, so that a request the document allows is served. Only
+    what each model decides stays out: prompts within its context (GET /v1/models/{model}), texts its
+    tokenizer has a token for (its vocabulary); token ids below its vocab_size are stated by the
+    running server (gateway/openapi/vocabulary.py)."""
+    limits = settings.limits
+    completion, chat = schemas["CompletionRequest"], schemas["ChatCompletionRequest"]
+    completion["properties"]["prompt"] = _inputs(limits.max_prompts)
+    schemas["NextTokenLogprobsRequest"]["properties"]["input"] = _inputs(limits.max_rows)
+    for request in (completion, chat):
+        stop = _null_or(_text())
+        stop["anyOf"].insert(1, {"type": "array", "items": _text(), "maxItems": limits.max_stop})
+        request["properties"]["stop"] = stop
+    for request in (completion, chat, schemas["SglangSamplingParams"]):
+        # keys in ASCII digits: a token id, below the model's vocab_size
+        bias = {
+            "type": "object",
+            "propertyNames": {"type": "string", "pattern": "^[0-9]+$", "maxLength": 20},
+            "additionalProperties": {"type": "number", "minimum": -100.0, "maximum": 100.0},
+        }
+        request["properties"]["logit_bias"] = _null_or(bias)
+    chat["properties"]["messages"]["minItems"] = 1
+    schemas["TokenizeRequest"]["properties"]["messages"]["anyOf"][0]["minItems"] = 1
+    completion["properties"]["suffix"] = {
+        **_null_or({"type": "string", "maxLength": 0}),
+        "description": "Not supported: empty or null only.",
+    }
+    completion["properties"]["best_of"]["description"] = "Equal to n when given."
+    completion["anyOf"] = [
+        {"properties": {"best_of": {"type": "null"}}},
+        {"properties": {"n": {"enum": [1, None]}, "best_of": {"const": 1}}},
+        *(
+            {"properties": {"n": {"const": n}, "best_of": {"const": n}}, "required": ["n"]}
+            for n in range(2, limits.max_n + 1)
+        ),
+    ]
+    chat["anyOf"] = [
+        {"properties": {"top_logprobs": {"type": "null"}}},
+        {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+    ]
+    for request in (completion, chat):  # stream_options only with stream: true, as OpenAI's
+        streamed_only = [
+            {"properties": {"stream_options": {"type": "null"}}},
+            {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+        ]
+        request["allOf"] = [{"anyOf": request.pop("anyOf")}, {"anyOf": streamed_only}]
+    schemas["NextTokenLogprobsRequest"]["anyOf"] = [
+        {"properties": {"shared_memory": {"type": "null"}}},
+        {"properties": {"layout": {"const": "matrix"}}, "required": ["layout"]},
+    ]
+    generate = schemas["GenerateRequest"]["properties"]
+    texts = {"type": "array", "items": _text(), "minItems": 1, "maxItems": limits.max_prompts}
+    generate["text"] = _null_or({"anyOf": [_text(), texts]})
+    generate["input_ids"] = _null_or(
+        {"anyOf": [_token_ids(), {**_token_ids(), "items": _token_ids(), "maxItems": limits.max_prompts}]}
+    )
+    named_ids = {**_token_ids(), "minItems": 0}  # [] names none
+    generate["token_ids_logprob"] = _null_or(
+        {
+            "anyOf": [
+                named_ids,
+                {"type": "array", "items": named_ids, "minItems": 1, "maxItems": limits.max_prompts},
+            ]
+        }
+    )
+    schemas["TokenizeRequest"]["oneOf"] = [
+        {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
+        {"properties": {"messages": {"type": "array"}}, "required": ["messages"]},
+    ]
