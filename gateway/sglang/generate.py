@@ -67,7 +67,7 @@ class ItemRun:
         if not item.return_logprob or not (self._rescales() or item.token_ids is not None):
             return list(scored)
         done = len(self.rescored)
-        prefixes = [item.ids + [s.token_id for s in scored[:i]] for i in range(done, len(scored))]
+        prefixes = (item.ids + [s.token_id for s in scored[:i]] for i in range(done, len(scored)))
         wanted = None if item.token_ids is None else np.asarray(item.token_ids, dtype=np.int64)
         steps = iter(scored[done:])
         async for raw in next_token_rows(self.dense, item, prefixes):

@@ -5,8 +5,9 @@ ids a request names (`token_ids_logprob`, read off whole next-token rows: the de
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 import numpy as np
 
@@ -67,23 +68,21 @@ async def input_scores(dense: DenseService, item: Item, triples: Triples) -> Sco
     if item.token_ids is not None:
         scores.input_token_ids = [
             None,
-            *await token_ids_logprobs(dense, item, triples, [ids[:p] for p in range(start + 1, len(ids))]),
+            *await token_ids_logprobs(dense, item, triples, (ids[:p] for p in range(start + 1, len(ids)))),
         ]
     return scores
 
 
 async def next_token_rows(
-    dense: DenseService, item: Item, prefixes: Sequence[Sequence[int]]
+    dense: DenseService, item: Item, prefixes: Iterable[Sequence[int]]
 ) -> AsyncIterator[np.ndarray]:
     """The model's whole next-token row (log_softmax of the logits, float32 [vocab]) after each
     prefix, in order, from the dense service: the output cache, then the batcher with every other
-    route's rows. Asked one engine batch (the model's max_batch_rows) at a time, so an item holds
-    one batch of rows however many positions it scores. The caller holds the model's weights for
-    reading."""
-    served = item.served
-    per_call = served.settings.max_batch_rows
-    for begin in range(0, len(prefixes), per_call):
-        batch = [list(p) for p in prefixes[begin : begin + per_call]]
+    route's rows. Asked one engine batch (the model's max_batch_rows) at a time, and `prefixes`
+    taken as lazily, so an item holds one batch of rows however many positions it scores. The
+    caller holds the model's weights for reading."""
+    served, pending = item.served, iter(prefixes)
+    while batch := [list(p) for p in islice(pending, served.settings.max_batch_rows)]:
         matrix = (await dense.rows(served, item.adapter, batch))[0]
         assert isinstance(matrix, np.ndarray)  # rows not written `into` a buffer come back as one
         for row in matrix:
@@ -101,7 +100,7 @@ def at_temperature(row: np.ndarray, temperature: float) -> np.ndarray:
 
 
 async def token_ids_logprobs(
-    dense: DenseService, item: Item, triples: Triples, prefixes: Sequence[Sequence[int]]
+    dense: DenseService, item: Item, triples: Triples, prefixes: Iterable[Sequence[int]]
 ) -> list[list[Triple]]:
     """For each prefix, the triples of the ids `token_ids_logprob` names, from the model's whole
     next-token row after it (row i: the log-probabilities of the token after prefixes[i])."""

@@ -157,6 +157,44 @@ def test_token_ids_logprob_rows_go_through_the_output_cache_and_the_batcher(http
     np.testing.assert_allclose(matrix, rows[: len(prefixes)], atol=1e-4)
 
 
+def test_more_rows_than_one_engine_batch_keep_their_order():
+    """A prompt of more positions than the model's max_batch_rows: /generate asks its rows batch
+    after batch, in order, and a dense request for the same prefixes gets them all from the cache."""
+    import msgspec
+
+    with mock_app_client() as (app, client):
+        max_batch_rows = app.state.registry.models["mock"].settings.max_batch_rows
+        ids = [(7 * i) % 1000 + 1 for i in range(max_batch_rows + 44)]
+        wanted = [3, 5]
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "token_ids_logprob": wanted,
+        }
+        response = client.post("/generate", json=body)
+        assert response.status_code == 200, response.text
+        meta = response.json()["meta_info"]
+        entries = meta["input_token_ids_logprobs"][1:] + meta["output_token_ids_logprobs"]
+        prefixes = [ids[:p] for p in range(1, len(ids) + 1)]  # then the row after the whole prompt
+        assert len(entries) == len(prefixes)
+        stats = client.get("/v1/models/mock/stats").json()
+        assert stats["rows"] == len(prefixes) and stats["batches"] >= 2
+        assert stats["largest_batch"] <= max_batch_rows
+        dense = client.post(
+            "/v1/next_token_logprobs",
+            json={"model": "mock", "input": prefixes, "layout": "matrix"},
+            headers={"Accept": "application/msgpack"},
+        )
+        assert dense.status_code == 200, dense.text
+        document = msgspec.msgpack.decode(dense.content)
+        assert document["usage"]["cache_hits"] == len(prefixes)
+        matrix = np.frombuffer(document["logprobs"], "<f4").reshape(len(prefixes), -1)
+        got = np.array([[t[0] for t in entry] for entry in entries], dtype=np.float32)
+        np.testing.assert_array_equal(got, matrix[:, wanted])
+
+
 def test_sampled_tokens_report_logprobs_at_the_temperature(http, reference):
     """As SGLang: log_softmax(logits / temperature) of each sampled token, and of its top-k."""
     ids = reference.tokenizer(PROMPT)["input_ids"]
