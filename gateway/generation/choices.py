@@ -1,8 +1,8 @@
-"""Generation shared by /v1/completions and /v1/chat/completions.
+"""Generation shared by /v1/completions, /v1/chat/completions and SGLang's /generate.
 
-Checks the sampling fields against the model and the limits, then runs one choice as a stream of
-text pieces: incremental UTF-8 decoding from exact token bytes, stop strings (text after a stop
-string never leaves the server; text that may still become one is held back), finish reasons.
+Runs one choice, its sampling checked (sampling.py), as a stream of text pieces: incremental
+UTF-8 decoding from exact token bytes, stop strings (text after a stop string never leaves the
+server; text that may still become one is held back), finish reasons.
 """
 
 from __future__ import annotations
@@ -10,13 +10,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Collection, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from backends.base import SamplingParams, TokenStep
 from backends.vocab import IncrementalText
-from gateway.errors import ContextLengthError, InvalidRequestError
+from gateway.errors import InvalidRequestError
 from gateway.registry import ServedModel
-from gateway.settings import Limits
 from gateway.weights.lock import GenerationAborted
 
 
@@ -30,80 +29,12 @@ class Piece:
     finish_reason: str | None = None
 
 
-def check_stop(stop: str | list[str] | None, limits: Limits) -> list[str]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > limits.max_stop:
-        raise InvalidRequestError(f"at most {limits.max_stop} stop sequences are allowed", param="stop")
-    if any(s == "" for s in stops):
-        raise InvalidRequestError("stop sequences must not be empty strings", param="stop")
-    return stops
-
-
-def check_logit_bias(served: ServedModel, bias: dict[str, float] | None) -> dict[int, float]:
-    parsed: dict[int, float] = {}
-    vocab = served.require_engine().vocab_size
-    for key, value in (bias or {}).items():
-        # ASCII digits only: str.isdigit() also accepts "²" and "١", and int() rejects very long keys
-        if not (key.isascii() and key.isdigit()) or len(key) > 20 or int(key) >= vocab:
-            raise InvalidRequestError(
-                f"logit_bias key {key[:32]!r} is not a token id in [0, {vocab})", param="logit_bias"
-            )
-        if not -100.0 <= value <= 100.0:
-            raise InvalidRequestError("logit_bias values must be between -100 and 100", param="logit_bias")
-        parsed[int(key)] = value
-    return parsed
-
-
-def check_context(served: ServedModel, prompt_len: int, max_tokens: int | None, limits: Limits) -> int:
-    """The number of tokens to generate (default: what the context and the limit allow); raises when
-    prompt + completion exceed the context or max_tokens exceeds the configured limit."""
-    if max_tokens is not None and max_tokens > limits.max_tokens:
-        raise InvalidRequestError(f"max_tokens must be at most {limits.max_tokens}", param="max_tokens")
-    context = served.require_engine().max_model_len
-    too_long = prompt_len > context if max_tokens is not None else prompt_len >= context
-    if too_long or (max_tokens is not None and prompt_len + max_tokens > context):
-        asked = "" if max_tokens is None else f" and asks for {max_tokens} completion tokens"
-        raise ContextLengthError(
-            f"this model's maximum context length is {context} tokens; "
-            f"the request has {prompt_len} prompt tokens{asked}",
-            param="prompt" if too_long else "max_tokens",
-        )
-    if max_tokens is None:
-        max_tokens = min(context - prompt_len, limits.max_tokens)
-    return max_tokens
-
-
-def check_choices(n: int, limits: Limits) -> int:
-    if n > limits.max_n:
-        raise InvalidRequestError(f"n must be at most {limits.max_n}", param="n")
-    return n
-
-
-def check_logprob_entries(entries: int, limits: Limits, instead: str, param: str | None) -> None:
-    """Refuse, before any work, an answer of more than `limits.max_logprob_entries` logprob values
-    (each position's own, its top logprobs, its named token ids); `instead` says what to ask."""
-    if entries > limits.max_logprob_entries:
-        raise InvalidRequestError(
-            f"this request asks for {entries} logprob entries (prompts x choices x positions x "
-            f"logprobs per position), more than the {limits.max_logprob_entries} one answer may carry; "
-            f"{instead}",
-            param=param,
-        )
-
-
 def check_stream_options(stream: bool | None, stream_options: object | None) -> None:
     """OpenAI's rule: `stream_options` only with `stream: true`."""
     if stream_options is not None and not stream:
         raise InvalidRequestError(
             "The 'stream_options' parameter is only allowed when 'stream' is enabled.", param="stream_options"
         )
-
-
-def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choices of one request differ: each gets its own seed derived from the request's seed."""
-    if params.seed is None or index == 0:
-        return params
-    return replace(params, seed=(params.seed + index) % 2**64)
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:

@@ -7,10 +7,11 @@ from collections.abc import AsyncIterator, Sequence
 
 from litestar import Request, Response, post
 
-from backends.base import SamplingParams, TokenStep
+from backends.base import TokenStep
 from backends.vocab import token_display
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
+from gateway.generation import sampling
 from gateway.openapi.operation import OPENAPI, SSE, Operation
 from gateway.prompts import check_text_chars, tokenize
 from gateway.registry import ServedModel
@@ -110,32 +111,32 @@ async def create_chat_completion(request: Request) -> Response:
     limits = settings(request).limits
     served, adapter = resolve_model(request, body.model)
     served.require_engine()
-    n = gen.check_choices(body.n or 1, limits)
+    n = sampling.check_choices(body.n or 1, limits)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
-    if (body.top_logprobs or 0) > limits.max_top_logprobs:
-        raise InvalidRequestError(
-            f"top_logprobs must be at most {limits.max_top_logprobs}", param="top_logprobs"
-        )
-    stops = gen.check_stop(body.stop, limits)
+    stops = sampling.check_stop(body.stop, limits)
     prompt_ids = await asyncio.to_thread(chat_prompt_ids, served, body.messages, limits)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = gen.check_context(served, len(prompt_ids), requested, limits)
-    if body.logprobs:  # per token: its logprob and its top_logprobs
-        entries = n * max_tokens * (1 + (body.top_logprobs or 0))
-        gen.check_logprob_entries(entries, limits, "ask fewer top_logprobs, n or max_tokens", "top_logprobs")
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
+    params = sampling.sampling_params(
+        served,
+        limits,
+        max_tokens=sampling.check_context(served, len(prompt_ids), requested, limits),
+        temperature=body.temperature,
+        top_p=body.top_p,
         seed=body.seed,
         top_logprobs=body.top_logprobs or 0,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        logit_bias=gen.check_logit_bias(served, body.logit_bias),
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=body.logit_bias,
     )
+    if body.logprobs:  # per token: its logprob and its top_logprobs
+        entries = n * params.max_tokens * (1 + params.top_logprobs)
+        sampling.check_logprob_entries(
+            entries, limits, "ask fewer top_logprobs, n or max_tokens", "top_logprobs"
+        )
     streams = [
-        gen.run_choice(served, prompt_ids, gen.choice_params(params, j), stops, adapter) for j in range(n)
+        gen.run_choice(served, prompt_ids, sampling.choice_params(params, j), stops, adapter)
+        for j in range(n)
     ]
     usage = _UsageCounter(served, adapter, len(prompt_ids))
     if body.stream:

@@ -12,6 +12,7 @@ from backends.base import PromptLogprobs, SamplingParams, TokenStep
 from backends.vocab import decode_text, token_display
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
+from gateway.generation import sampling
 from gateway.openapi.operation import OPENAPI, SSE, Operation
 from gateway.prompts import token_inputs
 from gateway.registry import ServedModel
@@ -137,32 +138,32 @@ async def create_completion(request: Request) -> Response:
     limits = settings(request).limits
     served, adapter = resolve_model(request, body.model)
     served.require_engine()
-    n = gen.check_choices(body.n or 1, limits)
+    n = sampling.check_choices(body.n or 1, limits)
     if body.best_of is not None and body.best_of != n:
         raise InvalidRequestError("best_of is not supported unless it equals n", param="best_of")
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
-    top = body.logprobs
-    if top is not None and top > limits.max_top_logprobs:
-        raise InvalidRequestError(f"logprobs must be at most {limits.max_top_logprobs}", param="logprobs")
-    stops = gen.check_stop(body.stop, limits)
+    stops = sampling.check_stop(body.stop, limits)
     prompts = await asyncio.to_thread(_prompts, served, body.prompt, limits)
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     for p in prompts:
-        gen.check_context(served, len(p.ids), max_tokens, limits)
-    if top is not None:  # per position: its logprob and the top dict (the chosen token and `top` more)
-        positions = sum((len(p.ids) if body.echo else 0) + max_tokens for p in prompts) * n
-        gen.check_logprob_entries(positions * (2 + top), limits, _SMALLER, "logprobs")
-    params = SamplingParams(
+        sampling.check_context(served, len(p.ids), max_tokens, limits)
+    params = sampling.sampling_params(
+        served,
+        limits,
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
+        temperature=body.temperature,
+        top_p=body.top_p,
         seed=body.seed,
-        top_logprobs=top or 0,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        logit_bias=gen.check_logit_bias(served, body.logit_bias),
+        top_logprobs=body.logprobs or 0,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=body.logit_bias,
+        top_logprobs_field="logprobs",
     )
+    if body.logprobs is not None:  # per position: its logprob, the top dict (the chosen token + logprobs)
+        positions = sum((len(p.ids) if body.echo else 0) + max_tokens for p in prompts) * n
+        sampling.check_logprob_entries(positions * (2 + params.top_logprobs), limits, _SMALLER, "logprobs")
     run = _Run(served, adapter, body, prompts, n, params, stops)
     if body.stream:
         reserve_stream(request)
@@ -194,7 +195,7 @@ class _Run:
             (
                 p,
                 gen.run_choice(
-                    self.served, p.ids, gen.choice_params(self.params, j), self.stops, self.adapter
+                    self.served, p.ids, sampling.choice_params(self.params, j), self.stops, self.adapter
                 ),
             )
             for p in self.prompts

@@ -12,6 +12,7 @@ from pathlib import Path
 from litestar import Request, Response, get, route
 
 from backends.base import SamplingParams
+from gateway.dense.service import DenseService
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
 from gateway.openapi.operation import EMPTY_TEXT, OPENAPI, SSE, TEXT, Operation, Reply
@@ -20,6 +21,7 @@ from gateway.requests import decode_json, registry, reserve_stream, resolve_mode
 from gateway.responses import json_response, sse_event, sse_response
 from gateway.schemas.sglang import GenerateRequest, GenerateResponse, ModelInfo, ServerInfo
 from gateway.sglang import generate as native
+from gateway.sglang.items import plan
 from gateway.weights.routes import require_admin
 
 SGLANG_VERSION = "0.5.17"
@@ -83,8 +85,9 @@ def _served_for(request: Request, body: GenerateRequest):  # noqa: ANN202 (a clo
 )
 async def sglang_generate(request: Request) -> Response:
     body = await decode_json(request, GenerateRequest)
-    items, as_list = await native.plan(body, _served_for(request, body), settings(request).limits)
-    runs = [native.ItemRun(item) for item in items]
+    items, as_list = await plan(body, _served_for(request, body), settings(request).limits)
+    dense: DenseService = request.app.state.dense  # rows for token_ids_logprob and rescoring
+    runs = [native.ItemRun(item, dense) for item in items]
     if body.stream:
         reserve_stream(request)
         return sse_response(_stream(runs, as_list))

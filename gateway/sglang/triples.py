@@ -1,43 +1,19 @@
 """Logprob triples of SGLang's /generate: `(logprob, token id, text or null)`, for prompt
 positions (from logprob_start_len, the first entry null), generated tokens, their top-k, and the
-ids a request names (`token_ids_logprob`, read off whole next-token rows of the engine)."""
+ids a request names (`token_ids_logprob`, read off whole next-token rows: the dense service's, as
+/v1/next_token_logprobs reads them, so the output cache and the batcher serve them too)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from itertools import islice
 
 import numpy as np
 
-from gateway.generation.choices import check_logprob_entries
+from gateway.dense.service import DenseService
 from gateway.schemas.sglang import Triple
-from gateway.settings import Limits
-
-if TYPE_CHECKING:
-    from gateway.sglang.generate import Item
-
-ROWS_PER_CALL = 64  # next-token rows asked of the engine at once (vocab_size float32 each)
-
-
-def logprob_entries(item: Item) -> int:
-    """The triples an item's answer carries: per prompt position from `start` and per token it
-    may generate (max_new_tokens = 0 reports one), its own, its top-k and its named ids."""
-    if not item.return_logprob:
-        return 0
-    per_position = 1 + item.top_k + len(item.token_ids or ())
-    return per_position * (len(item.ids) - item.start + max(item.max_new_tokens, 1))
-
-
-def check_answer_size(items: Sequence[Item], names_token_ids: bool, limits: Limits) -> None:
-    """Refuse a request whose answer would carry more triples than the limit (a 400)."""
-    check_logprob_entries(
-        sum(map(logprob_entries, items)),
-        limits,
-        "name fewer token_ids_logprob, ask a smaller top_logprobs_num, start later with "
-        "logprob_start_len, split the batch, or ask /v1/next_token_logprobs for whole rows",
-        "token_ids_logprob" if names_token_ids else "logprob_start_len",
-    )
+from gateway.sglang.items import Item
 
 
 class Triples:
@@ -72,8 +48,9 @@ class Scores:
     input_token_ids: list[list[Triple] | None] = field(default_factory=list)
 
 
-async def input_scores(item: Item, triples: Triples) -> Scores:
-    """Prompt positions start .. P-1; the first entry has no logprob (SGLang's `[None] + ...`)."""
+async def input_scores(dense: DenseService, item: Item, triples: Triples) -> Scores:
+    """Prompt positions start .. P-1; the first entry has no logprob (SGLang's `[None] + ...`).
+    The caller holds the model's weights for reading."""
     ids, start = item.ids, item.start
     if not item.return_logprob or start >= len(ids):
         return Scores([], [])
@@ -91,19 +68,25 @@ async def input_scores(item: Item, triples: Triples) -> Scores:
     if item.token_ids is not None:
         scores.input_token_ids = [
             None,
-            *await token_ids_logprobs(item, triples, [ids[:p] for p in range(start + 1, len(ids))]),
+            *await token_ids_logprobs(dense, item, triples, (ids[:p] for p in range(start + 1, len(ids)))),
         ]
     return scores
 
 
-async def next_token_rows(item: Item, prefixes: Sequence[Sequence[int]]) -> list[np.ndarray]:
-    """The engine's whole next-token row (log_softmax of the logits) after each prefix."""
-    engine = item.served.require_engine()
-    rows: list[np.ndarray] = []
-    for begin in range(0, len(prefixes), ROWS_PER_CALL):
-        chunk = [list(p) for p in prefixes[begin : begin + ROWS_PER_CALL]]
-        rows.extend(np.asarray(await engine.next_token_logprobs(chunk, [item.adapter] * len(chunk))))
-    return rows
+async def next_token_rows(
+    dense: DenseService, item: Item, prefixes: Iterable[Sequence[int]]
+) -> AsyncIterator[np.ndarray]:
+    """The model's whole next-token row (log_softmax of the logits, float32 [vocab]) after each
+    prefix, in order, from the dense service: the output cache, then the batcher with every other
+    route's rows. Asked one engine batch (the model's max_batch_rows) at a time, and `prefixes`
+    taken as lazily, so an item holds one batch of rows however many positions it scores. The
+    caller holds the model's weights for reading."""
+    served, pending = item.served, iter(prefixes)
+    while batch := [list(p) for p in islice(pending, served.settings.max_batch_rows)]:
+        matrix = (await dense.rows(served, item.adapter, batch))[0]
+        assert isinstance(matrix, np.ndarray)  # rows not written `into` a buffer come back as one
+        for row in matrix:
+            yield row
 
 
 def at_temperature(row: np.ndarray, temperature: float) -> np.ndarray:
@@ -117,11 +100,13 @@ def at_temperature(row: np.ndarray, temperature: float) -> np.ndarray:
 
 
 async def token_ids_logprobs(
-    item: Item, triples: Triples, prefixes: Sequence[Sequence[int]]
+    dense: DenseService, item: Item, triples: Triples, prefixes: Iterable[Sequence[int]]
 ) -> list[list[Triple]]:
-    """For each prefix, the triples of the ids `token_ids_logprob` names, from the engine's whole
+    """For each prefix, the triples of the ids `token_ids_logprob` names, from the model's whole
     next-token row after it (row i: the log-probabilities of the token after prefixes[i])."""
     assert item.token_ids is not None
     wanted = np.asarray(item.token_ids, dtype=np.int64)
-    rows = await next_token_rows(item, prefixes)
-    return [triples.make(row[wanted].tolist(), item.token_ids) for row in rows]
+    return [
+        triples.make(row[wanted].tolist(), item.token_ids)
+        async for row in next_token_rows(dense, item, prefixes)
+    ]

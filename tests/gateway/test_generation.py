@@ -1,4 +1,5 @@
-"""Stop strings, text hold-back and choice merging, on the mock engine (gateway logic only)."""
+"""Stop strings, text hold-back, choice merging and the sampling builder, on the mock engine
+(gateway logic only)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import pytest
 from backends.base import EngineConfig, SamplingParams
 from backends.mock import MockEngine
 from backends.vocab import decode_text, token_bytes_table
+from gateway.errors import ContextLengthError, InvalidRequestError
 from gateway.generation import choices as gen
+from gateway.generation import sampling
 from gateway.registry import ServedModel
 from gateway.settings import Limits, ModelSettings
 
@@ -61,7 +64,7 @@ async def test_max_tokens_zero_yields_one_empty_piece(served):
 
 async def test_merge_keeps_each_choice_in_order(served):
     streams = [
-        gen.run_choice(served, PROMPT, gen.choice_params(SamplingParams(max_tokens=6, seed=3), j), [])
+        gen.run_choice(served, PROMPT, sampling.choice_params(SamplingParams(max_tokens=6, seed=3), j), [])
         for j in range(3)
     ]
     texts = ["", "", ""]
@@ -69,7 +72,9 @@ async def test_merge_keeps_each_choice_in_order(served):
         texts[index] += piece.text
     alone = [
         await gen.collect(
-            gen.run_choice(served, PROMPT, gen.choice_params(SamplingParams(max_tokens=6, seed=3), j), [])
+            gen.run_choice(
+                served, PROMPT, sampling.choice_params(SamplingParams(max_tokens=6, seed=3), j), []
+            )
         )
         for j in range(3)
     ]
@@ -80,12 +85,49 @@ async def test_merge_keeps_each_choice_in_order(served):
 def test_context_check(served):
     context = served.engine.max_model_len
     limits = Limits(max_tokens=context)
-    assert gen.check_context(served, 10, None, limits) == context - 10
-    assert gen.check_context(served, 10, None, Limits(max_tokens=100)) == 100
-    assert gen.check_context(served, context, 0, limits) == 0
-    with pytest.raises(gen.ContextLengthError):
-        gen.check_context(served, context - 1, 2, limits)
-    with pytest.raises(gen.ContextLengthError):
-        gen.check_context(served, context, None, limits)
-    with pytest.raises(gen.InvalidRequestError, match="at most 100"):
-        gen.check_context(served, 10, 101, Limits(max_tokens=100))
+    assert sampling.check_context(served, 10, None, limits) == context - 10
+    assert sampling.check_context(served, 10, None, Limits(max_tokens=100)) == 100
+    assert sampling.check_context(served, context, 0, limits) == 0
+    with pytest.raises(ContextLengthError):
+        sampling.check_context(served, context - 1, 2, limits)
+    with pytest.raises(ContextLengthError):
+        sampling.check_context(served, context, None, limits)
+    with pytest.raises(InvalidRequestError, match="at most 100"):
+        sampling.check_context(served, 10, 101, Limits(max_tokens=100))
+
+
+def test_sampling_params_defaults_and_checks(served):
+    limits = Limits(max_top_logprobs=5)
+    params = sampling.sampling_params(served, limits, max_tokens=7)
+    assert params == SamplingParams(max_tokens=7, temperature=1.0, top_p=1.0)
+    params = sampling.sampling_params(
+        served,
+        limits,
+        max_tokens=3,
+        temperature=0.5,
+        top_p=0.9,
+        seed=-1,
+        top_logprobs=5,
+        presence_penalty=0.25,
+        frequency_penalty=-0.5,
+        logit_bias={"7": 2.5},
+    )
+    expected = SamplingParams(
+        max_tokens=3,
+        temperature=0.5,
+        top_p=0.9,
+        seed=2**64 - 1,  # the unsigned 64-bit seed it wraps to
+        top_logprobs=5,
+        presence_penalty=0.25,
+        frequency_penalty=-0.5,
+        logit_bias={7: 2.5},
+    )
+    assert params == expected
+    # each API's name for the alternatives per token, in the message and the param
+    for field in ("top_logprobs", "logprobs", "top_logprobs_num"):
+        with pytest.raises(InvalidRequestError, match=f"^{field} must be at most 5$") as raised:
+            sampling.sampling_params(served, limits, max_tokens=1, top_logprobs=6, top_logprobs_field=field)
+        assert raised.value.param == field
+    with pytest.raises(InvalidRequestError, match="is not a token id") as raised:
+        sampling.sampling_params(served, limits, max_tokens=1, logit_bias={str(served.engine.vocab_size): 1})
+    assert raised.value.param == "logit_bias"

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import MODEL, mock_app_client
+from tests.conftest import MODEL, dense_rows, mock_app_client
 from tests.launcher import start_gateway
 
 pytestmark = pytest.mark.slow
@@ -113,6 +113,86 @@ def test_token_ids_logprob_reads_the_named_ids_at_every_position(http, reference
     assert len(meta["output_token_ids_logprobs"]) == 3
     for i, entry in enumerate(meta["output_token_ids_logprobs"]):
         np.testing.assert_allclose([t[0] for t in entry], rows[len(ids) - 1 + i, wanted], atol=1e-4)
+
+
+def test_token_ids_logprob_rows_go_through_the_output_cache_and_the_batcher(http, gateway, reference):
+    """/generate reads whole rows where /v1/next_token_logprobs does: its rows reach the batcher
+    once, the same request again is answered from the output cache, and so are dense requests for
+    the same prefixes, with the very numbers of the direct forward pass."""
+    ids = reference.tokenizer("Rows of a generate request, read once and cached:")["input_ids"]
+    expected = reference.greedy(ids, 2)
+    wanted = [expected[0], 13, 330]
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "token_ids_logprob": wanted,
+    }
+    # the row after each proper prefix of the prompt (scores of positions 1 .. P-1), then one per token
+    prefixes = [ids[:p] for p in range(1, len(ids))] + [ids, ids + expected[:1]]
+
+    def batcher_rows() -> int:
+        return http.get(f"/v1/models/{MODEL}/stats").json()["rows"]
+
+    before = batcher_rows()
+    first = generate(http, **body)
+    assert batcher_rows() - before == len(prefixes)  # every row was new to the cache
+    again = generate(http, **body)
+    assert batcher_rows() - before == len(prefixes)  # none reached the batcher again
+    assert again["meta_info"]["input_token_ids_logprobs"] == first["meta_info"]["input_token_ids_logprobs"]
+    assert again["meta_info"]["output_token_ids_logprobs"] == first["meta_info"]["output_token_ids_logprobs"]
+
+    matrix, hits = dense_rows(gateway.base_url, prefixes)
+    assert hits == len(prefixes) and batcher_rows() - before == len(prefixes)
+    meta = first["meta_info"]
+    assert first["output_ids"] == expected and meta["input_token_ids_logprobs"][0] is None
+    entries = meta["input_token_ids_logprobs"][1:] + meta["output_token_ids_logprobs"]
+    assert len(entries) == len(prefixes)
+    got = np.array([[t[0] for t in entry] for entry in entries], dtype=np.float32)
+    assert all([t[1] for t in entry] == wanted for entry in entries)
+    np.testing.assert_array_equal(got, matrix[:, wanted])  # the cached rows, bit for bit
+    rows = reference.logprobs(ids + expected)
+    np.testing.assert_allclose(got, rows[: len(prefixes), wanted], atol=1e-4)
+    np.testing.assert_allclose(matrix, rows[: len(prefixes)], atol=1e-4)
+
+
+def test_more_rows_than_one_engine_batch_keep_their_order():
+    """A prompt of more positions than the model's max_batch_rows: /generate asks its rows batch
+    after batch, in order, and a dense request for the same prefixes gets them all from the cache."""
+    import msgspec
+
+    with mock_app_client() as (app, client):
+        max_batch_rows = app.state.registry.models["mock"].settings.max_batch_rows
+        ids = [(7 * i) % 1000 + 1 for i in range(max_batch_rows + 44)]
+        wanted = [3, 5]
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "token_ids_logprob": wanted,
+        }
+        response = client.post("/generate", json=body)
+        assert response.status_code == 200, response.text
+        meta = response.json()["meta_info"]
+        entries = meta["input_token_ids_logprobs"][1:] + meta["output_token_ids_logprobs"]
+        prefixes = [ids[:p] for p in range(1, len(ids) + 1)]  # then the row after the whole prompt
+        assert len(entries) == len(prefixes)
+        stats = client.get("/v1/models/mock/stats").json()
+        assert stats["rows"] == len(prefixes) and stats["batches"] >= 2
+        assert stats["largest_batch"] <= max_batch_rows
+        dense = client.post(
+            "/v1/next_token_logprobs",
+            json={"model": "mock", "input": prefixes, "layout": "matrix"},
+            headers={"Accept": "application/msgpack"},
+        )
+        assert dense.status_code == 200, dense.text
+        document = msgspec.msgpack.decode(dense.content)
+        assert document["usage"]["cache_hits"] == len(prefixes)
+        matrix = np.frombuffer(document["logprobs"], "<f4").reshape(len(prefixes), -1)
+        got = np.array([[t[0] for t in entry] for entry in entries], dtype=np.float32)
+        np.testing.assert_array_equal(got, matrix[:, wanted])
 
 
 def test_sampled_tokens_report_logprobs_at_the_temperature(http, reference):

@@ -1,0 +1,118 @@
+"""A request's sampling fields, checked against the model and the limits, as the engine's
+`SamplingParams`: one builder for /v1/completions, /v1/chat/completions and SGLang's /generate.
+
+Each API names its fields its own way (`logprobs`, `top_logprobs`, `top_logprobs_num`;
+`max_tokens`, `max_new_tokens`); its route reads them off its request and names them in the
+errors it raises; the checks and the defaults are the same for all three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from backends.base import SamplingParams
+from gateway.errors import ContextLengthError, InvalidRequestError
+from gateway.registry import ServedModel
+from gateway.settings import Limits
+
+
+def sampling_params(
+    served: ServedModel,
+    limits: Limits,
+    *,
+    max_tokens: int,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    top_logprobs: int = 0,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logit_bias: dict[str, float] | None = None,
+    top_logprobs_field: str = "top_logprobs",
+) -> SamplingParams:
+    """The engine's parameters for a request's fields (None: the default, as OpenAI's). Raises
+    InvalidRequestError naming `top_logprobs_field` (the API's name for the alternatives reported
+    per token) beyond `limits.max_top_logprobs`, and for a logit_bias that is not the model's.
+    `max_tokens` comes checked (check_context); a seed wraps to its unsigned 64-bit value."""
+    if top_logprobs > limits.max_top_logprobs:
+        raise InvalidRequestError(
+            f"{top_logprobs_field} must be at most {limits.max_top_logprobs}", param=top_logprobs_field
+        )
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        seed=None if seed is None else seed % 2**64,
+        top_logprobs=top_logprobs,
+        presence_penalty=presence_penalty or 0.0,
+        frequency_penalty=frequency_penalty or 0.0,
+        logit_bias=check_logit_bias(served, logit_bias),
+    )
+
+
+def check_stop(stop: str | list[str] | None, limits: Limits) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > limits.max_stop:
+        raise InvalidRequestError(f"at most {limits.max_stop} stop sequences are allowed", param="stop")
+    if any(s == "" for s in stops):
+        raise InvalidRequestError("stop sequences must not be empty strings", param="stop")
+    return stops
+
+
+def check_logit_bias(served: ServedModel, bias: dict[str, float] | None) -> dict[int, float]:
+    parsed: dict[int, float] = {}
+    vocab = served.require_engine().vocab_size
+    for key, value in (bias or {}).items():
+        # ASCII digits only: str.isdigit() also accepts "²" and "١", and int() rejects very long keys
+        if not (key.isascii() and key.isdigit()) or len(key) > 20 or int(key) >= vocab:
+            raise InvalidRequestError(
+                f"logit_bias key {key[:32]!r} is not a token id in [0, {vocab})", param="logit_bias"
+            )
+        if not -100.0 <= value <= 100.0:
+            raise InvalidRequestError("logit_bias values must be between -100 and 100", param="logit_bias")
+        parsed[int(key)] = value
+    return parsed
+
+
+def check_context(served: ServedModel, prompt_len: int, max_tokens: int | None, limits: Limits) -> int:
+    """The number of tokens to generate (default: what the context and the limit allow); raises when
+    prompt + completion exceed the context or max_tokens exceeds the configured limit."""
+    if max_tokens is not None and max_tokens > limits.max_tokens:
+        raise InvalidRequestError(f"max_tokens must be at most {limits.max_tokens}", param="max_tokens")
+    context = served.require_engine().max_model_len
+    too_long = prompt_len > context if max_tokens is not None else prompt_len >= context
+    if too_long or (max_tokens is not None and prompt_len + max_tokens > context):
+        asked = "" if max_tokens is None else f" and asks for {max_tokens} completion tokens"
+        raise ContextLengthError(
+            f"this model's maximum context length is {context} tokens; "
+            f"the request has {prompt_len} prompt tokens{asked}",
+            param="prompt" if too_long else "max_tokens",
+        )
+    if max_tokens is None:
+        max_tokens = min(context - prompt_len, limits.max_tokens)
+    return max_tokens
+
+
+def check_choices(n: int, limits: Limits) -> int:
+    if n > limits.max_n:
+        raise InvalidRequestError(f"n must be at most {limits.max_n}", param="n")
+    return n
+
+
+def check_logprob_entries(entries: int, limits: Limits, instead: str, param: str | None) -> None:
+    """Refuse, before any work, an answer of more than `limits.max_logprob_entries` logprob values
+    (each position's own, its top logprobs, its named token ids); `instead` says what to ask."""
+    if entries > limits.max_logprob_entries:
+        raise InvalidRequestError(
+            f"this request asks for {entries} logprob entries (prompts x choices x positions x "
+            f"logprobs per position), more than the {limits.max_logprob_entries} one answer may carry; "
+            f"{instead}",
+            param=param,
+        )
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choices of one request differ: each gets its own seed derived from the request's seed."""
+    if params.seed is None or index == 0:
+        return params
+    return replace(params, seed=(params.seed + index) % 2**64)
