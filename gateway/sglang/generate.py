@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from backends.base import SamplingParams, TokenStep
+from backends.types import SamplingParams, TokenStep
 from backends.vocab import decode_text
 from gateway.errors import ContextLengthError, InvalidRequestError
 from gateway.generation import choices as gen
