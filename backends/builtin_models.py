@@ -21,7 +21,7 @@ from pathlib import Path
 
 import platformdirs
 
-from backends.base import EngineUnavailableError
+from backends.errors import EngineUnavailableError
 
 log = logging.getLogger(__name__)
 

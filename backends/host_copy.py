@@ -9,14 +9,13 @@ page-locked blocks for reuse; past a bound, the unused ones are given back.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from backends.base import HostWrites, WrittenRows, already_landed
+from backends.engine import HostMemory
 
 log = logging.getLogger(__name__)
 
@@ -50,46 +49,25 @@ def unregister_host_memory(address: int) -> None:
         log.warning("cannot unregister host memory from CUDA: %s", error)
 
 
-async def _until(event: torch.cuda.Event) -> None:
-    # By the caller's next engine call the copy has long landed: a thread that waits for it would
-    # only cost wake-ups, so the event is asked first.
-    if not event.query():
-        await asyncio.to_thread(event.synchronize)
-
-
 def write_rows_into(
-    rows: torch.Tensor, into: np.ndarray, keep: bool, positions: Sequence[int] | None = None
-) -> WrittenRows:
-    """Rows from the GPU straight into the caller's registered memory `into` (row positions[i]
-    into into[i], gathered on the device, when given); with `keep`, `rows` also into page-locked
-    memory of the engine's own, which lands while the answer leaves."""
-    stream = torch.cuda.current_stream(rows.device)
+    rows: torch.Tensor, arrays: Sequence[np.ndarray], positions: Sequence[int] | None
+) -> None:
+    """Rows from the GPU into each of `arrays` (row positions[i] into array[i], gathered on the
+    device, when given), returning once all have landed. An array in registered or page-locked
+    memory takes one copy; into pageable memory the driver stages it (correct, slower)."""
     answer = rows if positions is None else rows[torch.tensor(positions, device=rows.device)]
-    torch.from_numpy(into).copy_(answer, non_blocking=True)
-    written = torch.cuda.Event()
-    written.record(stream)
-    if not keep:
-        written.synchronize()
-        return WrittenRows(into, already_landed)
-    own = _page_locked_like(rows).copy_(rows, non_blocking=True)
+    for array in arrays:
+        torch.from_numpy(array).copy_(answer, non_blocking=True)
     landed = torch.cuda.Event()
-    landed.record(stream)
-    written.synchronize()
-    return WrittenRows(own.numpy(), lambda: _until(landed))
+    landed.record(torch.cuda.current_stream(rows.device))
+    landed.synchronize()
 
 
-class CudaHostWrites(HostWrites):
-    """Host memory registered with the CUDA driver, and an engine's rows copied into it from the
-    GPU by `write` (on the engine's worker thread, as every model call: write_rows_into)."""
+class CudaHostMemory(HostMemory):
+    """Host memory registered with the CUDA driver, and page-locked rows of the engine's own."""
 
-    def __init__(
-        self,
-        write: Callable[
-            [Sequence[Sequence[int]], Sequence[str | None], np.ndarray, bool, Sequence[int] | None],
-            Awaitable[WrittenRows],
-        ],
-    ) -> None:
-        self._write = write
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
 
     def register(self, address: int, size: int) -> bool:
         return register_host_memory(address, size)
@@ -97,15 +75,8 @@ class CudaHostWrites(HostWrites):
     def unregister(self, address: int) -> None:
         unregister_host_memory(address)
 
-    async def write_rows(
-        self,
-        rows: Sequence[Sequence[int]],
-        adapters: Sequence[str | None],
-        into: np.ndarray,
-        keep: bool,
-        positions: Sequence[int] | None = None,
-    ) -> WrittenRows:
-        return await self._write(rows, adapters, into, keep, positions)
+    def empty(self, rows: int) -> np.ndarray:
+        return torch.empty((rows, self.vocab_size), dtype=torch.float32, pin_memory=True).numpy()
 
 
 # Looked up once (the check runs after every dense call): empty_host_cache is public from torch

@@ -5,7 +5,7 @@ included, runs on this engine's one worker thread. Dense rows of different lengt
 forward pass: left padding with mlx-lm's BatchKVCache, which gives each row its own rotary
 positions and masks the padding. When the model runs in bfloat16/float16, the final projection
 of dense rows runs in float32 (a float32 copy of the output head is kept), so rows are not
-quantised to bfloat16's 8-bit mantissa. `auto` (backends/base.py `resolve_auto_dtype`) is float32
+quantised to bfloat16's 8-bit mantissa. `auto` (backends/types.py `resolve_auto_dtype`) is float32
 on the CPU and bfloat16 on Apple silicon's GPU, whatever dtype the checkpoint was saved in.
 
 Generation reuses KV state across requests: prompts are prefilled from the longest cached prefix
@@ -37,19 +37,15 @@ from mlx_lm import load as mlx_load
 from mlx_lm.models.cache import BatchKVCache, KVCache, LRUPromptCache, make_prompt_cache, trim_prompt_cache
 from transformers import AutoTokenizer
 
-from backends.base import (
-    Engine,
-    EngineConfig,
-    PromptLogprobs,
-    SamplingParams,
-    TokenStep,
-    WeightsError,
-    resolve_auto_dtype,
-)
+from backends import engine as contract
 from backends.builtin_models import resolve_model_dir
+from backends.distinct_rows import computed_rows
+from backends.engine import Engine, Out
+from backends.errors import WeightsError
 from backends.mlx_lora import AdapterSet
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
 from backends.step_scheduler import StepScheduler
+from backends.types import EngineConfig, PromptLogprobs, SamplingParams, TokenStep, resolve_auto_dtype
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -110,9 +106,46 @@ def _checked_weights(model: Any, path: Path) -> list[tuple[str, mx.array]]:
     return pairs
 
 
-class MlxEngine(Engine):
-    steps_on_demand = True  # generation steps are computed when asked for
+class MlxAdapters(contract.Adapters):
+    def __init__(self, engine: MlxEngine) -> None:
+        self.engine = engine
 
+    async def load(self, name: str, path: str) -> None:
+        await self.engine._run(self.engine._adapters.load, name, path)
+
+    async def unload(self, name: str) -> None:
+        await self.engine._run(self.engine._adapters.unload, name)
+
+
+class MlxWeights(contract.Weights):
+    held_between_steps = True  # generation steps are computed when asked for
+
+    def __init__(self, engine: MlxEngine) -> None:
+        self.engine = engine
+
+    async def load(self, path: str) -> None:
+        await self.engine._run(self._load, path)
+
+    def _load(self, path: str) -> None:
+        engine = self.engine
+        engine.model.load_weights(_checked_weights(engine.model, Path(path)), strict=True)
+        mx.eval(engine.model.parameters())
+        engine._head = engine._float32_head()
+        engine._prompt_cache.trim_to(n_sequences=0)  # keys/values of the old weights
+        engine.model_path = path
+
+
+class MlxPrefixCache(contract.PrefixCache):
+    """The prompts' keys/values that generation reuses."""
+
+    def __init__(self, engine: MlxEngine) -> None:
+        self.engine = engine
+
+    async def flush(self) -> None:
+        await self.engine._run(lambda: self.engine._prompt_cache.trim_to(n_sequences=0))
+
+
+class MlxEngine(Engine):
     def __init__(
         self,
         model: Any,
@@ -138,6 +171,9 @@ class MlxEngine(Engine):
         self._prompt_cache = LRUPromptCache(max_size=64, max_bytes=prompt_cache_bytes)
         self.prompt_tokens_computed = 0  # prompt tokens prefilled (not served from the prompt cache)
         self.steps: StepScheduler[Step] = StepScheduler(lambda steps: self._run(self._step_pass, steps))
+        self.adapters = MlxAdapters(self)
+        self.weights = MlxWeights(self)
+        self.prefix_cache = MlxPrefixCache(self)
 
     def _float32_head(self) -> mx.array | None:
         """The output projection in float32, for llama-family models run in a 16-bit dtype."""
@@ -184,29 +220,15 @@ class MlxEngine(Engine):
 
     # -- dense rows -----------------------------------------------------------------------------
 
-    async def load_adapter(self, name: str, path: str) -> None:
-        await self._run(self._adapters.load, name, path)
-
-    async def unload_adapter(self, name: str) -> None:
-        await self._run(self._adapters.unload, name)
-
-    async def flush_cache(self) -> None:
-        await self._run(lambda: self._prompt_cache.trim_to(n_sequences=0))
-
-    async def update_weights(self, path: str) -> None:
-        await self._run(self._update_weights, path)
-
-    def _update_weights(self, path: str) -> None:
-        self.model.load_weights(_checked_weights(self.model, Path(path)), strict=True)
-        mx.eval(self.model.parameters())
-        self._head = self._float32_head()
-        self._prompt_cache.trim_to(n_sequences=0)  # keys/values of the old weights
-        self.model_path = path
-
     async def next_token_logprobs(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None
+        self,
+        rows: Sequence[Sequence[int]],
+        adapters: Sequence[str | None] | None = None,
+        out: Out | None = None,
     ) -> np.ndarray:
-        return await self._run(self._next_token_logprobs, rows, adapters or [None] * len(rows))
+        return await computed_rows(
+            lambda rows, adapters: self._run(self._next_token_logprobs, rows, adapters), rows, adapters, out
+        )
 
     def _next_token_logprobs(
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]

@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from backends.base import AdapterError
+from backends.errors import AdapterError
 
 
 @dataclass

@@ -6,7 +6,7 @@ that benchmarks on it measure the gateway rather than the mock. It proves nothin
 features are proven on real engines.
 
 Options: `vocab_size` (default: the tokenizer's size), `max_model_len` via the config;
-`host_writes` (true: offers the capability as a GPU engine does, registration recorded, not made);
+`host_memory` (true: offers the capability as a GPU engine does, registration recorded, not made);
 for fault tests: `delay_s` (time each engine step takes), `fail_token` (a request containing this token id
 fails with an engine error) and `fatal_token` (the same, and the engine is dead from then on).
 """
@@ -21,10 +21,20 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoTokenizer
 
-from backends import base
-from backends.base import AdapterError, Engine, EngineConfig, PromptLogprobs, SamplingParams, TokenStep
+from backends import engine as engine_contract
 from backends.builtin_models import resolve_model_dir
+from backends.distinct_rows import computed_rows, outputs
+from backends.engine import Engine, Out
+from backends.errors import AdapterError, WeightsError, WeightsGroupError
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
+from backends.types import (
+    AnnouncedTensor,
+    EngineConfig,
+    PromptLogprobs,
+    SamplingParams,
+    TokenStep,
+    WeightsGroup,
+)
 
 
 def _base_row(seed: int, vocab_size: int) -> np.ndarray:
@@ -32,14 +42,12 @@ def _base_row(seed: int, vocab_size: int) -> np.ndarray:
     return log_softmax(np.random.default_rng(seed).standard_normal(vocab_size, dtype=np.float32) * 3.0)
 
 
-class MockHostWrites(base.HostWrites):
-    """Writes rows into the caller's memory itself, as a GPU engine does; registrations are
-    recorded (`calls`), and so is each write's `keep`."""
+class MockHostMemory(engine_contract.HostMemory):
+    """Offered as a GPU engine offers it: registrations are recorded (`calls`), not made."""
 
-    def __init__(self, engine: MockEngine) -> None:
-        self.engine = engine
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
         self.calls: list[tuple[str, int]] = []
-        self.keeps: list[bool] = []
 
     def register(self, address: int, size: int) -> bool:
         self.calls.append(("register", address))
@@ -48,22 +56,77 @@ class MockHostWrites(base.HostWrites):
     def unregister(self, address: int) -> None:
         self.calls.append(("unregister", address))
 
-    async def write_rows(
-        self,
-        rows: Sequence[Sequence[int]],
-        adapters: Sequence[str | None],
-        into: np.ndarray,
-        keep: bool,
-        positions: Sequence[int] | None = None,
-    ) -> base.WrittenRows:
-        out = await self.engine.next_token_logprobs(rows, adapters)
-        into[...] = out if positions is None else out[list(positions)]
-        self.keeps.append(keep)
-        return base.WrittenRows(out if keep else into, base.already_landed)
+    def empty(self, rows: int) -> np.ndarray:
+        return np.empty((rows, self.vocab_size), np.float32)
+
+
+class MockAdapters(engine_contract.Adapters):
+    """The mock's "adapter" only changes the hash of its rows."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, str] = {}
+
+    async def load(self, name: str, path: str) -> None:
+        self.loaded[name] = path
+
+    async def unload(self, name: str) -> None:
+        if self.loaded.pop(name, None) is None:
+            raise AdapterError(f"adapter {name!r} is not loaded")
+
+
+class MockCollective(engine_contract.Collective):
+    """The mock joins no collective: it records the groups' names, and their updates."""
+
+    def __init__(self, engine: MockEngine) -> None:
+        self.engine = engine
+        self.groups: dict[str, int] = {}
+
+    async def join(self, group: WeightsGroup) -> None:
+        if group.name in self.groups:
+            raise WeightsGroupError(f"a weights update group named {group.name!r} exists already")
+        await asyncio.sleep(self.engine.delay_s)
+        self.groups[group.name] = 0
+
+    async def receive(self, group_name: str, tensors: Sequence[AnnouncedTensor]) -> None:
+        """New "weights" drawn from the announcement and the group's count of updates: no tensor
+        crosses a network, and each update changes the rows."""
+        if group_name not in self.groups:
+            raise WeightsGroupError(f"no weights update group named {group_name!r}")
+        self.groups[group_name] += 1
+        digest = hashlib.sha256(repr((group_name, self.groups[group_name], tensors)).encode()).digest()
+        await asyncio.sleep(self.engine.delay_s)
+        self.engine._base = _base_row(int.from_bytes(digest[:8], "little"), self.engine.vocab_size)
+
+    async def leave(self, group_name: str) -> None:
+        if self.groups.pop(group_name, None) is None:
+            raise WeightsGroupError(f"no weights update group named {group_name!r}")
+
+
+class MockWeights(engine_contract.Weights):
+    held_between_steps = True  # generation steps are computed when asked for
+
+    def __init__(self, engine: MockEngine) -> None:
+        self.engine = engine
+        self.collective = MockCollective(engine)
+
+    async def load(self, path: str) -> None:
+        """The mock's "weights" are its base row: new ones drawn from the directory's files, so
+        rows change with what the directory holds."""
+        directory = Path(path)
+        if not (directory / "config.json").is_file():
+            raise WeightsError(f"{path} has no config.json")
+        digest = hashlib.sha256()
+        for file in sorted(directory.iterdir()):
+            if file.is_file():
+                digest.update(file.name.encode() + b"\0" + file.read_bytes())
+        await asyncio.sleep(self.engine.delay_s)
+        self.engine._base = _base_row(int.from_bytes(digest.digest()[:8], "little"), self.engine.vocab_size)
+        self.engine.model_path = str(path)
 
 
 class MockEngine(Engine):
-    steps_on_demand = True  # generation steps are computed when asked for
+    adapters: MockAdapters
+    weights: MockWeights
 
     def __init__(
         self,
@@ -81,15 +144,17 @@ class MockEngine(Engine):
         self.max_model_len = max_model_len
         self.model_path = model_path
         self.dtype = "float32"
-        self.adapters: dict[str, str] = {}
-        self.groups: dict[str, int] = {}  # weights update groups "joined", and their updates
+        self.adapters = MockAdapters()
+        self.weights = MockWeights(self)
         self.calls = 0  # engine invocations, for tests of batching
+        self.rows_computed = 0  # distinct dense rows computed
+        self.writes: list[int] = []  # arrays of `out` of each call given one, for tests
         options = options or {}
         self.delay_s = float(options.get("delay_s", 0.0))
         self.fail_token = options.get("fail_token")
         self.fatal_token = options.get("fatal_token")
         self.dead = False
-        self.host_writes = MockHostWrites(self) if options.get("host_writes") else None
+        self.host_memory = MockHostMemory(vocab_size) if options.get("host_memory") else None
         self._base = _base_row(0, vocab_size)
 
     @classmethod
@@ -107,7 +172,7 @@ class MockEngine(Engine):
 
     def logits(self, prefix: Sequence[int], adapter: str | None = None) -> np.ndarray:
         """Already normalised: these logits are also the log-probabilities."""
-        if adapter is not None and adapter not in self.adapters:
+        if adapter is not None and adapter not in self.adapters.loaded:
             raise AdapterError(f"adapter {adapter!r} is not loaded")
         if self.dead:
             raise RuntimeError("the engine is dead")
@@ -122,57 +187,23 @@ class MockEngine(Engine):
         return np.roll(self._base, int.from_bytes(digest, "little") % self.vocab_size)
 
     async def next_token_logprobs(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None
+        self,
+        rows: Sequence[Sequence[int]],
+        adapters: Sequence[str | None] | None = None,
+        out: Out | None = None,
     ) -> np.ndarray:
+        if out is not None:
+            self.writes.append(len(outputs(out)))
+        return await computed_rows(self._distinct_rows, rows, adapters, out)
+
+    async def _distinct_rows(self, rows: list[Sequence[int]], adapters: list[str | None]) -> np.ndarray:
         self.calls += 1
+        self.rows_computed += len(rows)
         await asyncio.sleep(self.delay_s)
-        adapters = adapters or [None] * len(rows)
         return np.stack([self.logits(row, a) for row, a in zip(rows, adapters, strict=True)])
 
     def is_healthy(self) -> bool:
         return not self.dead
-
-    async def update_weights(self, path: str) -> None:
-        """The mock's "weights" are its base row: new ones drawn from the directory's files, so
-        rows change with what the directory holds."""
-        directory = Path(path)
-        if not (directory / "config.json").is_file():
-            raise base.WeightsError(f"{path} has no config.json")
-        digest = hashlib.sha256()
-        for file in sorted(directory.iterdir()):
-            if file.is_file():
-                digest.update(file.name.encode() + b"\0" + file.read_bytes())
-        await asyncio.sleep(self.delay_s)
-        self._base = _base_row(int.from_bytes(digest.digest()[:8], "little"), self.vocab_size)
-        self.model_path = str(path)
-
-    async def join_weights_group(self, group: base.WeightsGroup) -> None:
-        """The mock joins no collective: it records the group's name."""
-        if group.name in self.groups:
-            raise base.WeightsGroupError(f"a weights update group named {group.name!r} exists already")
-        await asyncio.sleep(self.delay_s)
-        self.groups[group.name] = 0
-
-    async def update_weights_from_group(self, group: str, tensors: Sequence[base.AnnouncedTensor]) -> None:
-        """New "weights" drawn from the announcement and the group's count of updates: no tensor
-        crosses a network, and each update changes the rows."""
-        if group not in self.groups:
-            raise base.WeightsGroupError(f"no weights update group named {group!r}")
-        self.groups[group] += 1
-        digest = hashlib.sha256(repr((group, self.groups[group], tensors)).encode()).digest()
-        await asyncio.sleep(self.delay_s)
-        self._base = _base_row(int.from_bytes(digest[:8], "little"), self.vocab_size)
-
-    async def leave_weights_group(self, group: str) -> None:
-        if self.groups.pop(group, None) is None:
-            raise base.WeightsGroupError(f"no weights update group named {group!r}")
-
-    async def load_adapter(self, name: str, path: str) -> None:
-        self.adapters[name] = path  # the mock's "adapter" only changes the hash of its rows
-
-    async def unload_adapter(self, name: str) -> None:
-        if self.adapters.pop(name, None) is None:
-            raise AdapterError(f"adapter {name!r} is not loaded")
 
     async def prompt_logprobs(
         self, ids: Sequence[int], top_k: int, adapter: str | None = None

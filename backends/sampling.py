@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import numpy as np
 
-from backends.base import GREEDY_BELOW, PromptLogprobs, SamplingParams, TokenStep
+from backends.types import GREEDY_BELOW, PromptLogprobs, SamplingParams, TokenStep
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -41,19 +41,13 @@ from typing import Any
 import numpy as np
 from transformers import AutoTokenizer
 
-from backends.base import (
-    AdapterError,
-    Engine,
-    EngineConfig,
-    EngineUnavailableError,
-    PromptLogprobs,
-    RequestRejectedError,
-    SamplingParams,
-    TokenStep,
-    resolve_auto_dtype,
-)
+from backends import engine as contract
 from backends.builtin_models import resolve_model_dir
+from backends.distinct_rows import computed_rows
+from backends.engine import Engine, Out
+from backends.errors import AdapterError, EngineUnavailableError, RequestRejectedError
 from backends.sglang_transport import EngineTransport, HttpTransport, ManagedServer, Transport, free_port
+from backends.types import EngineConfig, PromptLogprobs, SamplingParams, TokenStep, resolve_auto_dtype
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +106,20 @@ def _finish(meta: dict[str, Any]) -> str | None:
     return "length" if reason.get("type") == "length" else "stop"
 
 
+class SglangAdapters(contract.Adapters):
+    def __init__(self, engine: SglangEngine) -> None:
+        self.engine = engine
+
+    async def load(self, name: str, path: str) -> None:
+        await self.engine.transport.load_lora(name, path)
+        self.engine._adapters.add(name)
+
+    async def unload(self, name: str) -> None:
+        self.engine._lora(name)
+        await self.engine.transport.unload_lora(name)
+        self.engine._adapters.discard(name)
+
+
 class SglangEngine(Engine):
     def __init__(
         self,
@@ -133,6 +141,7 @@ class SglangEngine(Engine):
         self.model_path = str(model_path)
         self.dtype = dtype
         self._adapters: set[str] = set()
+        self.adapters = SglangAdapters(self)
 
     @classmethod
     def load(cls, config: EngineConfig) -> SglangEngine:
@@ -203,17 +212,6 @@ class SglangEngine(Engine):
             raise AdapterError(f"adapter {adapter!r} is not loaded")
         return adapter
 
-    # -- adapters -------------------------------------------------------------------------------
-
-    async def load_adapter(self, name: str, path: str) -> None:
-        await self.transport.load_lora(name, path)
-        self._adapters.add(name)
-
-    async def unload_adapter(self, name: str) -> None:
-        self._lora(name)
-        await self.transport.unload_lora(name)
-        self._adapters.discard(name)
-
     # -- dense rows -----------------------------------------------------------------------------
 
     def dense_request(self, row: Sequence[int], adapter: str | None) -> dict[str, Any]:
@@ -237,9 +235,14 @@ class SglangEngine(Engine):
         return scatter_row(values[-1], ids[-1], self.vocab_size)
 
     async def next_token_logprobs(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None
+        self,
+        rows: Sequence[Sequence[int]],
+        adapters: Sequence[str | None] | None = None,
+        out: Out | None = None,
     ) -> np.ndarray:
-        adapters = adapters or [None] * len(rows)
+        return await computed_rows(self._distinct_rows, rows, adapters, out)
+
+    async def _distinct_rows(self, rows: list[Sequence[int]], adapters: list[str | None]) -> np.ndarray:
         if not rows:
             return np.zeros((0, self.vocab_size), np.float32)
         done = await asyncio.gather(*(self._dense_row(row, a) for row, a in zip(rows, adapters, strict=True)))

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from backends.base import AdapterError, RequestRejectedError
+from backends.errors import AdapterError, RequestRejectedError
 
 
 class SglangError(RuntimeError):

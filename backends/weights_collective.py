@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from backends.base import AnnouncedTensor, WeightsError, WeightsGroup, WeightsGroupError
+from backends.errors import WeightsError, WeightsGroupError
+from backends.types import AnnouncedTensor, WeightsGroup
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from backends.base import WeightsError
+from backends.errors import WeightsError
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -36,9 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends.base import EngineConfig, SamplingParams  # noqa: E402
 from backends.builtin_models import resolve_model_dir  # noqa: E402
 from backends.transformers import resolve_device, resolve_dtype  # noqa: E402
+from backends.types import EngineConfig, SamplingParams  # noqa: E402
 from bench.smc import add_model_arguments, random_model_dir  # noqa: E402
 from bench.smc_ways import SGLANG_ARGS  # noqa: E402
 from logprob_gateway_client import AsyncGatewayLM  # noqa: E402

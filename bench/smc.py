@@ -54,9 +54,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends.base import EngineConfig  # noqa: E402
 from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
 from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
+from backends.types import EngineConfig  # noqa: E402
 from bench.smc_report import load_report, plot, print_tables, save_report  # noqa: E402
 from bench.smc_ways import (  # noqa: E402
     NextRows,
@@ -296,8 +296,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
             for mode in ways:
                 rates = ", ".join(f"{v:.1f}" for v in report["results"][p, mode])
                 print(f"P={p} {mode}: {rates} rows/s", flush=True)
-        if "engine" in ways and engine.prefix_cache is not None:
-            print(f"engine prefix cache: {engine.prefix_cache.stats}")
+        if "engine" in ways and engine.prefix_kv is not None:
+            print(f"engine prefix cache: {engine.prefix_kv.stats}")
     for mode, by_rows in timings.items():
         for rows, values in sorted(by_rows.items()):
             if rows in args.particles:

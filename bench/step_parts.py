@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import smc as bench  # noqa: E402
 import smc_ways  # noqa: E402
 
-from backends.base import EngineConfig  # noqa: E402
 from backends.builtin_models import resolve_model_dir  # noqa: E402
 from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
+from backends.types import EngineConfig  # noqa: E402
 from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
 
 

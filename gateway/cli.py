@@ -10,7 +10,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from backends.base import BACKEND_NAMES
+from backends.registry import BACKEND_NAMES
 from gateway.server.preflight import check_before_loading
 from gateway.settings import CacheSettings, ConfigError, ModelSettings, Settings, load_settings
 

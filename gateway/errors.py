@@ -28,7 +28,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from backends.base import AdapterError, RequestRejectedError
+from backends.errors import AdapterError, RequestRejectedError
 
 log = logging.getLogger(__name__)
 

@@ -15,16 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backends.base import (
-    AdapterError,
-    AnnouncedTensor,
-    Engine,
-    WeightsError,
-    WeightsGroup,
-    WeightsGroupError,
-    WeightsUpdateUnsupported,
-    engine_class,
-)
+from backends.engine import Adapters, Collective, Engine, Weights
+from backends.errors import AdapterError, WeightsError, WeightsGroupError
+from backends.registry import engine_class
+from backends.types import AnnouncedTensor, WeightsGroup
 from backends.vocab import token_bytes_table
 from gateway.errors import (
     GatewayError,
@@ -79,10 +73,8 @@ def parse_model_name(name: str) -> tuple[str, str | None]:
     return base, (adapter if sep else None)
 
 
-def _weights_error(exc: WeightsError | WeightsUpdateUnsupported, param: str) -> GatewayError:
-    """New weights that do not fit (nothing changed): 400; an engine that cannot take any: 501."""
-    if isinstance(exc, WeightsUpdateUnsupported):
-        return NotSupportedError(str(exc))
+def _weights_error(exc: WeightsError, param: str) -> GatewayError:
+    """New weights that do not fit (nothing changed): 400."""
     return InvalidRequestError(str(exc), param="group_name" if isinstance(exc, WeightsGroupError) else param)
 
 
@@ -90,8 +82,31 @@ def _weights_error(exc: WeightsError | WeightsUpdateUnsupported, param: str) -> 
 def _weights_errors(param: str) -> Iterator[None]:
     try:
         yield
-    except (WeightsError, WeightsUpdateUnsupported) as exc:
+    except WeightsError as exc:
         raise _weights_error(exc, param) from None
+
+
+def _adapters(engine: Engine) -> Adapters:
+    """An engine without adapters: the request's adapter cannot be loaded (400)."""
+    if engine.adapters is None:
+        raise InvalidRequestError(
+            f"the {type(engine).__name__} backend does not support adapters", param="lora_path"
+        )
+    return engine.adapters
+
+
+def _weights(engine: Engine) -> Weights:
+    """An engine that cannot take new weights: 501."""
+    if engine.weights is None:
+        raise NotSupportedError(f"the {type(engine).__name__} cannot load new weights without a restart")
+    return engine.weights
+
+
+def _collective(engine: Engine) -> Collective:
+    collective = None if engine.weights is None else engine.weights.collective
+    if collective is None:
+        raise NotSupportedError(f"the {type(engine).__name__} cannot receive weights over a collective")
+    return collective
 
 
 @dataclass
@@ -153,7 +168,7 @@ class ServedModel:
             await asyncio.to_thread(check_adapter_dir, path, self.settings.max_lora_rank, confined_to)
             fingerprint = await asyncio.to_thread(adapter_fingerprint, path)
             try:
-                await engine.load_adapter(name, str(path))
+                await _adapters(engine).load(name, str(path))
             except AdapterError as exc:
                 raise InvalidRequestError(str(exc), param="lora_path") from None
             info = AdapterInfo(name, str(path), fingerprint)
@@ -168,7 +183,7 @@ class ServedModel:
             if name not in self.adapters:
                 raise ModelNotFoundError(self._no_adapter_message(name), param="lora_name")
             del self.adapters[name]  # new requests stop seeing it before the weights go
-            await engine.unload_adapter(name)
+            await _adapters(engine).unload(name)
         log.info("model %r: an adapter unloaded (%d served)", self.name, len(self.adapters))
 
     async def update_weights(self, path: Path, version: str | None = None) -> None:
@@ -176,6 +191,7 @@ class ServedModel:
         reading the old ones have finished; the fingerprint (every output-cache key) changes with
         them. Weights that do not fit change nothing (400); an engine that cannot, 501."""
         engine = self.require_engine()
+        weights = _weights(engine)
 
         def fingerprint() -> str:
             try:
@@ -185,18 +201,20 @@ class ServedModel:
                 return hashlib.sha256(f"{self.fingerprint}:disk:{uuid.uuid4().hex}".encode()).hexdigest()
 
         await self._replace_weights(
-            lambda: engine.update_weights(str(path)), fingerprint, version, "model_path", "disk"
+            lambda: weights.load(str(path)), fingerprint, version, "model_path", "disk"
         )
         log.info("model %r: new weights loaded from a directory", self.name)
 
     async def join_weights_group(self, group: WeightsGroup) -> None:
         """The engine joins a trainer's collective, which new weights then come over."""
+        collective = _collective(self.require_engine())
         with _weights_errors("group_name"):
-            await self.require_engine().join_weights_group(group)
+            await collective.join(group)
 
     async def leave_weights_group(self, name: str) -> None:
+        collective = _collective(self.require_engine())
         with _weights_errors("group_name"):
-            await self.require_engine().leave_weights_group(name)
+            await collective.leave(name)
 
     async def update_weights_from_group(
         self, group: str, tensors: Sequence[AnnouncedTensor], version: str | None = None
@@ -204,13 +222,13 @@ class ServedModel:
         """New weights broadcast by a trainer over the collective `group` (the engine has joined
         it), loaded as `update_weights` loads them. Their fingerprint is new and this replica's
         own: nothing says another replica received the same numbers."""
-        engine = self.require_engine()
+        collective = _collective(self.require_engine())
 
         def fingerprint() -> str:
             return hashlib.sha256(f"{self.fingerprint}:received:{uuid.uuid4().hex}".encode()).hexdigest()
 
         await self._replace_weights(
-            lambda: engine.update_weights_from_group(group, tensors),
+            lambda: collective.receive(group, tensors),
             fingerprint,
             version,
             "names",
@@ -233,7 +251,7 @@ class ServedModel:
         async with self.weights.writing():
             try:
                 await load()
-            except (WeightsError, WeightsUpdateUnsupported) as exc:
+            except WeightsError as exc:
                 raise _weights_error(exc, param) from None
             except BaseException as exc:
                 self.fingerprint = f"{self.fingerprint}:update-failed-{self.weight_updates + 1}"
@@ -285,7 +303,7 @@ class ModelRegistry:
                 str(engine.vocab_size),
             )
             served.engine = engine
-            served.weights.hold_at_steps = engine.steps_on_demand
+            served.weights.hold_at_steps = engine.weights is not None and engine.weights.held_between_steps
             for name, path in served.settings.adapters.items():
                 await served.add_adapter(name, Path(path))
             served.loaded = True

@@ -59,8 +59,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from backends.base import BACKEND_NAMES, EngineConfig
 from backends.builtin_models import DEFAULT_MODEL
+from backends.registry import BACKEND_NAMES
+from backends.types import EngineConfig
 
 ENV_PREFIX = "LOGPROB_GATEWAY_"
 

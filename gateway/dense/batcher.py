@@ -7,10 +7,11 @@ while traffic is concurrent (the last engine call served several requests): a lo
 as an SMC loop that sends one request per step and waits for it, would pay the window every step. Rows of
 different adapters share an engine call: the engine applies each row's adapter.
 
-A request alone in its engine call may name memory to write its rows `into` (a client's shared
-memory registered with the engine, backends.base.HostWrites): the engine then writes them there
-itself, rows that repeat included (copied on its device), and the request gets the engine's
-WrittenRows (of its distinct rows, in the order they first appear) instead of the rows.
+A request may name arrays `out` for its rows (numpy's `out=`: a client's shared memory registered
+with the engine, and page-locked memory of the engine's own for the output cache). Alone in its
+engine call, it goes to the engine as it is, rows that repeat included, and the engine writes
+them into `out` itself (a GPU engine from its device: backends.engine.HostMemory); the request
+gets `out` (its first array) back. Sharing an engine call, it gets its rows as any request does.
 
 Requests whose clients have gone (their futures cancelled) are dropped before each engine call.
 When an engine call fails, its requests are retried one by one, so only the request that causes
@@ -28,35 +29,26 @@ from typing import Protocol
 
 import numpy as np
 
-from backends.base import WrittenRows
+from backends.engine import Out
 
 log = logging.getLogger(__name__)
 
 Row = tuple[str | None, tuple[int, ...]]  # (adapter, token ids)
-EngineCall = Callable[[Sequence[Sequence[int]], Sequence[str | None]], Awaitable[np.ndarray]]
 
 
-class EngineWrite(Protocol):
-    """backends.base.HostWrites.write_rows, its `keep` chosen."""
+class EngineCall(Protocol):
+    """backends.engine.Engine.next_token_logprobs."""
 
     def __call__(
-        self,
-        rows: Sequence[Sequence[int]],
-        adapters: Sequence[str | None],
-        into: np.ndarray,
-        *,
-        positions: Sequence[int] | None,
-    ) -> Awaitable[WrittenRows]: ...
-
-
-Result = np.ndarray | WrittenRows
+        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], out: Out | None = None
+    ) -> Awaitable[np.ndarray]: ...
 
 
 @dataclass
 class _Request:
     rows: list[Row]
-    future: asyncio.Future[Result]
-    into: np.ndarray | None = None
+    future: asyncio.Future[np.ndarray]
+    out: Out | None = None
     enqueued: float = field(default_factory=lambda: asyncio.get_running_loop().time())
 
 
@@ -78,10 +70,8 @@ class RowBatcher:
         window_s: float = 0.002,
         on_batch: Callable[[int], None] | None = None,
         on_wait: Callable[[float], None] | None = None,
-        engine_write: EngineWrite | None = None,
     ) -> None:
         self._engine_call = engine_call
-        self._engine_write = engine_write
         self._on_batch = on_batch or (lambda rows: None)  # distinct rows of each engine call
         self._on_wait = on_wait or (lambda seconds: None)  # queueing time of each request
         self.max_batch_rows = max_batch_rows
@@ -92,14 +82,15 @@ class RowBatcher:
         self._concurrent = False  # the last engine call served more than one request
 
     async def submit(
-        self, rows: Sequence[Sequence[int]], adapter: str | None = None, into: np.ndarray | None = None
-    ) -> Result:
-        """float32 [len(rows), vocab]: each row equal to what the engine computes for it alone; or,
-        when the engine wrote them `into` the memory given, what it says of that (WrittenRows)."""
+        self, rows: Sequence[Sequence[int]], adapter: str | None = None, out: Out | None = None
+    ) -> np.ndarray:
+        """float32 [len(rows), vocab]: each row equal to what the engine computes for it alone.
+        With `out`, the engine wrote them there when the request was alone in its engine call,
+        and the answer is `out` (its first array); otherwise the caller copies them."""
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run(), name="row-batcher")
         request = _Request(
-            [(adapter, tuple(r)) for r in rows], asyncio.get_running_loop().create_future(), into
+            [(adapter, tuple(r)) for r in rows], asyncio.get_running_loop().create_future(), out
         )
         self.stats.requests += 1
         self.stats.rows += len(rows)
@@ -155,7 +146,7 @@ class RowBatcher:
         unique = list(index)
         try:
             # A request larger than max_batch_rows is split over several engine calls.
-            parts: list[Result] = []
+            parts: list[np.ndarray] = []
             for start in range(0, len(unique), self.max_batch_rows):
                 if all(request.future.done() for request in batch):
                     return  # every client waiting for these rows has gone
@@ -163,21 +154,19 @@ class RowBatcher:
                 self.stats.batches += 1
                 self.stats.largest_batch = max(self.stats.largest_batch, len(chunk))
                 self._on_batch(len(chunk))
-                ids, adapters = [ids for _, ids in chunk], [a for a, _ in chunk]
-                into = batch[0].into if len(batch) == 1 else None
-                if into is not None and self._engine_write is not None and len(unique) <= self.max_batch_rows:
-                    # The engine's rows are the answer: written where it goes, repeats included.
+                out = batch[0].out if len(batch) == 1 else None
+                if out is not None and len(unique) <= self.max_batch_rows:
+                    # The engine's rows are the answer: written where it goes, repeats included
+                    # (the engine computes each distinct row once).
                     rows = batch[0].rows
-                    positions = None if len(unique) == len(rows) else [index[row] for row in rows]
-                    parts.append(await self._engine_write(ids, adapters, into, positions=positions))
-                else:
-                    parts.append(await self._engine_call(ids, adapters))
+                    written = await self._engine_call([ids for _, ids in rows], [a for a, _ in rows], out=out)
+                    self.stats.engine_rows += len(unique)
+                    if not batch[0].future.done():
+                        batch[0].future.set_result(written)
+                    return
+                parts.append(await self._engine_call([ids for _, ids in chunk], [a for a, _ in chunk]))
             self.stats.engine_rows += len(unique)
-            if isinstance(parts[0], WrittenRows):
-                if not batch[0].future.done():
-                    batch[0].future.set_result(parts[0])
-                return
-            results = parts[0] if len(parts) == 1 else np.concatenate(parts)  # type: ignore[arg-type]
+            results = parts[0] if len(parts) == 1 else np.concatenate(parts)
         except Exception as exc:
             if len(batch) > 1:  # find the request that fails: the others must not fail with it
                 log.warning("engine call failed for %d requests; retrying them one by one", len(batch))

@@ -40,7 +40,7 @@ import threading
 import time
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -55,7 +55,6 @@ from logprob_gateway_client.row_key import RowKey
 log = logging.getLogger(__name__)
 
 Key = Hashable  # a RowKey in process, a string in Redis
-Landed = Callable[[], Awaitable[None]]  # rows still arriving (from a GPU) until it returns
 
 FORMAT = 2  # 2: CRC-32 instead of blake2b-64
 _MAGIC = b"LGR" + bytes([FORMAT])
@@ -109,18 +108,16 @@ class RowCache(ABC):
         self.metrics.cache_lookups.labels("miss").inc(len(rows) - hits)
         return rows
 
-    def store_later(self, keys: Sequence[Key], rows: np.ndarray, landed: Landed | None = None) -> None:
-        """Store `rows` once the next engine call begins (or the quiet time's timeout passes), and
-        once `landed` says they are all there; `lookup` of these keys waits for it."""
-        task = asyncio.create_task(self._store_when_quiet(keys, rows, landed))
+    def store_later(self, keys: Sequence[Key], rows: np.ndarray) -> None:
+        """Store `rows` once the next engine call begins (or the quiet time's timeout passes);
+        `lookup` of these keys waits for it."""
+        task = asyncio.create_task(self._store_when_quiet(keys, rows))
         for key in keys:
             self._storing[key] = task
         task.add_done_callback(lambda done: self._stored(keys, done))
 
-    async def _store_when_quiet(self, keys: Sequence[Key], rows: np.ndarray, landed: Landed | None) -> None:
+    async def _store_when_quiet(self, keys: Sequence[Key], rows: np.ndarray) -> None:
         await self.quiet.wait()
-        if landed is not None:
-            await landed()
         started = time.perf_counter()
         await self.store_rows(keys, rows)
         self.metrics.cache_duration.labels("set").observe(time.perf_counter() - started)

@@ -5,22 +5,23 @@
      ├── rows: the output cache (row_cache.py), the batcher (batcher.py) and the engine for the rest
      └── the answer's bytes (delivery.py)
 
-An engine that can write rows into host memory itself (backends.base.HostWrites: a GPU engine)
-gets the client's segment, registered with it, for a request alone in its engine call with none of
-its rows cached and a float32 answer: its rows then reach the client in one copy from the device.
+An engine that can write rows into host memory itself (backends.engine.HostMemory: a GPU engine)
+gets the client's segment, registered with it, as `out` for a request alone in its engine call
+with none of its rows cached and a float32 answer: its rows then reach the client in one copy
+from the device. With an output cache, `out` also names page-locked rows of the engine's own
+(`host_memory.empty`), which the cache keeps once the client's segment has been handed on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from backends.base import Engine, WrittenRows
+from backends.engine import Engine
 from gateway.dense import delivery
 from gateway.dense.batcher import RowBatcher
 from gateway.dense.quiet_time import QuietTime
@@ -60,17 +61,12 @@ class DenseService:
                 observe_rows(rows)
                 self.quiet.now()
 
-            write = engine.host_writes
             batcher = RowBatcher(
                 engine.next_token_logprobs,
                 max_batch_rows=served.settings.max_batch_rows,
                 window_s=served.settings.batch_window_ms / 1000,
                 on_batch=on_batch,
                 on_wait=self.metrics.batch_queue_wait.labels(served.name).observe,
-                # Without an output cache nothing reads the engine's rows once they are written.
-                engine_write=None
-                if write is None
-                else functools.partial(write.write_rows, keep=self.cache is not None),
             )
             self.batchers[served.name] = batcher
         return batcher
@@ -106,8 +102,8 @@ class DenseService:
         tokens = sum(len(ids) for ids in rows)
         usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens, cache_hits=hits)
         computed_at = time.perf_counter()
-        if isinstance(computed, WrittenRows):  # a few hundred bytes to say so: no thread hop
-            assert into is not None and destination is not None
+        if into is not None and computed is into:  # a few hundred bytes to say so: no thread hop
+            assert destination is not None
             parts = delivery.in_shared_memory(into, body, usage, binary, destination.view, True)
         # Copying or encoding megabytes of floats would stall the event loop: a worker thread does.
         elif destination is not None:
@@ -143,7 +139,7 @@ class DenseService:
         if self.shared_memory is None:
             return None
         nbytes = count * engine.vocab_size * ITEMSIZE[body.dtype]
-        return self.shared_memory.target(body.shared_memory, nbytes, engine.host_writes)
+        return self.shared_memory.target(body.shared_memory, nbytes, engine.host_memory)
 
     async def rows(
         self,
@@ -151,10 +147,12 @@ class DenseService:
         adapter: str | None,
         rows: list[list[int]],
         into: np.ndarray | None = None,
-    ) -> tuple[np.ndarray | WrittenRows, int]:
-        """float32 [len(rows), vocab] (or what the engine wrote `into`), and how many rows came from
-        the output cache (bit-identical to computing them): the one way to dense rows, for every
-        route. The caller holds the model's weights for reading (`served.weights.reading()`)."""
+    ) -> tuple[np.ndarray, int]:
+        """float32 [len(rows), vocab], and how many rows came from the output cache (bit-identical
+        to computing them): the one way to dense rows, for every route. `into` (float32
+        [len(rows), vocab]): where the engine may write them itself; when it did, the rows
+        returned are `into`. The caller holds the model's weights for reading
+        (`served.weights.reading()`)."""
         batcher = self.batcher(served)
         cache = self.cache
         if cache is None:
@@ -165,11 +163,14 @@ class DenseService:
         cached = await cache.lookup(keys, vocab_size)
         missing = [i for i, row in enumerate(cached) if row is None]
         if len(missing) == len(rows):  # nothing cached (every SMC step): the engine's rows as they are
-            computed = await batcher.submit(rows, adapter, into)
-            if isinstance(computed, WrittenRows):  # the engine's copy of the distinct rows
-                cache.store_later(list(dict.fromkeys(keys)), computed.rows, computed.landed)
-            else:
+            if into is None:
+                computed = await batcher.submit(rows, adapter)
                 cache.store_later(keys, computed)
+                return computed, 0
+            # The client's segment is handed on with the answer: the cache keeps a copy of its own.
+            own = _own_rows(served.require_engine(), len(rows))
+            computed = await batcher.submit(rows, adapter, (into, own))
+            cache.store_later(keys, own if computed is into else computed)
             return computed, 0
         out = np.empty((len(rows), vocab_size), dtype=np.float32)
         for i, row in enumerate(cached):
@@ -177,7 +178,6 @@ class DenseService:
                 out[i] = row
         if missing:
             fresh = await batcher.submit([rows[i] for i in missing], adapter)
-            assert isinstance(fresh, np.ndarray)
             out[missing] = fresh
             cache.store_later([keys[i] for i in missing], fresh)
         log.debug("model %s: %d rows, %d from the cache", served.name, len(rows), len(rows) - len(missing))
@@ -190,6 +190,13 @@ class DenseService:
             await self.cache.aclose()
         if self.shared_memory is not None:
             self.shared_memory.close()
+
+
+def _own_rows(engine: Engine, count: int) -> np.ndarray:
+    """Rows the engine writes into in one copy too (page-locked) when it can, for the cache."""
+    if engine.host_memory is not None:
+        return engine.host_memory.empty(count)
+    return np.empty((count, engine.vocab_size), dtype=np.float32)
 
 
 def _engine_target(

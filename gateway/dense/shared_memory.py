@@ -29,7 +29,7 @@ ever opened. A target the gateway cannot open (a client on another host or in an
 namespace, another user's process) is not an error: the matrix is sent in the body, as without
 the field, and the client stops asking. Linux only.
 
-A request whose engine can write rows into host memory itself (backends.base.HostWrites, a GPU
+A request whose engine can write rows into host memory itself (backends.engine.HostMemory, a GPU
 engine) names it as the `registrar`: the mapping is registered with it on first use, so that the
 engine writes the rows there straight from the device. It is unregistered before it is unmapped,
 and only once no view handed out for it is alive: a copy may still be writing through one.
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends.base import HostWrites
+from backends.engine import HostMemory
 from gateway.errors import InvalidRequestError
 from logprob_gateway_client.schemas import SharedMemoryTarget
 from logprob_gateway_client.shared_memory import KEY_BYTES
@@ -95,12 +95,12 @@ class SharedMemoryWriter:
         self.max_bytes = max_bytes
         self._segments: OrderedDict[SegmentId, mmap.mmap] = OrderedDict()
         self._bytes = 0
-        self._registered: dict[SegmentId, tuple[int, HostWrites]] = {}  # address, registrar
+        self._registered: dict[SegmentId, tuple[int, HostMemory]] = {}  # address, registrar
         self._views: dict[SegmentId, list[weakref.ref[np.ndarray]]] = {}  # handed out, of registered ones
-        self._retiring: list[tuple[mmap.mmap, int, HostWrites, list[weakref.ref[np.ndarray]]]] = []
+        self._retiring: list[tuple[mmap.mmap, int, HostMemory, list[weakref.ref[np.ndarray]]]] = []
 
     def target(
-        self, target: SharedMemoryTarget, nbytes: int, registrar: HostWrites | None = None
+        self, target: SharedMemoryTarget, nbytes: int, registrar: HostMemory | None = None
     ) -> Destination | None:
         """`nbytes` of the client's segment at its offset, to copy the matrix into (registered
         with `registrar` if given and it can); None when the segment is not visible from here or
@@ -179,7 +179,7 @@ class SharedMemoryWriter:
             if not _names_segment(f"/proc/{pid}/fd/{fd}", name):
                 self._forget(segment_id)
 
-    def _register(self, segment_id: SegmentId, segment: mmap.mmap, registrar: HostWrites) -> None:
+    def _register(self, segment_id: SegmentId, segment: mmap.mmap, registrar: HostMemory) -> None:
         address = _address(segment)
         if registrar.register(address, len(segment)):
             self._registered[segment_id] = (address, registrar)

@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 
-from backends.base import SamplingParams, TokenStep
+from backends.types import SamplingParams, TokenStep
 from backends.vocab import IncrementalText
 from gateway.errors import InvalidRequestError
 from gateway.registry import ServedModel

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from backends.base import SamplingParams
+from backends.types import SamplingParams
 from gateway.errors import ContextLengthError, InvalidRequestError
 from gateway.registry import ServedModel
 from gateway.settings import Limits

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from litestar import Request, Response, post
 
-from backends.base import TokenStep
+from backends.types import TokenStep
 from backends.vocab import token_display
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from litestar import Request, Response, post
 
-from backends.base import PromptLogprobs, SamplingParams, TokenStep
+from backends.types import PromptLogprobs, SamplingParams, TokenStep
 from backends.vocab import decode_text, token_display
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen

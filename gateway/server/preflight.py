@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import socket
 
-from backends.base import EngineUnavailableError, check_backend_installed
 from backends.builtin_models import check_model_source
+from backends.errors import EngineUnavailableError
+from backends.registry import check_backend_installed
 from gateway.settings import Settings
 
 

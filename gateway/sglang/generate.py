@@ -17,7 +17,7 @@ from dataclasses import replace
 import msgspec
 import numpy as np
 
-from backends.base import TokenStep
+from backends.types import TokenStep
 from backends.vocab import decode_text
 from gateway.dense.service import DenseService
 from gateway.generation import choices as gen

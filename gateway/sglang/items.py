@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import SamplingParams
+from backends.types import SamplingParams
 from gateway.errors import ContextLengthError, InvalidRequestError
 from gateway.generation import sampling
 from gateway.prompts import check_text_chars, check_token_ids, tokenize

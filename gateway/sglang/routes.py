@@ -11,7 +11,7 @@ from pathlib import Path
 
 from litestar import Request, Response, get, route
 
-from backends.base import SamplingParams
+from backends.types import SamplingParams
 from gateway.dense.service import DenseService
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
@@ -226,7 +226,7 @@ async def flush_cache(request: Request) -> Response:
         require_admin(request)
     await request.body()
     for served in registry(request).models.values():
-        if served.engine is not None:
-            await served.engine.flush_cache()
+        if served.engine is not None and served.engine.prefix_cache is not None:
+            await served.engine.prefix_cache.flush()
         served.cache_epoch += 1
     return Response(content=FLUSHED, media_type="text/plain")

@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Iterable
 from typing import TypeVar
 
-from backends.base import AnnouncedTensor, WeightsGroup
+from backends.types import AnnouncedTensor, WeightsGroup
 from gateway.errors import InvalidRequestError
 from gateway.registry import ServedModel
 from gateway.schemas.weight_sync import (

@@ -6,45 +6,20 @@ tests/gateway/test_direct_rows.py."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import threading
 import time
 
 import numpy as np
 import torch
 from litestar.testing import TestClient
 
-from backends.host_copy import _until
 from gateway.app import serving_app
 from gateway.settings import CacheSettings, ModelSettings, Settings
 from tests.conftest import requires_cuda as cuda
 from tests.gateway.test_direct_rows import ask, memfd
 
 ROWS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]
-
-
-class _Event:
-    """A CUDA event's two questions, answered as told; records where `synchronize` blocked."""
-
-    def __init__(self, landed: bool) -> None:
-        self.landed = landed
-        self.waited_in: list[str] = []
-
-    def query(self) -> bool:
-        return self.landed
-
-    def synchronize(self) -> None:
-        self.waited_in.append(threading.current_thread().name)
-
-
-async def test_a_copy_that_has_landed_is_not_waited_for_in_a_thread():
-    landed, arriving = _Event(True), _Event(False)
-    await _until(landed)
-    await _until(arriving)
-    assert landed.waited_in == []
-    assert len(arriving.waited_in) == 1 and arriving.waited_in[0] != threading.current_thread().name
 
 
 def _serve(model_dir, cache: bool):
@@ -78,19 +53,20 @@ def _segment_rows(fd: int, count: int, vocab: int) -> np.ndarray:
     return np.frombuffer(os.pread(fd, count * vocab * 4, 0), "<f4").reshape(count, vocab)
 
 
-def _recording(engine, monkeypatch) -> tuple[list[bool], list]:
-    """Records each write of the engine into registered memory (its `keep`) and each copy the
-    gateway makes into a segment."""
-    keeps, copies = [], []
-    write = engine.host_writes.write_rows
+def _recording(engine, monkeypatch) -> tuple[list[int], list]:
+    """Records each engine call given `out` (how many arrays) and each copy the gateway makes
+    into a segment."""
+    writes, copies = [], []
+    compute = engine.next_token_logprobs
 
-    async def recorded(rows, adapters, into, keep, positions=None):
-        keeps.append(keep)
-        return await write(rows, adapters, into, keep, positions)
+    async def recorded(rows, adapters=None, out=None):
+        if out is not None:
+            writes.append(len(out) if isinstance(out, tuple) else 1)
+        return await compute(rows, adapters, out)
 
-    monkeypatch.setattr(engine.host_writes, "write_rows", recorded)
+    monkeypatch.setattr(engine, "next_token_logprobs", recorded)
     monkeypatch.setattr("gateway.dense.delivery.copy_into", lambda *args: copies.append(args))
-    return keeps, copies
+    return writes, copies
 
 
 @cuda
@@ -103,22 +79,25 @@ def test_the_gpu_writes_rows_into_a_registered_segment_and_keeps_a_copy_for_the_
     with TestClient(served) as client:
         _ready(client)
         engine = litestar_app.state.registry.models["m"].engine
-        assert engine.host_writes is not None and engine.device.type == "cuda"
-        keeps, copies = _recording(engine, monkeypatch)
+        assert engine.host_memory is not None and engine.device.type == "cuda"
+        writes, copies = _recording(engine, monkeypatch)
         vocab = engine.vocab_size
         fd, name, key = memfd(len(ROWS) * vocab * 4)
         target = {"pid": os.getpid(), "fd": fd, "name": name, "key": key}
         document = ask(client, ROWS, target, "m")
         assert document["object"] == "next_token_logprobs.shared_memory"
-        assert keeps == [True] and copies == []  # one copy, from the GPU, by the engine
+        # one copy into the segment, from the GPU, by the engine; one into its own for the cache
+        assert writes == [2] and copies == []
         writer = litestar_app.state.dense.shared_memory
         assert len(writer._registered) == 1  # cudaHostRegister accepted the mapping
         first = _segment_rows(fd, len(ROWS), vocab).copy()
         np.testing.assert_allclose(first, _expected(engine, ROWS), rtol=0, atol=1e-4)
         os.pwrite(fd, bytes(len(ROWS) * vocab * 4), 0)
-        # From the output cache: the engine's own copy, stored once it had landed.
+        # From the output cache: the engine's own copy, whole when the engine returned.
+        monkeypatch.undo()
         again = ask(client, ROWS, target, "m")
-        assert again["usage"]["cache_hits"] == len(ROWS) and keeps == [True] and len(copies) == 1
+        assert again["usage"]["cache_hits"] == len(ROWS)
+        assert np.array_equal(_segment_rows(fd, len(ROWS), vocab), first)
     os.close(fd)
     assert not writer._registered and not writer._segments  # unregistered, then unmapped
     assert not [r for r in caplog.records if "register" in r.getMessage()]
@@ -130,13 +109,13 @@ def test_without_an_output_cache_the_gpu_writes_only_the_segment(model_dir, monk
     with TestClient(served) as client:
         _ready(client)
         engine = litestar_app.state.registry.models["m"].engine
-        keeps, copies = _recording(engine, monkeypatch)
+        writes, copies = _recording(engine, monkeypatch)
         vocab = engine.vocab_size
         fd, name, key = memfd(len(ROWS) * vocab * 4)
         try:
             document = ask(client, ROWS, {"pid": os.getpid(), "fd": fd, "name": name, "key": key}, "m")
             assert document["object"] == "next_token_logprobs.shared_memory"
-            assert keeps == [False] and copies == []
+            assert writes == [1] and copies == []
             got = _segment_rows(fd, len(ROWS), vocab)
             np.testing.assert_allclose(got, _expected(engine, ROWS), rtol=0, atol=1e-4)
         finally:
@@ -144,36 +123,50 @@ def test_without_an_output_cache_the_gpu_writes_only_the_segment(model_dir, monk
 
 
 @cuda
-def test_rows_written_with_a_copy_kept_land_in_both_places(model_dir):
-    from backends.host_copy import register_host_memory, unregister_host_memory, write_rows_into
+def test_rows_land_in_every_array_before_the_write_returns(model_dir):
+    from backends.host_copy import CudaHostMemory, write_rows_into
 
+    memory = CudaHostMemory(1000)
     rows = torch.randn(4, 1000, device="cuda")
     into = np.zeros((4, 1000), np.float32)
-    assert register_host_memory(into.ctypes.data, into.nbytes)
+    assert memory.register(into.ctypes.data, into.nbytes)
     try:
-        written = write_rows_into(rows, into, keep=True)
-        assert written.rows is not into
-        asyncio.run(written.landed())
-        assert np.array_equal(into, rows.cpu().numpy()) and np.array_equal(written.rows, into)
-        alone = write_rows_into(rows * 2, into, keep=False)
-        asyncio.run(alone.landed())
-        assert alone.rows is into and np.array_equal(into, (rows * 2).cpu().numpy())
+        own, pageable = memory.empty(4), np.zeros((4, 1000), np.float32)
+        write_rows_into(rows, (into, own, pageable), None)
+        expected = rows.cpu().numpy()
+        assert all(np.array_equal(array, expected) for array in (into, own, pageable))
     finally:
-        unregister_host_memory(into.ctypes.data)
+        memory.unregister(into.ctypes.data)
 
 
 @cuda
 def test_rows_that_repeat_are_copied_on_the_device(model_dir):
-    from backends.host_copy import register_host_memory, unregister_host_memory, write_rows_into
+    from backends.host_copy import CudaHostMemory, write_rows_into
 
+    memory = CudaHostMemory(1000)
     rows = torch.randn(3, 1000, device="cuda")
     positions = [2, 0, 2, 1, 0, 2]
     into = np.zeros((len(positions), 1000), np.float32)
-    assert register_host_memory(into.ctypes.data, into.nbytes)
+    assert memory.register(into.ctypes.data, into.nbytes)
     try:
-        written = write_rows_into(rows, into, keep=True, positions=positions)
-        asyncio.run(written.landed())
-        assert np.array_equal(into, rows.cpu().numpy()[positions])
-        assert np.array_equal(written.rows, rows.cpu().numpy())  # the distinct rows, for the cache
+        own = memory.empty(len(positions))
+        write_rows_into(rows, (into, own), positions)
+        assert np.array_equal(into, rows.cpu().numpy()[positions]) and np.array_equal(own, into)
     finally:
-        unregister_host_memory(into.ctypes.data)
+        memory.unregister(into.ctypes.data)
+
+
+@cuda
+async def test_the_engine_writes_rows_that_repeat_into_every_array_of_out(model_dir):
+    from backends.transformers import TransformersEngine
+    from backends.types import EngineConfig
+
+    engine = TransformersEngine.load(EngineConfig(model=str(model_dir), dtype="float32", device="cuda"))
+    try:
+        rows = [ROWS[0], ROWS[1], ROWS[0], ROWS[2], ROWS[1]]
+        out = np.zeros((len(rows), engine.vocab_size), np.float32), engine.host_memory.empty(len(rows))
+        written = await engine.next_token_logprobs(rows, None, out)
+        assert written is out[0] and np.array_equal(out[0], out[1])
+        np.testing.assert_allclose(out[0], _expected(engine, rows), rtol=0, atol=1e-4)
+    finally:
+        await engine.aclose()

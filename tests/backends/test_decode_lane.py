@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from backends import decode_lane
-from backends.base import AdapterError, EngineConfig
+from backends.errors import AdapterError
 from backends.transformers import TransformersEngine
+from backends.types import EngineConfig
 from tests.conftest import requires_cuda
 
 

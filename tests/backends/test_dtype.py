@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from backends.base import EngineConfig, resolve_auto_dtype
+from backends.types import EngineConfig, resolve_auto_dtype
 from tests.conftest import mock_app_client, require_engine_library
 
 

@@ -9,8 +9,9 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from backends.base import AdapterError, EngineConfig, SamplingParams, WeightsError  # noqa: E402
+from backends.errors import AdapterError, WeightsError  # noqa: E402
 from backends.mlx import MlxEngine  # noqa: E402
+from backends.types import EngineConfig, SamplingParams  # noqa: E402
 from tests.conftest import MODEL, make_lora_adapter  # noqa: E402
 from tests.launcher import start_gateway  # noqa: E402
 
@@ -52,7 +53,7 @@ async def test_batched_rows_match_transformers(engine, reference):
 async def test_generation_reuses_cached_prompt_prefixes(model_dir, reference, lora):
     paths, _ = lora
     engine = MlxEngine.load(EngineConfig(model=str(model_dir)))
-    await engine.load_adapter("a", str(paths["a"]))
+    await engine.adapters.load("a", str(paths["a"]))
     prompt = reference.tokenizer(
         "A shared system prompt that many requests start with, then a question:"
     ).input_ids
@@ -85,7 +86,7 @@ async def test_flush_cache_forgets_the_prompt_cache(engine, reference):
 
     await computed()
     assert await computed() == 1  # an exact hit: only the last token
-    await engine.flush_cache()
+    await engine.prefix_cache.flush()
     assert await computed() == len(prompt)
 
 
@@ -143,7 +144,7 @@ async def test_concurrent_streams_decode_together_each_as_if_alone(model_dir, lo
 
     paths, _ = lora
     engine = MlxEngine.load(EngineConfig(model=str(model_dir)))
-    await engine.load_adapter("a", str(paths["a"]))
+    await engine.adapters.load("a", str(paths["a"]))
     prompts = [reference.tokenizer(t).input_ids for t in [*TEXTS, "Once upon a time", "def f(x):"]]
     adapters = [None, "a", None, "a", None]
     params = SamplingParams(max_tokens=12, temperature=0, top_logprobs=2)
@@ -184,7 +185,7 @@ async def test_lora_rows_match_peft_in_mixed_batches(model_dir, lora, reference)
     paths, references = lora
     engine = MlxEngine.load(EngineConfig(model=str(model_dir)))
     for name, path in paths.items():
-        await engine.load_adapter(name, str(path))
+        await engine.adapters.load(name, str(path))
     rows = [reference.tokenizer(t).input_ids for t in TEXTS]
     adapters = ["a", None, "b"]
     mixed = await engine.next_token_logprobs(rows, adapters)  # one forward pass, three "models"
@@ -210,7 +211,7 @@ async def test_lora_rows_match_peft_in_mixed_batches(model_dir, lora, reference)
         .tolist()
     )
     assert [s.token_id for s in steps] == expected
-    await engine.unload_adapter("b")
+    await engine.adapters.unload("b")
     with pytest.raises(AdapterError, match="not loaded"):
         await engine.next_token_logprobs([rows[0]], ["b"])
     after = await engine.next_token_logprobs([rows[0]], ["a"])
@@ -228,7 +229,7 @@ async def test_bad_adapters_leave_the_engine_unchanged(model_dir, lora, referenc
         (paths["a"] / "adapter_model.safetensors").read_bytes()[:100]
     )
     with pytest.raises(AdapterError, match="cannot be read"):
-        await engine.load_adapter("bad", str(bad))
+        await engine.adapters.load("bad", str(bad))
     assert config["r"] == 4
     ids = reference.tokenizer(TEXTS[0]).input_ids
     assert np.max(np.abs((await engine.next_token_logprobs([ids]))[0] - reference.logprobs(ids)[-1])) <= 1e-3
@@ -280,11 +281,11 @@ async def test_new_weights_load_in_place_and_bad_ones_change_nothing(
     with pytest.raises(WeightsError, match="has no .safetensors weights"):
         (tmp_path / "empty").mkdir()
         (tmp_path / "empty" / "config.json").write_text((scaled_dir / "config.json").read_text())
-        await engine.update_weights(str(tmp_path / "empty"))
+        await engine.weights.load(str(tmp_path / "empty"))
     with pytest.raises(WeightsError, match="is not a directory"):
-        await engine.update_weights(str(tmp_path / "nowhere"))
+        await engine.weights.load(str(tmp_path / "nowhere"))
     assert np.array_equal(await engine.next_token_logprobs(rows), before)
-    await engine.update_weights(str(scaled_dir))
+    await engine.weights.load(str(scaled_dir))
     after = await engine.next_token_logprobs(rows)
     for row, ids in zip(after, rows, strict=True):
         assert np.max(np.abs(row - scaled.logprobs(ids)[-1])) <= 1e-3

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from backends.base import EngineConfig
 from backends.batch_layout import plan_groups
 from backends.prefix_cache import PrefixCache
 from backends.transformers import TransformersEngine, prefix_cache_bytes
+from backends.types import EngineConfig
 from tests.conftest import last_row, load_peft_models, make_lora_adapter
 
 TOL = 1e-4
@@ -139,13 +139,13 @@ def ids(reference, text: str) -> list[int]:
 
 async def check(engine, reference, rows, adapters=None, references=None) -> int:
     """Compute `rows` and compare each with its uncached forward pass; the tokens computed."""
-    before = engine.prefix_cache.stats.computed_tokens
+    before = engine.prefix_kv.stats.computed_tokens
     got = await engine.next_token_logprobs(rows, adapters)
     for i, row in enumerate(rows):
         model = (references or {}).get((adapters or [None] * len(rows))[i])
         expected = reference.logprobs(row)[-1] if model is None else last_row(model, row)
         assert np.max(np.abs(got[i] - expected)) <= TOL, f"row {i}"
-    return engine.prefix_cache.stats.computed_tokens - before
+    return engine.prefix_kv.stats.computed_tokens - before
 
 
 @pytest.mark.slow
@@ -205,9 +205,9 @@ async def test_eviction_under_a_tiny_byte_budget(reference, model_dir):
         fresh = [int(t) for t in rng.integers(100, 40000, 9)]
         rows = [r + [int(rng.integers(100, 40000))] for r in rows[:2]] + [fresh]
         await check(small, reference, rows)
-        assert small.prefix_cache.nbytes <= budget
-    assert small.prefix_cache.stats.evictions >= 3  # each earlier fresh row, for the next batch
-    assert small.prefix_cache.match(None, rows[0])[1] == len(rows[0])
+        assert small.prefix_kv.nbytes <= budget
+    assert small.prefix_kv.stats.evictions >= 3  # each earlier fresh row, for the next batch
+    assert small.prefix_kv.match(None, rows[0])[1] == len(rows[0])
 
 
 @pytest.mark.slow
@@ -215,7 +215,7 @@ async def test_disabled_cache_keeps_the_uncached_path(reference, model_dir):
     plain = TransformersEngine(
         reference.model, reference.tokenizer, max_model_len=2048, model_path=str(model_dir)
     )
-    assert plain.prefix_cache is None
+    assert plain.prefix_kv is None and plain.prefix_cache is None
     rows = [ids(reference, "No cache here"), [3]]
     got = await plain.next_token_logprobs(rows)
     for row, out in zip(rows, got, strict=True):
@@ -237,7 +237,7 @@ async def test_adapters_keep_their_own_prefixes(model_dir, reference, lora_paths
         EngineConfig(model=str(model_dir), dtype="float32", device="cpu", max_lora_rank=8)
     )
     for name, path in lora_paths.items():
-        await engine.load_adapter(name, str(path))
+        await engine.adapters.load(name, str(path))
     references = load_peft_models(model_dir, lora_paths)
     prompt = ids(reference, "Adapters must never share keys and values")
     await check(engine, reference, [prompt], [None])
@@ -248,8 +248,8 @@ async def test_adapters_keep_their_own_prefixes(model_dir, reference, lora_paths
         await check(engine, reference, rows, [None, "a", "b"], references)
         prompt = rows[0]
     assert await check(engine, reference, [prompt + [9]] * 3, [None, "a", "b"], references) == 3
-    await engine.unload_adapter("a")
-    assert engine.prefix_cache.match("a", prompt) == (None, 0)
+    await engine.adapters.unload("a")
+    assert engine.prefix_kv.match("a", prompt) == (None, 0)
     assert await check(engine, reference, [prompt + [9]] * 2, [None, "b"], references) == 2
     await engine.aclose()
 
@@ -259,6 +259,6 @@ async def test_flush_cache_forgets_every_prefix(engine, reference):
     prompt = ids(reference, "The flush test keeps this prefix for a while")
     await check(engine, reference, [prompt])
     assert await check(engine, reference, [prompt + [42]]) == 1  # the prefix is reused
-    await engine.flush_cache()
-    assert engine.prefix_cache.nbytes == 0
+    await engine.prefix_cache.flush()
+    assert engine.prefix_kv.nbytes == 0
     assert await check(engine, reference, [prompt + [43]]) == len(prompt) + 1  # computed again

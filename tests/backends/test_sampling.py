@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.base import SamplingParams
 from backends.sampling import Sampler, log_softmax, top_k
+from backends.types import SamplingParams
 
 LOGITS = np.array([1.0, 3.0, 2.0, -1.0, 2.5], dtype=np.float32)
 

@@ -17,9 +17,10 @@ from tests.conftest import require_engine_library
 
 require_engine_library("sglang")
 
-from backends.base import AdapterError, EngineConfig, RequestRejectedError, SamplingParams  # noqa: E402
+from backends.errors import AdapterError, RequestRejectedError  # noqa: E402
 from backends.sglang import ScatterError, SglangEngine, scatter_row  # noqa: E402
 from backends.sglang_transport import ManagedServer, SglangError  # noqa: E402
+from backends.types import EngineConfig, SamplingParams  # noqa: E402
 from tests.backends.sglang_standin import distribution  # noqa: E402
 from tests.launcher import free_port  # noqa: E402
 
@@ -52,7 +53,7 @@ async def sent(engine):
 @pytest.fixture(scope="module")
 async def adapter(engine, tmp_path_factory):
     path = tmp_path_factory.mktemp("adapter")  # the stand-in only checks that it exists
-    await engine.load_adapter("a", str(path))
+    await engine.adapters.load("a", str(path))
     return "a"
 
 
@@ -79,9 +80,9 @@ async def test_lora_routing_is_per_request(engine, adapter, sent):
 
 async def test_adapter_load_errors_and_unload(engine, tmp_path):
     with pytest.raises(AdapterError, match="no adapter"):
-        await engine.load_adapter("broken", str(tmp_path / "absent"))
-    await engine.load_adapter("b", str(tmp_path))
-    await engine.unload_adapter("b")
+        await engine.adapters.load("broken", str(tmp_path / "absent"))
+    await engine.adapters.load("b", str(tmp_path))
+    await engine.adapters.unload("b")
     with pytest.raises(AdapterError):
         await engine.next_token_logprobs([[1]], ["b"])
 

@@ -9,9 +9,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from backends.base import EngineConfig, SamplingParams
 from backends.step_scheduler import StepScheduler
 from backends.transformers import TransformersEngine
+from backends.types import EngineConfig, SamplingParams
 from tests.conftest import requires_cuda
 
 PROMPTS = [

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from transformers.utils import logging as hf_logging
 
-from backends.base import EngineConfig, SamplingParams
 from backends.cache_argument import CACHE_ARGUMENT
 from backends.transformers import TransformersEngine
+from backends.types import EngineConfig, SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Weights over a collective, at the engine layer: the base class's answer for engines that cannot,
+"""Weights over a collective, at the engine layer: the answer for engines without the capability,
 and backends/weight_sync.py against a trainer made of TorchRL's own group code, in this process
 (gloo on threads). The real engine and a trainer process: tests/gateway/test_weight_sync.py."""
 
@@ -15,33 +15,33 @@ import typing
 import pytest
 import torch
 
-from backends.base import (
-    AnnouncedTensor,
-    Engine,
-    WeightsError,
-    WeightsGroup,
-    WeightsUpdateUnsupported,
-    engine_class,
-)
+from backends.engine import Collective, Engine
+from backends.errors import WeightsError
+from backends.registry import engine_class
+from backends.types import AnnouncedTensor, WeightsGroup
 from backends.weights_collective import DTYPES, CollectiveGroups, mismatch
+from gateway.errors import NotSupportedError
+from gateway.registry import ServedModel
 from gateway.schemas.weight_sync import TensorDtype
+from gateway.settings import ModelSettings
 from tests.launcher import free_port
 
-HOOKS = ("join_weights_group", "update_weights_from_group", "leave_weights_group")
 
-
-async def test_the_base_class_says_the_engine_cannot():
+async def test_the_base_class_has_no_capability_and_the_gateway_says_the_engine_cannot():
     class Plain(Engine):  # the abstract methods only
         load = next_token_logprobs = prompt_logprobs = generate = None  # type: ignore[assignment]
 
     engine = Plain()
+    assert engine.adapters is None and engine.weights is None
+    assert engine.host_memory is None and engine.prefix_cache is None
+    served = ServedModel(ModelSettings(name="plain", backend="mock"), engine=engine)
     group = WeightsGroup("g", "127.0.0.1", 1, 1, 2, None, 1.0)
     for call in (
-        engine.join_weights_group(group),
-        engine.update_weights_from_group("g", [AnnouncedTensor("w", "float32", (1,))]),
-        engine.leave_weights_group("g"),
+        served.join_weights_group(group),
+        served.update_weights_from_group("g", [AnnouncedTensor("w", "float32", (1,))]),
+        served.leave_weights_group("g"),
     ):
-        with pytest.raises(WeightsUpdateUnsupported, match="Plain cannot receive weights over a collective"):
+        with pytest.raises(NotSupportedError, match="Plain cannot receive weights over a collective"):
             await call
 
 
@@ -51,9 +51,9 @@ async def test_the_base_class_says_the_engine_cannot():
 def test_engines_without_collectives_keep_the_base_classs_answer(backend, library):
     if importlib.util.find_spec(library) is None:
         pytest.skip(f"{library} is not installed")
-    cls = engine_class(backend)
-    for hook in HOOKS:
-        assert getattr(cls, hook) is getattr(Engine, hook), f"{cls.__name__}.{hook} is its own: test it"
+    module = sys.modules[engine_class(backend).__module__]
+    own = [v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Collective)]
+    assert own in ([], [Collective]), f"{module.__name__} has a collective of its own: test it"
 
 
 def test_the_dtypes_announced_are_the_ones_the_api_takes():

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
-from backends.base import EngineConfig, WeightsError
+from backends.errors import WeightsError
 from backends.transformers import TransformersEngine
+from backends.types import EngineConfig
 from backends.weights_in_place import check_same_tensors
 
 pytestmark = pytest.mark.slow
@@ -31,7 +32,7 @@ async def test_rows_after_an_update_are_the_new_weights_and_no_old_keys_values_a
     before = await rows(engine, PREFIXES)  # fills the prefix cache with keys/values of the old weights
     for row, ids in zip(before, PREFIXES, strict=True):
         np.testing.assert_allclose(row, reference.logprobs(ids)[-1], rtol=0, atol=1e-4)
-    await engine.update_weights(str(scaled_dir))
+    await engine.weights.load(str(scaled_dir))
     assert engine.model_path == str(scaled_dir)
     extended = [ids + [13] for ids in PREFIXES]  # would extend cached prefixes of the old weights
     after = await rows(engine, PREFIXES + extended)
@@ -106,7 +107,7 @@ async def test_weights_that_do_not_fit_change_nothing(
     path = bad_weights(case, scaled_dir, tmp_path)
     engine = TransformersEngine.load(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
     with pytest.raises(WeightsError, match=words):
-        await engine.update_weights(str(path))
+        await engine.weights.load(str(path))
     for row, ids in zip(await rows(engine, PREFIXES), PREFIXES, strict=True):
         np.testing.assert_allclose(row, reference.logprobs(ids)[-1], rtol=0, atol=1e-4)
     assert engine.model_path != str(path)

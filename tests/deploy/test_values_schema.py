@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import yaml
 
-from backends.base import BACKEND_NAMES
+from backends.registry import BACKEND_NAMES
 from gateway.settings import CacheSettings, Limits, ModelSettings, Settings
 from tests.deploy.conftest import CHART, EXAMPLES, HASH, require
 

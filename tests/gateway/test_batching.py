@@ -7,7 +7,6 @@ import asyncio
 
 import numpy as np
 
-from backends.base import WrittenRows
 from gateway.dense.batcher import RowBatcher
 
 
@@ -15,13 +14,13 @@ class RecordingEngine:
     def __init__(self) -> None:
         self.outputs: list[np.ndarray] = []
 
-    async def __call__(self, rows, adapters) -> np.ndarray:
+    async def __call__(self, rows, adapters, out=None) -> np.ndarray:
         await asyncio.sleep(0.01)
-        out = np.array(
+        computed = np.array(
             [[sum(r), len(r), hash(a) % 7] for r, a in zip(rows, adapters, strict=True)], np.float32
         )
-        self.outputs.append(out)
-        return out
+        self.outputs.append(computed)
+        return computed
 
 
 async def test_a_request_alone_gets_a_view_and_shared_batches_get_their_own_rows():
@@ -61,38 +60,38 @@ async def test_the_window_is_waited_only_under_concurrent_traffic():
     await batcher.aclose()
 
 
-async def _landed() -> None:
-    return None
-
-
 async def test_memory_to_write_into_reaches_the_engine_only_for_a_request_alone_in_its_call():
     engine = RecordingEngine()
     targets = []
 
-    async def write(rows, adapters, into, *, positions):
-        targets.append((into, positions))
-        out = await engine(rows, adapters)
-        into[...] = out if positions is None else out[positions]
-        return WrittenRows(out, _landed)
+    async def write(rows, adapters, out=None):
+        """An engine with `out`: each distinct row computed once, every row written into `out`."""
+        if out is None:
+            return await engine(rows, adapters)
+        targets.append((out, [tuple(r) for r in rows]))
+        distinct = list(dict.fromkeys(zip(adapters, map(tuple, rows), strict=True)))
+        computed = await engine([r for _, r in distinct], [a for a, _ in distinct])
+        for array in out:
+            array[...] = computed[
+                [distinct.index(pair) for pair in zip(adapters, map(tuple, rows), strict=True)]
+            ]
+        return out[0]
 
-    batcher = RowBatcher(engine, window_s=0.05, engine_write=write)
-    into = np.zeros((3, 3), np.float32)
-    alone = await batcher.submit([[1, 2], [3], [4, 5, 6]], None, into)
-    assert isinstance(alone, WrittenRows) and len(alone.rows) == 3
-    assert len(targets) == 1 and targets[0] == (into, None) and into[:, 0].tolist() == [3, 3, 15]
-    # Rows that repeat: computed once each, every repeat written by the engine.
+    batcher = RowBatcher(write, window_s=0.05)
+    into, own = np.zeros((3, 3), np.float32), np.zeros((3, 3), np.float32)
+    alone = await batcher.submit([[1, 2], [3], [4, 5, 6]], None, (into, own))
+    assert alone is into and len(targets) == 1 and targets[0][0] == (into, own)
+    assert into[:, 0].tolist() == [3, 3, 15] and np.array_equal(own, into)
+    # Rows that repeat: passed as they are, computed once each, every repeat written by the engine.
     twice = np.zeros((3, 3), np.float32)
-    written = await batcher.submit([[1], [2], [1]], None, twice)
-    assert (
-        isinstance(written, WrittenRows)
-        and len(written.rows) == 2
-        and engine.outputs[-1][:, 0].tolist() == [1, 2]
-    )
-    assert targets[-1][1] == [0, 1, 0] and twice[:, 0].tolist() == [1, 2, 1]
+    written = await batcher.submit([[1], [2], [1]], None, (twice,))
+    assert written is twice and engine.outputs[-1][:, 0].tolist() == [1, 2]
+    assert targets[-1][1] == [(1,), (2,), (1,)] and twice[:, 0].tolist() == [1, 2, 1]
     await asyncio.gather(batcher.submit([[7]]), batcher.submit([[8]]))  # concurrent: window on
+    target = np.zeros((1, 3), np.float32)
     shared, _ = await asyncio.gather(
-        batcher.submit([[9]], None, np.zeros((1, 3), np.float32)), batcher.submit([[10]])
-    )  # shares its engine call
-    assert isinstance(shared, np.ndarray) and shared[:, 0].tolist() == [9]
+        batcher.submit([[9]], None, (target,)), batcher.submit([[10]])
+    )  # shares its engine call: its rows as any request's, the caller copies them
+    assert shared is not target and shared[:, 0].tolist() == [9] and target[0, 0] == 0
     assert len(targets) == 2 and len(engine.outputs) == 4
     await batcher.aclose()

@@ -174,22 +174,6 @@ async def test_deferred_stores_are_read_back_and_finished_on_close():
     assert np.array_equal(_peek(cache, other)[0], _row(3))
 
 
-async def test_rows_still_landing_are_stored_and_found_only_once_landed():
-    cache = MemoryRowCache(10**7, quiet=QuietTime(timeout_s=0))
-    keys = cache.keys("m", None, [[5]])
-    landing = np.zeros((1, 1000), np.float32)  # an engine's own copy, still arriving from a GPU
-
-    async def landed() -> None:
-        await asyncio.sleep(0.1)
-        landing[0] = _row(5)
-
-    cache.store_later(keys, landing, landed)
-    await asyncio.sleep(0.02)
-    assert _peek(cache, keys) == [None]  # the quiet time is over, the rows are not there yet
-    found = await cache.lookup(keys, 1000)  # waits for the store, which waits for the rows
-    assert np.array_equal(found[0], _row(5))
-
-
 async def test_stores_wait_for_the_next_engine_call_unless_a_lookup_needs_them():
     quiet = QuietTime(timeout_s=30)  # no store may happen by the timeout in this test
     cache = MemoryRowCache(10**7, quiet=quiet)

@@ -1,6 +1,6 @@
 """Rows an engine writes straight into a client's shared memory (a GPU's copy into memory registered
 with its driver): the writer's registration of mappings, and the gateway skipping its own copy.
-The registration is recorded, not made, here (the mock engine's `host_writes`); the mock writes its
+The registration is recorded, not made, here (the mock engine's `host_memory`); the mock writes its
 rows into the segment itself. tests/backends/test_cuda_host_writes.py runs the real one on a GPU."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ VOCAB = 49152
 
 
 class Registrar:
-    """Records registrations, as a GPU engine's HostWrites would make them."""
+    """Records registrations, as a GPU engine's HostMemory would make them."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
@@ -39,8 +39,8 @@ class Registrar:
     def unregister(self, address: int) -> None:
         self.calls.append(("unregister", address))
 
-    async def write_rows(self, rows, adapters, into, keep, positions=None):
-        raise AssertionError("the writer never computes rows")
+    def empty(self, rows):
+        raise AssertionError("the writer never asks for rows of the engine's own")
 
 
 def memfd(room: int) -> tuple[int, str, str]:
@@ -96,7 +96,7 @@ def test_without_a_registrar_nothing_is_registered():
         os.close(fd)
 
 
-WRITING_MOCK = ModelSettings(name="mock", backend="mock", options={"host_writes": True})
+WRITING_MOCK = ModelSettings(name="mock", backend="mock", options={"host_memory": True})
 
 
 @pytest.fixture(scope="module")
@@ -127,28 +127,33 @@ def test_the_engine_writes_a_registered_segment_itself_and_the_gateway_does_not_
 ):
     litestar_app, client = writing_app
     engine = litestar_app.state.registry.models["mock"].engine
-    writes = engine.host_writes
+    writes, registrations = engine.writes, engine.host_memory.calls
     copies = []
     monkeypatch.setattr("gateway.dense.delivery.copy_into", lambda *args: copies.append(args))
     rows = [[1, 2, 3], [4, 5], [6]]
     fd, name, key = memfd(len(rows) * VOCAB * 4 + 4)
     try:
-        written = len(writes.keeps)
+        written = len(writes)
         document = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
         assert document["object"] == "next_token_logprobs.shared_memory"
-        assert writes.keeps[written:] == [True] and copies == []  # the engine's own write, a copy kept
-        assert writes.calls and writes.calls[-1][0] == "register"
+        # the engine's own write: the segment and a copy of its own for the cache
+        assert writes[written:] == [2] and copies == []
+        assert registrations and registrations[-1][0] == "register"
         got = np.frombuffer(os.pread(fd, len(rows) * VOCAB * 4, 0), "<f4").reshape(len(rows), VOCAB)
         expected = np.stack([engine.logits(r) for r in rows])
         assert np.array_equal(got, expected)
-        # From the output cache this time (stored once the engine's own copy was ready): the
-        # engine is not asked, and the route copies the cached rows.
+        os.pwrite(fd, bytes(len(rows) * VOCAB * 4), 0)
+        # From the output cache this time (the engine's own copy, whole when the engine returned):
+        # the engine is not asked, and the route copies the cached rows.
+        monkeypatch.undo()
         again = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
-        assert again["usage"]["cache_hits"] == len(rows) and len(writes.keeps) == written + 1
-        assert len(copies) == 1
+        assert again["usage"]["cache_hits"] == len(rows) and len(writes) == written + 1
+        got = np.frombuffer(os.pread(fd, len(rows) * VOCAB * 4, 0), "<f4").reshape(len(rows), VOCAB)
+        assert np.array_equal(got, expected)
+        monkeypatch.setattr("gateway.dense.delivery.copy_into", lambda *args: copies.append(args))
         # An offset that splits a float: no target for the engine, the gateway copies.
         ask(client, [[7, 8]], {"pid": os.getpid(), "fd": fd, "name": name, "key": key, "offset": 2})
-        assert len(writes.keeps) == written + 1 and len(copies) == 2
+        assert len(writes) == written + 1 and len(copies) == 1
     finally:
         os.close(fd)
 
@@ -158,17 +163,18 @@ def test_rows_that_repeat_are_written_by_the_engine_and_cached_once_each(writing
     once and writes every repeat itself, and the output cache gets each distinct row once."""
     litestar_app, client = writing_app
     engine = litestar_app.state.registry.models["mock"].engine
-    writes = engine.host_writes
+    writes = engine.writes
     copies = []
     monkeypatch.setattr("gateway.dense.delivery.copy_into", lambda *args: copies.append(args))
     rows = [[11, 12], [13], [11, 12], [14, 15, 16], [13], [11, 12]]
     fd, name, key = memfd(len(rows) * VOCAB * 4)
-    calls = engine.calls
+    calls, computed = engine.calls, engine.rows_computed
     try:
-        written = len(writes.keeps)
+        written = len(writes)
         document = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
         assert document["rows"] == len(rows) and document["nbytes"] == len(rows) * VOCAB * 4
-        assert writes.keeps[written:] == [True] and copies == [] and engine.calls == calls + 1
+        assert writes[written:] == [2] and copies == [] and engine.calls == calls + 1
+        assert engine.rows_computed == computed + 3  # each distinct row once
         got = np.frombuffer(os.pread(fd, len(rows) * VOCAB * 4, 0), "<f4").reshape(len(rows), VOCAB)
         assert np.array_equal(got, np.stack([engine.logits(r) for r in rows]))
         # Each distinct row is in the cache under its own key: asked again alone, none is computed.
@@ -199,7 +205,7 @@ def test_without_an_output_cache_the_engine_keeps_no_copy_of_what_it_wrote(monke
             engine = litestar_app.state.registry.models["mock"].engine
             document = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
         assert document["object"] == "next_token_logprobs.shared_memory"
-        assert engine.host_writes.keeps == [False] and copies == []
+        assert engine.writes == [1] and copies == []  # the segment alone
         got = np.frombuffer(os.pread(fd, len(rows) * VOCAB * 4, 0), "<f4").reshape(len(rows), VOCAB)
         assert np.array_equal(got, np.stack([engine.logits(r) for r in rows]))
     finally:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from backends.base import EngineConfig, SamplingParams
 from backends.mock import MockEngine
+from backends.types import EngineConfig, SamplingParams
 from backends.vocab import decode_text, token_bytes_table
 from gateway.errors import ContextLengthError, InvalidRequestError
 from gateway.generation import choices as gen

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import VLLM_INSTALL
+from backends.registry import VLLM_INSTALL
 from gateway.settings import ENV_PREFIX
 from tests.launcher import free_port
 

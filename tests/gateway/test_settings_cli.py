@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import BACKEND_NAMES
+from backends.registry import BACKEND_NAMES
 from gateway import cli
 from gateway.cli import SERVING_GC_THRESHOLD, tune_collector
 from gateway.settings import (

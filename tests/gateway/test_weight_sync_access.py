@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from litestar.testing import TestClient
 
-from backends.base import Engine
 from gateway.app import serving_app
 from gateway.settings import ModelSettings, Settings
 
@@ -79,7 +78,7 @@ def test_without_the_admin_key_nothing_changes(model_dir, headers):
             assert answer.status_code == 401, (path, answer.text)
             assert answer.json()["error"]["type"] == "authentication_error"
         assert np.array_equal(row(client, [5, 6, 7]), before)  # not paused, same weights
-        assert served.engine.groups == {"g": 0} and served.weights.paused is None
+        assert served.engine.weights.collective.groups == {"g": 0} and served.weights.paused is None
         assert (served.weight_version, served.weight_updates) == ("default", 0)
         assert client.get("/get_load").status_code == 200  # reads only: no admin key
         answer = client.post("/update_weights_from_distributed", json=UPDATE, headers=ADMIN)
@@ -93,7 +92,7 @@ def test_without_an_admin_key_configured_they_are_disabled(model_dir):
         for path, body in MUTATING:
             answer = client.post(path, json=body)
             assert answer.status_code == 403 and answer.json()["error"]["type"] == "permission_error", path
-        assert app.state.registry.models["mock"].engine.groups == {}
+        assert app.state.registry.models["mock"].engine.weights.collective.groups == {}
 
 
 def test_a_trusted_gateway_takes_a_trainers_keyless_calls(model_dir):
@@ -165,7 +164,7 @@ def test_bad_requests_are_400s_in_the_error_format_and_change_nothing(model_dir,
         error = answer.json()["error"]
         assert error["type"] == "invalid_request_error", error
         assert error["param"] == param or error["param"].startswith(f"{param}["), error
-        assert served.engine.groups == {"g": 0} and served.weights.paused is None
+        assert served.engine.weights.collective.groups == {"g": 0} and served.weights.paused is None
         assert served.weight_updates == 0
 
 
@@ -184,11 +183,10 @@ def test_an_unknown_model_is_a_404(model_dir):
 
 
 def test_an_engine_without_collectives_answers_501(model_dir, monkeypatch):
-    """What vLLM, MLX and SGLang engines inherit (tests/backends/test_weight_sync.py checks that)."""
+    """What vLLM and MLX engines have (tests/backends/test_weight_sync.py checks that): no collective."""
     with gateway(model_dir, trusted_weight_sync=True) as (app, client):
         engine = app.state.registry.models["mock"].engine
-        for hook in ("join_weights_group", "update_weights_from_group", "leave_weights_group"):
-            monkeypatch.setattr(engine, hook, getattr(Engine, hook).__get__(engine))
+        monkeypatch.setattr(engine.weights, "collective", None)
         for path, body in MUTATING[:3]:
             answer = client.post(path, json=body)
             assert answer.status_code == 501, answer.text

@@ -1,0 +1,168 @@
+"""The engine contract: one loaded model, and the capabilities an engine may have.
+
+An engine owns one model (weights + tokenizer). All its methods are async; heavy compute runs
+off the event loop (a worker thread or the engine library's own async API). Arrays cross the
+boundary as numpy, never as per-float Python objects.
+
+A capability is an object or None, and `engine.<capability> is None` is the one way to ask:
+
+    adapters      Adapters      LoRA adapters loaded and unloaded at run time
+    weights       Weights       new weights in place; `.collective`: over a trainer's collective
+    host_memory   HostMemory    rows written from the device straight into registered host memory
+    prefix_cache  PrefixCache   prefix keys/values kept for reuse, which can be forgotten
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from backends.types import (
+    AnnouncedTensor,
+    EngineConfig,
+    PromptLogprobs,
+    SamplingParams,
+    TokenStep,
+    WeightsGroup,
+)
+
+# `out` of Engine.next_token_logprobs: arrays the rows land in, each float32 [len(rows), vocab].
+Out = np.ndarray | tuple[np.ndarray, ...]
+
+
+class Adapters(ABC):
+    """PEFT LoRA adapters, loaded under names that requests then give per row."""
+
+    @abstractmethod
+    async def load(self, name: str, path: str) -> None:
+        """Load the adapter in directory `path` as `name`; AdapterError if it does not fit the model."""
+
+    @abstractmethod
+    async def unload(self, name: str) -> None:
+        """AdapterError if no adapter of that name is loaded."""
+
+
+class Collective(ABC):
+    """New weights broadcast by a trainer (rank 0) over a collective the engine joins."""
+
+    @abstractmethod
+    async def join(self, group: WeightsGroup) -> None:
+        """Join `group` as `group.rank`; returns once every rank has joined, within
+        `group.timeout_s`. WeightsError: the name is taken, or joining failed (nothing joined)."""
+
+    @abstractmethod
+    async def receive(self, group_name: str, tensors: Sequence[AnnouncedTensor]) -> None:
+        """Receive `tensors`, broadcast from rank 0 of the group one after another in this order,
+        and load them in place between forward passes, as `Weights.load` does; parameters not
+        named keep their weights. The engine takes part in every broadcast even when the
+        announcement does not fit the model, then raises WeightsError with nothing changed; a
+        failed transfer leaves the group (WeightsError, nothing changed)."""
+
+    @abstractmethod
+    async def leave(self, group_name: str) -> None:
+        """WeightsError if the engine is in no group of that name."""
+
+
+class Weights(ABC):
+    """New weights of the same architecture, loaded in place between forward passes."""
+
+    collective: Collective | None = None  # None: from disk only
+    # `generate` computes a step only when its consumer asks for the next one, so a stream can be
+    # held between steps (generation paused) while weights change; engines whose streams run
+    # ahead leave this False.
+    held_between_steps: bool = False
+
+    @abstractmethod
+    async def load(self, path: str) -> None:
+        """Load the weights in the Hugging Face directory `path`; WeightsError (nothing changed)
+        if they do not fit. Whatever the engine kept of earlier passes (prefix keys/values) is
+        dropped."""
+
+
+class HostMemory(ABC):
+    """Host memory the engine's device writes rows into in one copy (page-locked, or registered
+    with the device's driver), where pageable memory would take a staging copy more."""
+
+    @abstractmethod
+    def register(self, address: int, size: int) -> bool:
+        """Make `size` bytes at `address` memory rows can be written into; False if it cannot."""
+
+    @abstractmethod
+    def unregister(self, address: int) -> None:
+        """Undo `register`; the caller ensures no write into that memory is under way."""
+
+    @abstractmethod
+    def empty(self, rows: int) -> np.ndarray:
+        """float32 [rows, vocab] of the engine's own page-locked memory, uninitialised; it lives
+        as long as the array does."""
+
+
+class PrefixCache(ABC):
+    """Keys/values of prefixes kept for reuse by later requests."""
+
+    @abstractmethod
+    async def flush(self) -> None:
+        """Forget every kept prefix; later requests compute them again."""
+
+
+class Engine(ABC):
+    """One loaded model. Token ids given to an engine are already validated (0 <= id < vocab_size)."""
+
+    tokenizer: Any  # a Hugging Face (fast) tokenizer
+    vocab_size: int  # width of the logits; may exceed len(tokenizer)
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    model_path: str  # where the weights were loaded from
+    dtype: str  # the dtype computations run in, e.g. "float32"
+    adapters: Adapters | None = None
+    weights: Weights | None = None
+    host_memory: HostMemory | None = None
+    prefix_cache: PrefixCache | None = None
+
+    @classmethod
+    @abstractmethod
+    def load(cls, config: EngineConfig) -> Engine:
+        """Load the model. Blocking; the gateway calls it in a worker thread."""
+
+    @abstractmethod
+    async def next_token_logprobs(
+        self,
+        rows: Sequence[Sequence[int]],
+        adapters: Sequence[str | None] | None = None,
+        out: Out | None = None,
+    ) -> np.ndarray:
+        """log_softmax of the logits after each row: float32 [len(rows), vocab_size].
+
+        `adapters[i]` names the LoRA adapter for row i (None: the base model); one call may mix
+        them. Rows may repeat: each distinct (adapter, row) is computed once (see
+        backends/distinct_rows.py). With `out` (an array, or a tuple of arrays, each float32
+        [len(rows), vocab_size]) the rows are in every array of it when the call returns, which
+        returns `out` (its first array); with `host_memory`, arrays in memory registered with it
+        or from its `empty` are written from the device in one copy.
+        """
+
+    @abstractmethod
+    async def prompt_logprobs(
+        self, ids: Sequence[int], top_k: int, adapter: str | None = None
+    ) -> PromptLogprobs:
+        """Scores of every prompt token after the first; `top_k` alternatives per position."""
+
+    @abstractmethod
+    def generate(
+        self, ids: Sequence[int], params: SamplingParams, adapter: str | None = None
+    ) -> AsyncIterator[TokenStep]:
+        """Yield generated tokens until end-of-sequence or max_tokens.
+
+        The caller may stop iterating early (stop strings, disconnects) and must then `aclose()`
+        the iterator so the engine frees the request's state.
+        """
+
+    def is_healthy(self) -> bool:
+        return True
+
+    async def aclose(self) -> None:  # noqa: B027 (optional hook)
+        """Release the model's resources."""
+        return None

@@ -1,0 +1,39 @@
+"""What engines raise, as one tree:
+
+    RuntimeError
+     └── EngineUnavailableError   the backend's library is missing, or the model cannot load
+    ValueError
+     ├── AdapterError             an adapter does not fit (or is not loaded)
+     ├── WeightsError             new weights that do not fit; nothing changed
+     │    └── WeightsGroupError   no collective of that name, or one of that name exists already
+     └── RequestRejectedError     a request's parameters beyond a limit of the engine's own
+
+The gateway maps them to HTTP answers in one table (gateway/errors.py) and where it calls them.
+"""
+
+from __future__ import annotations
+
+
+class EngineUnavailableError(RuntimeError):
+    """A backend cannot be used here: its library is missing or the model cannot be loaded."""
+
+
+class AdapterError(ValueError):
+    """An adapter cannot be loaded into (or unloaded from) this engine; the message says why."""
+
+
+class WeightsError(ValueError):
+    """New weights that this engine cannot load in place (another architecture, a missing or
+    misshapen tensor); nothing was changed. The message says why."""
+
+
+class WeightsGroupError(WeightsError):
+    """No collective of that name to receive weights over, or one of that name exists already."""
+
+
+class RequestRejectedError(ValueError):
+    """The engine refuses a request's parameters (a limit of its own); the message says why."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

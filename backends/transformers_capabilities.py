@@ -1,0 +1,134 @@
+"""The transformers engine's capabilities: adapters, new weights (from disk or a trainer's
+collective) and its prefix keys/values. Each runs its model work on the engine's worker thread,
+so never during a forward pass."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from backends import engine as contract
+from backends.errors import AdapterError
+from backends.types import AnnouncedTensor, WeightsGroup
+from backends.weights_collective import CollectiveGroups
+from backends.weights_in_place import copy_tensors_in_place, copy_weights_in_place, model_parameters
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class TransformersEngine(Protocol):
+    """What the capabilities use of backends.transformers.TransformersEngine (imported from
+    there, this module would close an import cycle)."""
+
+    model: Any
+    model_path: str
+    _peft: Any
+    lane: Any
+    prefix_kv: Any
+    groups: CollectiveGroups
+
+    def _run(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]: ...
+
+    def _forget_old_weights(self) -> None: ...
+
+
+class TransformersAdapters(contract.Adapters):
+    """PEFT's mixed-adapter batches: the model is wrapped at the first adapter, unwrapped at the last."""
+
+    def __init__(self, engine: TransformersEngine) -> None:
+        self.engine = engine
+
+    async def load(self, name: str, path: str) -> None:
+        await self.engine._run(self._load, name, path)
+
+    async def unload(self, name: str) -> None:
+        await self.engine._run(self._unload, name)
+
+    def _load(self, name: str, path: str) -> None:
+        from peft import PeftModel
+
+        engine = self.engine
+        if engine.prefix_kv is not None:  # K/V computed under an earlier adapter of this name
+            engine.prefix_kv.drop_adapter(name)
+        if engine.lane is not None:  # its graphs call the modules PEFT is about to wrap
+            engine.lane.clear()
+        try:
+            if engine._peft is None:
+                engine._peft = PeftModel.from_pretrained(
+                    engine.model, path, adapter_name=name, is_trainable=False
+                )
+                engine._peft.eval()
+            else:
+                engine._peft.load_adapter(path, adapter_name=name, is_trainable=False)
+        except Exception as exc:  # shape mismatches, missing modules, unreadable files
+            if engine._peft is not None and name in engine._peft.peft_config:
+                engine._peft.delete_adapter(name)
+            raise AdapterError(
+                f"adapter {name!r} does not fit this model: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _unload(self, name: str) -> None:
+        engine = self.engine
+        if engine._peft is None or name not in engine._peft.peft_config:
+            raise AdapterError(f"adapter {name!r} is not loaded")
+        if engine.prefix_kv is not None:
+            engine.prefix_kv.drop_adapter(name)
+        if len(engine._peft.peft_config) == 1:  # the last one: back to the plain model
+            engine.model = engine._peft.unload()
+            engine._peft = None
+            if engine.lane is not None:
+                engine.lane.reset(engine.model)
+        else:
+            engine._peft.delete_adapter(name)
+
+
+class TransformersCollective(contract.Collective):
+    def __init__(self, engine: TransformersEngine) -> None:
+        self.engine = engine
+
+    async def join(self, group: WeightsGroup) -> None:
+        await self.engine.groups.join(group)
+
+    async def receive(self, group_name: str, tensors: Sequence[AnnouncedTensor]) -> None:
+        engine = self.engine
+        parameters = await engine._run(model_parameters, engine.model, True)
+        received = await engine.groups.receive(group_name, tensors, parameters)
+        await engine._run(self._load_received, received)
+
+    def _load_received(self, received: dict[str, torch.Tensor]) -> None:
+        copy_tensors_in_place(model_parameters(self.engine.model, aliases=True), received)
+        self.engine._forget_old_weights()
+        log.info("%d tensors received over a collective loaded", len(received))
+
+    async def leave(self, group_name: str) -> None:
+        await self.engine.groups.leave(group_name)
+
+
+class TransformersWeights(contract.Weights):
+    held_between_steps = True  # generation steps are computed when asked for
+
+    def __init__(self, engine: TransformersEngine) -> None:
+        self.engine = engine
+        self.collective = TransformersCollective(engine)
+
+    async def load(self, path: str) -> None:
+        await self.engine._run(self._load, path)
+
+    def _load(self, path: str) -> None:
+        copy_weights_in_place(self.engine.model, path)
+        self.engine._forget_old_weights()
+        self.engine.model_path = str(path)
+
+
+class TransformersPrefixCache(contract.PrefixCache):
+    def __init__(self, engine: TransformersEngine) -> None:
+        self.engine = engine
+
+    async def flush(self) -> None:
+        kept = self.engine.prefix_kv
+        if kept is not None:  # on the worker thread: never during a forward pass
+            await self.engine._run(kept.clear)

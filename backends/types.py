@@ -1,0 +1,104 @@
+"""The values that cross the engine boundary: what loads an engine, what a request asks, what
+an engine answers, and what a trainer announces. Arrays are numpy, never per-float objects."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS): logits divided by a
+# subnormal temperature overflow to infinities, and the sampler's probabilities to NaN.
+GREEDY_BELOW = 1e-5
+
+
+@dataclass(frozen=True)
+class WeightsGroup:
+    """A collective over which a trainer (rank 0) broadcasts new weights: SGLang's
+    `init_weights_update_group`, one engine worker joining as `rank`."""
+
+    name: str
+    master_address: str  # the trainer's TCP rendezvous
+    master_port: int
+    rank: int  # this engine's rank, 1 <= rank < world_size
+    world_size: int
+    backend: str | None  # "nccl" or "gloo"; None: nccl on CUDA, gloo on the CPU
+    timeout_s: float  # joining, and each broadcast of an update
+    # joins of the engine still trying (given up on or not; each holds a thread and a socket)
+    # beyond which this one is refused
+    max_pending_joins: int = 8
+
+
+@dataclass(frozen=True)
+class AnnouncedTensor:
+    """One tensor of an update over a collective, as the trainer announces it before
+    broadcasting it: a parameter's name, a torch dtype's name ("bfloat16"), the shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an engine needs to load a model."""
+
+    model: str  # a local Hugging Face directory, or a built-in name such as "smollm2-135m"
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    max_model_len: int | None = None  # None: the model's own context length
+    max_lora_rank: int = 0  # largest LoRA rank to expect; 0: no adapters will be loaded
+    options: Mapping[str, Any] = field(default_factory=dict)  # backend-specific
+
+
+def resolve_auto_dtype(dtype: str, on_gpu: bool) -> str:
+    """The dtype an engine computes in for the `dtype` setting, the same rule for every engine:
+    `auto` is float32 on a CPU (exact numbers) and bfloat16 on a GPU (fast); others are themselves."""
+    if dtype == "auto":
+        return "bfloat16" if on_gpu else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    top_logprobs: int = 0  # alternatives reported per generated token
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Near-zero temperatures are greedy, so every engine, vLLM included, samples them alike.
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+
+
+@dataclass(frozen=True)
+class TokenStep:
+    """One generated token.
+
+    `logprob` and the alternatives come from the model's raw distribution (log_softmax of the
+    logits), before temperature, top_p, penalties or logit_bias, as vLLM reports them by default.
+    """
+
+    token_id: int
+    logprob: float
+    top_ids: np.ndarray  # [k] int64, most likely first
+    top_logprobs: np.ndarray  # [k] float32
+    finish_reason: str | None  # "stop" (end-of-sequence token), "length" (max_tokens), or None
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens 1..T-1, each given the tokens before it."""
+
+    token_logprobs: np.ndarray  # [T-1] float32
+    top_ids: np.ndarray  # [T-1, k] int64
+    top_logprobs: np.ndarray  # [T-1, k] float32
