@@ -1,0 +1,172 @@
+"""Dense rows out of SGLang, two ways side by side, against the transformers engine on one GPU.
+
+    python bench/sglang_rows.py --random-model llama-1b --device cuda --dtype bfloat16 \
+        --particles 64 256 --steps 8 --repeats 3          # on a GPU machine with sglang
+
+Every step, each of P particles appends a seeded random token to its prefix (a 32-token prompt
+shared by all), and the next-token row of every prefix is asked for, so SGLang's radix cache
+reuses each particle's earlier prefix. The ways:
+
+  sorted      today's SGLang engine (backends/sglang.py): one request per row with
+              top_logprobs_num = vocabulary, the sorted distribution scattered back
+  processor   the same sglang.Engine, one request per row with max_new_tokens = 1 and a custom
+              logit processor (bench/sglang_processor.py) that, in SGLang's scheduler, takes the
+              log_softmax of the batch's logits to the host once and hands each request its row in
+              `customized_info` (SGLang returns it in meta_info)
+  processor-batch  the same, a step's rows as one batch request (one GenerateReqInput)
+  transformers  our transformers engine, the same rows (the pace to reach)
+
+Prints rows/s per P (median of --repeats), each way's ratio to transformers, and the largest
+|difference| of each SGLang way's rows from the transformers engine's (finite entries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backends.sglang import SglangEngine  # noqa: E402
+from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
+from backends.types import EngineConfig  # noqa: E402
+from bench.sglang_processor import DenseRowsProcessor  # noqa: E402
+from bench.smc import add_model_arguments, random_model_dir  # noqa: E402
+from bench.smc_ways import SGLANG_ARGS  # noqa: E402
+
+Rows = Callable[[list[list[int]]], Awaitable[np.ndarray]]
+
+
+DENSE_SAMPLING = {"max_new_tokens": 1, "temperature": 0.0, "custom_params": {"dense": 1}}
+
+
+def processor_rows(engine: SglangEngine) -> Rows:
+    """Rows through the custom logit processor, one request per row, all submitted together."""
+    processor = DenseRowsProcessor.to_str()
+
+    async def one(row: list[int]) -> np.ndarray:
+        out = await engine.transport.generate(
+            {"input_ids": row, "sampling_params": DENSE_SAMPLING, "custom_logit_processor": processor}
+        )
+        return np.asarray(out["meta_info"]["dense"][0], dtype=np.float32)
+
+    async def rows(prefixes: list[list[int]]) -> np.ndarray:
+        return np.stack(await asyncio.gather(*(one(p) for p in prefixes)))
+
+    return rows
+
+
+def processor_batch_rows(engine: SglangEngine) -> Rows:
+    """Rows through the custom logit processor, a step's rows as one batch request of SGLang's."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    processor = DenseRowsProcessor.to_str()
+    manager = engine.transport.engine.tokenizer_manager
+
+    async def rows(prefixes: list[list[int]]) -> np.ndarray:
+        n = len(prefixes)
+        request = GenerateReqInput(
+            input_ids=prefixes,
+            sampling_params=[DENSE_SAMPLING] * n,
+            custom_logit_processor=[processor] * n,
+            stream=False,
+        )
+        outs = await manager.generate_request(request, None).__anext__()
+        return np.stack([np.asarray(out["meta_info"]["dense"][0], dtype=np.float32) for out in outs])
+
+    return rows
+
+
+async def run_way(
+    rows: Rows, prompt: list[int], particles: int, steps: int, seed: int
+) -> tuple[float, np.ndarray]:
+    """rows/s over `steps` steps, and the last step's rows."""
+    rng = np.random.default_rng(seed)
+    prefixes = [list(prompt) for _ in range(particles)]
+    started = time.perf_counter()
+    last = np.empty(0)
+    for _ in range(steps):
+        for prefix in prefixes:
+            prefix.append(int(rng.integers(100, 40000)))
+        last = await rows(prefixes)
+    return particles * steps / (time.perf_counter() - started), last
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = (
+            random_model_dir(args.random_model, dtype, device, Path(tmp), args.tokenizer)
+            if args.random_model
+            else Path(args.model)
+        )
+        options = {"mode": "engine", **SGLANG_ARGS, "enable_custom_logit_processor": True}
+        sglang = await asyncio.to_thread(
+            SglangEngine.load, EngineConfig(model=str(model_dir), dtype=args.dtype, options=options)
+        )
+        transformers = await asyncio.to_thread(
+            TransformersEngine.load, EngineConfig(model=str(model_dir), dtype=args.dtype, device=args.device)
+        )
+        ways: dict[str, Rows] = {
+            "sorted": sglang.next_token_logprobs,
+            "processor": processor_rows(sglang),
+            "processor-batch": processor_batch_rows(sglang),
+            "transformers": transformers.next_token_logprobs,
+        }
+        if args.skip_sorted:
+            del ways["sorted"]
+        rng = np.random.default_rng(args.seed)
+        print("| particles | way | rows/s | min-max | vs transformers | max abs diff vs transformers |")
+        print("| ---: | --- | ---: | ---: | ---: | ---: |")
+        for particles in args.particles:
+            speeds: dict[str, list[float]] = {name: [] for name in ways}
+            diffs: dict[str, float] = {name: 0.0 for name in ways}
+            for repeat in range(args.repeats + 1):  # the first run warms up (compiles, graphs)
+                prompt = [int(t) for t in rng.integers(100, 40000, size=32)]
+                last: dict[str, np.ndarray] = {}
+                for name, rows in ways.items():
+                    steps = args.steps if repeat else 2
+                    speed, last[name] = await run_way(rows, prompt, particles, steps, args.seed + repeat)
+                    if repeat:
+                        speeds[name].append(speed)
+                for name, got in last.items():
+                    finite = np.isfinite(last["transformers"]) & np.isfinite(got)
+                    diffs[name] = max(diffs[name], float(np.abs(got - last["transformers"])[finite].max()))
+            reference = statistics.median(speeds["transformers"])
+            for name, values in speeds.items():
+                median = statistics.median(values)
+                print(
+                    f"| {particles} | {name} | {median:,.0f} | {min(values):,.0f}-{max(values):,.0f} "
+                    f"| {median / reference:.3f}x | {diffs[name]:.3g} |"
+                )
+        await sglang.aclose()
+        await transformers.aclose()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--particles", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-sorted", action="store_true", help="leave out today's way (slow at large P)")
+    add_model_arguments(parser)
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()
