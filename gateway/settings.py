@@ -150,7 +150,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     shared_memory: bool = True
     # A gateway dedicated to one trainer: the weight-sync endpoints (/init_weights_update_group,
     # /update_weights_from_distributed, /pause_generation, ...) without the admin key, which
-    # TorchRL never sends (gateway/routes/weight_sync.py).
+    # TorchRL never sends (gateway/weights/group_routes.py).
     trusted_weight_sync: bool = False
     weight_sync_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # joining, each update's transfer
     # joins of a trainer's collective still trying, given up on or not (a silent peer holds one)

@@ -1,5 +1,5 @@
 """SGLang's native API (0.5.17), for SGLang's own clients: the frontend language's
-`RuntimeEndpoint` and TorchRL's `AsyncSGLang` with an external server. Semantics: sglang_native.py."""
+`RuntimeEndpoint` and TorchRL's `AsyncSGLang` with an external server. Semantics: gateway/sglang/items.py and generate.py."""
 
 from __future__ import annotations
 
