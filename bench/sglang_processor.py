@@ -3,15 +3,26 @@
 It runs in SGLang's scheduler process (which imports it by name, so it lives in a module, not in
 `__main__`), on the logits of the requests that name it: one log_softmax of the batch on the GPU,
 one copy to the host, and each request's first row in its `customized_info`, which SGLang returns in
-the request's meta_info. The logits go on unchanged to SGLang's sampler.
+the request's meta_info; or, where the request names a shared file and a slot in its custom
+params, the row written there and only a flag in meta_info. The logits go on unchanged to SGLang's sampler.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
+
+_MAPPED: dict[str, np.ndarray] = {}  # shared files by path, mapped once per scheduler process
+
+
+def _mapped(path: str, vocab_size: int, slot: int) -> np.ndarray:
+    rows = _MAPPED.get(path)
+    if rows is None or slot >= len(rows):  # new, or grown since it was mapped
+        rows = _MAPPED[path] = np.memmap(path, dtype=np.float32, mode="r+").reshape(-1, vocab_size)
+    return rows
 
 
 class DenseRowsProcessor(CustomLogitProcessor):
@@ -23,6 +34,11 @@ class DenseRowsProcessor(CustomLogitProcessor):
             request = params["__req__"]
             # The row after the prompt only: with SGLang's overlap scheduling a request that is done
             # may run one more step, whose row (after its sampled token) must not replace it.
-            if request.customized_info is None:
+            if request.customized_info is not None:
+                continue
+            if "file" in params:  # the row into the caller's shared file, only a flag back
+                _mapped(params["file"], len(row), params["slot"])[params["slot"]] = row
+                request.customized_info = {"dense": [True]}
+            else:
                 request.customized_info = {"dense": [row]}
         return logits

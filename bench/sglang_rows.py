@@ -14,6 +14,8 @@ reuses each particle's earlier prefix. The ways:
               log_softmax of the batch's logits to the host once and hands each request its row in
               `customized_info` (SGLang returns it in meta_info)
   processor-batch  the same, a step's rows as one batch request (one GenerateReqInput)
+  processor-file   the same, one request per row, the rows written into a file in /dev/shm that
+              both processes map (a slot per request), only a flag back through SGLang
   transformers  our transformers engine, the same rows (the pace to reach)
 
 Prints rows/s per P (median of --repeats), each way's ratio to transformers, and the largest
@@ -65,6 +67,30 @@ def processor_rows(engine: SglangEngine) -> Rows:
     return rows
 
 
+def processor_file_rows(engine: SglangEngine, directory: Path) -> Rows:
+    """Rows through the custom logit processor, written into a file in shared memory that both
+    processes map: one request per row, only a flag back through SGLang."""
+    processor = DenseRowsProcessor.to_str()
+    path = directory / "rows"
+
+    async def one(row: list[int], slot: int) -> None:
+        sampling = {**DENSE_SAMPLING, "custom_params": {"dense": 1, "file": str(path), "slot": slot}}
+        await engine.transport.generate(
+            {"input_ids": row, "sampling_params": sampling, "custom_logit_processor": processor}
+        )
+
+    async def rows(prefixes: list[list[int]]) -> np.ndarray:
+        nbytes = len(prefixes) * engine.vocab_size * 4
+        if not path.exists() or path.stat().st_size < nbytes:
+            with path.open("wb") as f:
+                f.truncate(nbytes)
+        await asyncio.gather(*(one(p, i) for i, p in enumerate(prefixes)))
+        mapped = np.memmap(path, dtype=np.float32, mode="r").reshape(-1, engine.vocab_size)
+        return np.array(mapped[: len(prefixes)])
+
+    return rows
+
+
 def processor_batch_rows(engine: SglangEngine) -> Rows:
     """Rows through the custom logit processor, a step's rows as one batch request of SGLang's."""
     from sglang.srt.managers.io_struct import GenerateReqInput
@@ -104,7 +130,7 @@ async def run_way(
 async def main_async(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
         model_dir = (
             random_model_dir(args.random_model, dtype, device, Path(tmp), args.tokenizer)
             if args.random_model
@@ -121,6 +147,7 @@ async def main_async(args: argparse.Namespace) -> None:
             "sorted": sglang.next_token_logprobs,
             "processor": processor_rows(sglang),
             "processor-batch": processor_batch_rows(sglang),
+            "processor-file": processor_file_rows(sglang, Path(shm)),
             "transformers": transformers.next_token_logprobs,
         }
         if args.skip_sorted:
