@@ -167,8 +167,12 @@ class DenseService:
                 computed = await batcher.submit(rows, adapter)
                 cache.store_later(keys, computed)
                 return computed, 0
-            # The client's segment is handed on with the answer: the cache keeps a copy of its own.
-            own = _own_rows(served.require_engine(), len(rows))
+            # The client's segment is handed on with the answer: the cache keeps page-locked rows
+            # of the engine's own. `into` is only ever memory registered with the engine's host
+            # memory (_engine_target), so the engine has that capability.
+            host_memory = served.require_engine().host_memory
+            assert host_memory is not None
+            own = host_memory.empty(len(rows))
             computed = await batcher.submit(rows, adapter, (into, own))
             cache.store_later(keys, own if computed is into else computed)
             return computed, 0
@@ -190,13 +194,6 @@ class DenseService:
             await self.cache.aclose()
         if self.shared_memory is not None:
             self.shared_memory.close()
-
-
-def _own_rows(engine: Engine, count: int) -> np.ndarray:
-    """Rows the engine writes into in one copy too (page-locked) when it can, for the cache."""
-    if engine.host_memory is not None:
-        return engine.host_memory.empty(count)
-    return np.empty((count, engine.vocab_size), dtype=np.float32)
 
 
 def _engine_target(
