@@ -83,8 +83,7 @@ async def next_token_rows(
     caller holds the model's weights for reading."""
     served, pending = item.served, iter(prefixes)
     while batch := [list(p) for p in islice(pending, served.settings.max_batch_rows)]:
-        matrix = (await dense.rows(served, item.adapter, batch))[0]
-        assert isinstance(matrix, np.ndarray)  # rows not written `into` a buffer come back as one
+        matrix, _ = await dense.rows(served, item.adapter, batch)
         for row in matrix:
             yield row
 
