@@ -12,12 +12,16 @@ Modes (`EngineConfig.options["mode"]`), one request format (GenerateReqInput fie
 Other options: `request_timeout_s`, `max_connections`, `vocab_size`, and in "engine" mode any
 `ServerArgs` field (e.g. `mem_fraction_static`).
 
-Dense rows: SGLang has no full-vocabulary option, but `top_logprobs_num = vocab_size` sorts the
-whole distribution, and `return_flat_raw_top_logprobs_b64` ships prompt-side top logprobs as
-float32/int32 base64 arrays instead of nested triples. Those fields exist only for prompt
-positions, so a row is sent with one placeholder token appended and scored from the row's last
-token: the placeholder's prompt position carries the distribution after the row. The engine's
-context length is therefore reported one token shorter than SGLang's.
+Dense rows: one request per row with max_new_tokens = 1 and the custom logit processor of
+backends/sglang_processor.py, which SGLang runs in its scheduler on the batch's logits and which
+hands each request its whole log_softmax row (raw float32 in process, base64 over HTTP). The "engine"
+and "server" modes start SGLang with `enable_custom_logit_processor`; a "url" server is asked that
+way only with the option `dense_rows = "processor"` (it must have the flag and be able to import
+this package). Otherwise a row is asked the slow way: `top_logprobs_num = vocab_size` sorts the whole
+distribution, `return_flat_raw_top_logprobs_b64` ships it as arrays, and since those fields exist
+only for prompt positions, the row is sent with one placeholder token appended and scored from its
+last token. Either way a row needs one position past it, so the engine's context length is one
+token shorter than SGLang's.
 
 Sampled-token logprobs: SGLang reports them after temperature unless SGLANG_RETURN_ORIGINAL_LOGPROB
 is set, which the "engine" and "server" modes do. Even then they include penalties and
@@ -46,6 +50,7 @@ from backends.builtin_models import resolve_model_dir
 from backends.distinct_rows import computed_rows
 from backends.engine import Engine, Out
 from backends.errors import AdapterError, EngineUnavailableError, RequestRejectedError
+from backends.sglang_processor import PROCESSOR
 from backends.sglang_transport import EngineTransport, HttpTransport, ManagedServer, Transport, free_port
 from backends.types import EngineConfig, PromptLogprobs, SamplingParams, TokenStep, resolve_auto_dtype
 
@@ -56,7 +61,7 @@ _RAW_LOGPROBS = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 
 
 class ScatterError(RuntimeError):
-    """SGLang's full sorted distribution did not name every token id exactly once."""
+    """SGLang's dense row was not one float per token id (sorted: not every id exactly once)."""
 
 
 def _model_facts(path: Path) -> tuple[int, int | None, frozenset[int]]:
@@ -130,8 +135,10 @@ class SglangEngine(Engine):
         dtype: str,
         max_model_len: int | None,
         vocab_size: int | None = None,
+        dense_rows: str = "sorted",
     ) -> None:
         self.transport = transport
+        self.dense_rows = dense_rows  # "raw" or "b64" through the processor, or "sorted"
         self.tokenizer = tokenizer
         own_vocab, context, eos = _model_facts(model_path)
         self.vocab_size = int(vocab_size or own_vocab)
@@ -151,6 +158,9 @@ class SglangEngine(Engine):
         options = dict(config.options)
         vocab_size = options.pop("vocab_size", None)
         mode = options.pop("mode", "url" if "url" in options else "engine")
+        dense_rows = {"engine": "raw", "server": "b64"}.get(mode, "sorted")
+        if options.pop("dense_rows", "sorted") == "processor" and mode == "url":
+            dense_rows = "b64"
         tokenizer = AutoTokenizer.from_pretrained(path)
         http = {
             "timeout_s": float(options.pop("request_timeout_s", 600.0)),
@@ -171,12 +181,14 @@ class SglangEngine(Engine):
             dtype=config.dtype,
             max_model_len=config.max_model_len,
             vocab_size=vocab_size,
+            dense_rows=dense_rows,
         )
 
     @staticmethod
     def _launch(config: EngineConfig, path: Path, options: dict[str, Any], http: dict) -> HttpTransport:
         command = list(options.get("server_command") or [sys.executable, "-m", "sglang.launch_server"])
         command += ["--model-path", str(path), "--dtype", config.dtype, "--skip-server-warmup"]
+        command += ["--enable-custom-logit-processor"]
         if config.max_model_len:
             command += ["--context-length", str(config.max_model_len)]
         if config.max_lora_rank:
@@ -198,7 +210,11 @@ class SglangEngine(Engine):
         if not torch.cuda.is_available():
             raise EngineUnavailableError("sglang mode 'engine' needs CUDA; use mode 'server' or 'url'")
         os.environ.update(_RAW_LOGPROBS)  # read when SGLang's sampler module is imported
-        args: dict[str, Any] = {"model_path": str(path), "dtype": config.dtype}
+        args: dict[str, Any] = {
+            "model_path": str(path),
+            "dtype": config.dtype,
+            "enable_custom_logit_processor": True,
+        }
         if config.max_model_len:
             args["context_length"] = config.max_model_len
         if config.max_lora_rank:
@@ -217,6 +233,24 @@ class SglangEngine(Engine):
     def dense_request(self, row: Sequence[int], adapter: str | None) -> dict[str, Any]:
         if not row:
             raise RequestRejectedError("a dense row needs at least one token")
+        if self.dense_rows == "sorted":
+            return self.sorted_request(row, adapter)
+        return self.processor_request(row, adapter)
+
+    def processor_request(self, row: Sequence[int], adapter: str | None) -> dict[str, Any]:
+        return {
+            "input_ids": list(row),
+            # The processor runs in the sampler, so one token is sampled (greedy: the cheapest).
+            "sampling_params": {
+                "max_new_tokens": 1,
+                "temperature": 0.0,
+                "custom_params": {"b64": self.dense_rows != "raw"},
+            },
+            "custom_logit_processor": PROCESSOR,
+            "lora_path": self._lora(adapter),
+        }
+
+    def sorted_request(self, row: Sequence[int], adapter: str | None) -> dict[str, Any]:
         return {
             "input_ids": [*row, _PLACEHOLDER],
             "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
@@ -229,10 +263,15 @@ class SglangEngine(Engine):
         }
 
     async def _dense_row(self, row: Sequence[int], adapter: str | None) -> np.ndarray:
-        values, ids = _top_rows(
-            (await self.transport.generate(self.dense_request(row, adapter)))["meta_info"]
-        )
-        return scatter_row(values[-1], ids[-1], self.vocab_size)
+        meta = (await self.transport.generate(self.dense_request(row, adapter)))["meta_info"]
+        if self.dense_rows == "sorted":
+            values, ids = _top_rows(meta)
+            return scatter_row(values[-1], ids[-1], self.vocab_size)
+        payload = meta["dense"][0]
+        data = base64.b64decode(payload) if isinstance(payload, str) else payload
+        if len(data) != 4 * self.vocab_size:
+            raise ScatterError(f"expected {self.vocab_size} floats in SGLang's row, got {len(data) / 4:g}")
+        return np.frombuffer(data, dtype="<f4")
 
     async def next_token_logprobs(
         self,

@@ -180,7 +180,8 @@ def recorded_requests(engine: Any, ids: list[int]) -> dict[str, dict[str, Any]]:
         ids, SamplingParams(max_tokens=3, temperature=0.0, top_logprobs=2), None
     )
     return {
-        "dense": engine.dense_request(ids, None),
+        "dense": engine.processor_request(ids, None),
+        "dense_sorted": engine.sorted_request(ids, None),
         "prompt_top2": engine.prompt_request(ids, 2, None),
         "prompt_top0": engine.prompt_request(ids, 0, None),
         "generate": {**generation, "stream": False},

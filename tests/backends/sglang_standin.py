@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import time
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -34,8 +35,8 @@ def distribution(prefix, adapter, vocab_size):
     """The fake model: log-probabilities after `prefix` (float32 [vocab_size])."""
     key = json.dumps([list(map(int, prefix)), adapter]).encode()
     seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
-    logits = np.random.default_rng(seed).standard_normal(vocab_size).astype(np.float32) * 3
-    return (logits - np.logaddexp.reduce(logits)).astype(np.float32)
+    logits = np.random.default_rng(seed).standard_normal(vocab_size) * 3
+    return (logits - np.logaddexp.reduce(logits)).astype(np.float32)  # normalised in float64
 
 
 def _serving_fields(meta, first, last):
@@ -61,7 +62,6 @@ def _load_sglang_types():
     import functools
     import importlib.abc
     import importlib.machinery
-    import types
 
     import transformers.image_processing_base  # noqa: F401 (fixes transformers' torchvision check first)
     from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
@@ -106,6 +106,7 @@ class Model:
         self.incremental = args.incremental_streaming_output
         self.stream_interval = args.stream_interval
         self.adapters = set()
+        self.custom_logit_processor = args.enable_custom_logit_processor
         self.requests = []  # every /generate body, for tests of what the engine sent
         self.types = None if args.no_validate else _load_sglang_types()
 
@@ -124,6 +125,11 @@ class Model:
         ids = body["input_ids"]
         if len(ids) > self.context_length:
             return f"The input ({len(ids)} tokens) is longer than the model's context length ({self.context_length} tokens)."
+        if body.get("custom_logit_processor") and not self.custom_logit_processor:
+            return (
+                "The server is not configured to enable custom logit processor. "
+                "Please set `--enable-custom-logit-processor` to enable this feature."
+            )
         lora = body.get("lora_path")
         if lora is not None and lora not in self.adapters:
             return f"The following requested LoRA adapters are not loaded: {lora}"
@@ -159,7 +165,23 @@ class Model:
         """The non-streamed answer: the final chunk of generation, with the time sent."""
         out = list(self.chunks(body, incremental=False))[-1]
         out["meta_info"]["response_sent_to_client_ts"] = time.time()
+        if body.get("custom_logit_processor"):
+            out["meta_info"].update(self.processed(body))
         return out
+
+    def processed(self, body):
+        """What the request's custom logit processor puts in meta_info: it is unpickled as SGLang's
+        scheduler does (by reference: it must be importable here) and called with the logits of the
+        request's prompt position, once, as SGLang's sampler calls it for the first output token."""
+        import dill
+        import torch
+
+        processor = dill.loads(bytes.fromhex(json.loads(body["custom_logit_processor"])["callable"]))()
+        request = types.SimpleNamespace(customized_info=None)
+        params = {**body["sampling_params"]["custom_params"], "__req__": request}
+        logits = torch.from_numpy(distribution(body["input_ids"], body.get("lora_path"), self.vocab_size))
+        processor(logits[None].clone(), [params])
+        return request.customized_info or {}
 
     def chunks(self, body, incremental):
         shape = json.loads((RECORDINGS / "generate.json").read_text())
@@ -310,6 +332,7 @@ def main():
     parser.add_argument("--context-length", type=int)
     parser.add_argument("--incremental-streaming-output", action="store_true")
     parser.add_argument("--stream-interval", type=int, default=1)  # tokens per streamed chunk
+    parser.add_argument("--enable-custom-logit-processor", action="store_true")
     parser.add_argument("--no-validate", action="store_true")
     parser.add_argument("--behaviour", default="ok", choices=["ok", "crash", "never-healthy", "ignore-term"])
     args, _ = parser.parse_known_args()  # launch_server's other options (dtype, LoRA, ...) are accepted

@@ -19,6 +19,7 @@ require_engine_library("sglang")
 
 from backends.errors import AdapterError, RequestRejectedError  # noqa: E402
 from backends.sglang import ScatterError, SglangEngine, scatter_row  # noqa: E402
+from backends.sglang_processor import PROCESSOR  # noqa: E402
 from backends.sglang_transport import ManagedServer, SglangError  # noqa: E402
 from backends.types import EngineConfig, SamplingParams  # noqa: E402
 from tests.backends.sglang_standin import distribution  # noqa: E402
@@ -61,18 +62,19 @@ async def test_dense_rows_are_the_full_distribution_in_token_id_order(engine, se
     rows = [[1, 2, 3], [5], [7, 8, 9, 10]]
     out = await engine.next_token_logprobs(rows)
     assert out.shape == (3, engine.vocab_size) and out.dtype == np.float32
-    for row, got in zip(rows, out, strict=True):
-        np.testing.assert_array_equal(got, distribution(row, None, engine.vocab_size))
+    for row, got in zip(rows, out, strict=True):  # the processor's own log_softmax, in float32
+        np.testing.assert_allclose(got, distribution(row, None, engine.vocab_size), rtol=0, atol=2e-5)
     bodies = sent()
-    assert sorted(b["input_ids"] for b in bodies) == sorted([*r, 0] for r in rows)
-    assert {b["top_logprobs_num"] for b in bodies} == {engine.vocab_size}
-    assert all(b["logprob_start_len"] == len(b["input_ids"]) - 2 for b in bodies)
+    assert sorted(b["input_ids"] for b in bodies) == sorted(rows)
+    assert {b["custom_logit_processor"] for b in bodies} == {PROCESSOR}
+    assert all(b["sampling_params"]["custom_params"] == {"b64": True} for b in bodies)  # JSON over HTTP
+    assert {b["sampling_params"]["max_new_tokens"] for b in bodies} == {1}
 
 
 async def test_lora_routing_is_per_request(engine, adapter, sent):
     out = await engine.next_token_logprobs([[4, 5], [4, 5]], [None, adapter])
-    np.testing.assert_array_equal(out[0], distribution([4, 5], None, engine.vocab_size))
-    np.testing.assert_array_equal(out[1], distribution([4, 5], adapter, engine.vocab_size))
+    np.testing.assert_allclose(out[0], distribution([4, 5], None, engine.vocab_size), rtol=0, atol=2e-5)
+    np.testing.assert_allclose(out[1], distribution([4, 5], adapter, engine.vocab_size), rtol=0, atol=2e-5)
     assert sorted(b["lora_path"] or "" for b in sent()) == ["", adapter]
     with pytest.raises(AdapterError):
         await engine.next_token_logprobs([[1]], ["missing"])
@@ -142,18 +144,52 @@ async def test_managed_server_arguments(engine):
     argv = info["argv"]
     assert argv[argv.index("--model-path") + 1] == engine.model_path
     assert argv[argv.index("--max-lora-rank") + 1] == "8" and "--enable-lora" in argv
+    assert "--enable-custom-logit-processor" in argv  # dense rows through backends/sglang_processor.py
 
 
-async def test_url_mode_connects_to_a_running_server(engine, model_dir):
+async def test_url_mode_connects_to_a_running_server(engine, model_dir, sent):
     other = SglangEngine.load(_config(model_dir, mode="url", url=engine.transport.base_url))
     try:
         assert other.is_healthy() and other.transport.server is None
+        # A server the gateway did not start may lack the processor: rows come sorted, exact.
         np.testing.assert_array_equal(
             (await other.next_token_logprobs([[9, 9]]))[0], distribution([9, 9], None, other.vocab_size)
         )
+        assert [(b["input_ids"], b["top_logprobs_num"]) for b in sent()] == [([9, 9, 0], other.vocab_size)]
     finally:
         await other.aclose()
     assert engine.is_healthy()  # closing a url-mode engine leaves the server alone
+    told = SglangEngine.load(
+        _config(model_dir, mode="url", url=engine.transport.base_url, dense_rows="processor")
+    )
+    try:
+        np.testing.assert_allclose(
+            (await told.next_token_logprobs([[9, 8]]))[0],
+            distribution([9, 8], None, told.vocab_size),
+            rtol=0,
+            atol=2e-5,
+        )
+        assert sent()[-1]["custom_logit_processor"] == PROCESSOR
+    finally:
+        await told.aclose()
+
+
+def test_a_server_without_the_processor_flag_refuses_processor_rows(model_dir, tmp_path):
+    async def ask(url: str) -> None:
+        engine = SglangEngine.load(_config(model_dir, mode="url", url=url, dense_rows="processor"))
+        try:
+            await engine.next_token_logprobs([[1, 2]])
+        finally:
+            await engine.aclose()
+
+    command = [*STANDIN, "--model-path", str(model_dir)]
+    server = ManagedServer(command, free_port(), tmp_path / "log", env={})
+    try:
+        server.wait_healthy(60)
+        with pytest.raises(RequestRejectedError, match="enable-custom-logit-processor"):
+            asyncio.run(ask(server.base_url))
+    finally:
+        server.stop(grace_s=0)
 
 
 # -- chunk handling, without a server ------------------------------------------------------------
