@@ -188,7 +188,9 @@ class SglangEngine(Engine):
     def _launch(config: EngineConfig, path: Path, options: dict[str, Any], http: dict) -> HttpTransport:
         command = list(options.get("server_command") or [sys.executable, "-m", "sglang.launch_server"])
         command += ["--model-path", str(path), "--dtype", config.dtype, "--skip-server-warmup"]
-        command += ["--enable-custom-logit-processor"]
+        # Dense rows through backends/sglang_processor.py; streamed chunks with the new tokens only,
+        # not every token so far (which makes a stream's JSON quadratic in its length).
+        command += ["--enable-custom-logit-processor", "--incremental-streaming-output"]
         if config.max_model_len:
             command += ["--context-length", str(config.max_model_len)]
         if config.max_lora_rank:

@@ -21,6 +21,7 @@ way runs the same algorithm:
   gateway-particles   the same, each particle asking for its own row concurrently (genlm's
             samplers do this); the client merges the calls into one request per step
   gateway-nocache   `gateway` with the gateway's output cache off (SMC rows never repeat)
+  gateway-sglang    `gateway` serving with `--backend sglang` (sglang.Engine in the gateway)
   genlm     genlm-backend's in-process AsyncTransformer (batch_next_token_logprobs), the prompt's
             K/V cached first (cache_kv)
   decode    plain transformers batched decode with one DynamicCache: the engine's limit
@@ -88,10 +89,11 @@ MODES = [
     "gateway-socket",
     "gateway-particles",
     "gateway-nocache",
+    "gateway-sglang",
     "genlm",
     "decode",
 ]
-GATEWAY_MODES = ("gateway", "gateway-socket", "gateway-particles", "gateway-nocache")
+GATEWAY_MODES = ("gateway", "gateway-socket", "gateway-particles", "gateway-nocache", "gateway-sglang")
 
 
 def random_model_dir(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -106,8 +107,15 @@ def start_bench_gateway(
         "enabled = false" if mode == "gateway-nocache" else cache_bytes and f"memory_bytes = {cache_bytes}"
     )
     options = ", ".join(f"{key} = {value}" for key, value in args.engine_option)
+    backend = ""
+    if mode == "gateway-sglang":
+        backend = 'backend = "sglang"\n'
+        options = ", ".join(
+            f"{key} = {json.dumps(value)}" for key, value in {"mode": "engine", **SGLANG_ARGS}.items()
+        )
     toml.write_text(
         f'[[models]]\nname = "smc"\nmodel = "{model_dir}"\ndtype = "{args.dtype}"\ndevice = "{args.device}"\n'
+        + backend
         + f"options = {{{options}}}\n"
         + (f"[cache]\n{cache}\n" if cache else "")
     )
