@@ -47,6 +47,7 @@ from backends.distinct_rows import computed_rows
 from backends.engine import Engine, Out
 from backends.errors import AdapterError, EngineUnavailableError, RequestRejectedError
 from backends.sglang_transport import EngineTransport, HttpTransport, ManagedServer, Transport, free_port
+from backends.sglang_weights import SglangWeights
 from backends.types import EngineConfig, PromptLogprobs, SamplingParams, TokenStep, resolve_auto_dtype
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class SglangEngine(Engine):
         self.dtype = dtype
         self._adapters: set[str] = set()
         self.adapters = SglangAdapters(self)
+        self.weights = SglangWeights(transport)
 
     @classmethod
     def load(cls, config: EngineConfig) -> SglangEngine:
