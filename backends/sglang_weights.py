@@ -94,7 +94,9 @@ class SglangCollective(contract.Collective):
                 "Failed to initialize custom process group: not every rank joined within "
                 f"{group.timeout_s:g} s"
             ) from None
-        log.info("joined a weights update group through SGLang as rank %d of %d", group.rank, group.world_size)
+        log.info(
+            "joined a weights update group through SGLang as rank %d of %d", group.rank, group.world_size
+        )
 
     def _group(self, name: str) -> None:
         if name not in self._groups:

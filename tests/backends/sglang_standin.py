@@ -147,7 +147,10 @@ class Model:
         start = body.get("logprob_start_len", -1)
         start = len(ids) if start is None or start < 0 else start
         k = body.get("top_logprobs_num") or 0
-        dists = [distribution(ids[:p], lora, self.vocab_size, self.weights.version) for p in range(start + 1, len(ids))]
+        dists = [
+            distribution(ids[:p], lora, self.vocab_size, self.weights.version)
+            for p in range(start + 1, len(ids))
+        ]
         token_logprobs = [[None, ids[start], None]] if start < len(ids) else []
         token_logprobs += [[float(d[t]), t, None] for d, t in zip(dists, ids[start + 1 :], strict=True)]
         meta = {"input_token_logprobs": token_logprobs}
@@ -227,7 +230,10 @@ class Model:
                 meta["output_top_logprobs"] = [
                     [
                         [float(v), int(i), None]
-                        for v, i in zip(*_top(distribution(ids, lora, self.vocab_size, self.weights.version), k), strict=True)
+                        for v, i in zip(
+                            *_top(distribution(ids, lora, self.vocab_size, self.weights.version), k),
+                            strict=True,
+                        )
                     ]
                 ]
             yield out

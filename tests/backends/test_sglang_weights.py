@@ -193,7 +193,9 @@ def _cuda() -> bool:
 @pytest.mark.skipif(not _cuda(), reason="SGLang's engine needs CUDA")
 async def test_real_engine_loads_new_weights_from_disk(model_dir, reference, scaled_dir, scaled):
     options = dict(attention_backend="triton", sampling_backend="pytorch", grammar_backend="none")
-    config = EngineConfig(model=str(model_dir), options=dict(mode="engine", mem_fraction_static=0.3, **options))
+    config = EngineConfig(
+        model=str(model_dir), options=dict(mode="engine", mem_fraction_static=0.3, **options)
+    )
     engine = await asyncio.to_thread(SglangEngine.load, config)
     try:
         ids = reference.tokenizer("The capital of France is")["input_ids"]
