@@ -143,7 +143,7 @@ class SglangEngine(Engine):
         self.dtype = dtype
         self._adapters: set[str] = set()
         self.adapters = SglangAdapters(self)
-        self.weights = SglangWeights(transport)
+        self.weights = SglangWeights(self)
 
     @classmethod
     def load(cls, config: EngineConfig) -> SglangEngine:

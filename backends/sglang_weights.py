@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from backends import engine as contract
 from backends.errors import WeightsError, WeightsGroupError
@@ -32,6 +32,11 @@ from backends.sglang_transport import Transport
 from backends.types import AnnouncedTensor, WeightsGroup
 
 log = logging.getLogger(__name__)
+
+
+class HasTransport(Protocol):
+    transport: Transport
+    model_path: str
 
 
 async def _call(transport: Transport, name: str, body: dict[str, Any]) -> str:
@@ -144,10 +149,12 @@ class SglangWeights(contract.Weights):
     # no step to hold a stream at: an update waits for streams in flight to end, as with vLLM.
     held_between_steps = False
 
-    def __init__(self, transport: Transport) -> None:
-        self.transport = transport
-        self.collective = SglangCollective(transport)
+    def __init__(self, engine: HasTransport) -> None:
+        self.engine = engine
+        self.collective = SglangCollective(engine.transport)
 
     async def load(self, path: str) -> None:
         # SGLang reloads its original weights itself when loading new ones fails
-        await _call(self.transport, "update_weights_from_disk", {"model_path": path, "flush_cache": True})
+        body = {"model_path": path, "flush_cache": True}
+        await _call(self.engine.transport, "update_weights_from_disk", body)
+        self.engine.model_path = path

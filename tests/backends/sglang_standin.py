@@ -264,6 +264,8 @@ def make_handler(model, args):
                 return self._json(200, {"argv": sys.argv[1:], "env": env})
             if self.path == "/standin/requests":
                 return self._json(200, model.requests)
+            if self.path == "/standin/weights":  # the weights_version distribution() is given now
+                return self._json(200, {"version": model.weights.version})
             self._json(404, {"detail": "Not Found"})
 
         def do_POST(self):

@@ -121,6 +121,7 @@ async def test_weights_from_disk_are_served(engine, original, model_dir, scaled_
     await engine.weights.load(str(scaled_dir))
     new = directory_version(scaled_dir)
     await assert_rows(engine, new)
+    assert engine.model_path == str(scaled_dir)
     assert new and np.abs(distribution(ROWS[0], None, 100, new) - distribution(ROWS[0], None, 100)).max() > 0
     body = sent(engine, "/update_weights_from_disk")[-1]
     assert body == {"path": "/update_weights_from_disk", "model_path": str(scaled_dir), "flush_cache": True}
@@ -128,7 +129,9 @@ async def test_weights_from_disk_are_served(engine, original, model_dir, scaled_
     await assert_rows(engine, "")
 
 
-async def test_sglangs_refusal_is_a_weights_error_with_its_message(engine, original, scaled_dir, tmp_path):
+async def test_sglangs_refusal_is_a_weights_error_with_its_message(
+    engine, original, model_dir, scaled_dir, tmp_path
+):
     with pytest.raises(WeightsError, match="Failed to get weights iterator"):
         await engine.weights.load(str(tmp_path / "absent"))
     broken = tmp_path / "broken"
@@ -137,6 +140,7 @@ async def test_sglangs_refusal_is_a_weights_error_with_its_message(engine, origi
     with pytest.raises(WeightsError, match="(?s)deserializing header of extra.safetensors.*Rolling back"):
         await engine.weights.load(str(broken))
     await assert_rows(engine, "")
+    assert engine.model_path == str(model_dir)
 
 
 async def test_weights_over_a_collective_are_served(engine, original):
