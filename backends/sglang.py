@@ -1,6 +1,7 @@
 """SGLang engine: one SGLang request per row or prompt, submitted concurrently so they share
 SGLang's continuous batching and radix (prefix) cache. LoRA adapters travel per request
-(`lora_path` holds the adapter's name), never as a global switch.
+(`lora_path` holds the adapter's name), never as a global switch. New weights, from disk or a
+trainer's collective, go through SGLang's own calls (backends/sglang_weights.py).
 
 Modes (`EngineConfig.options["mode"]`), one request format (GenerateReqInput field names):
 - "engine" (default): `sglang.Engine` in this process; CUDA only.
