@@ -6,6 +6,7 @@ refusals are WeightsErrors with its message. The real engine, from disk: the las
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import sys
 import threading
@@ -165,6 +166,16 @@ async def test_weights_over_a_collective_are_served(engine, original):
             await collective.leave(trainer.name)
     finally:
         trainer.close()
+
+
+async def test_a_join_sglang_fails_is_a_weights_error_with_its_message(engine):
+    trainer = GlooTrainer("weight_update_group_nccl")
+    nccl = dataclasses.replace(trainer.weights_group(), backend="nccl")  # the stand-in has no GPU
+    with pytest.raises(WeightsError, match="^Failed to initialize custom process group: .*NCCL"):
+        await engine.weights.collective.join(nccl)
+    with pytest.raises(WeightsGroupError, match="does not exist"):  # nothing was joined
+        await engine.weights.collective.leave(trainer.name)
+    assert engine.is_healthy()
 
 
 async def test_an_unknown_group_is_refused_before_sglang_hears_of_it(engine):
