@@ -55,7 +55,7 @@ class SglangCollective(contract.Collective):
         self._groups: set[str] = set()
         self._joining: set[str] = set()  # until SGLang answers, given up on or not
         self._busy: dict[str, asyncio.Lock] = {}
-        self._pending: set[asyncio.Future[str]] = set()
+        self._pending: set[asyncio.Future[Any]] = set()  # joins and leaves nobody awaits
 
     async def join(self, group: WeightsGroup) -> None:
         if group.name in self._groups or group.name in self._joining:
