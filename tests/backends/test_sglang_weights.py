@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -194,6 +196,59 @@ async def test_a_join_nobody_answers_is_given_up_at_the_groups_timeout(engine):
     assert time.monotonic() - started < 5
     with pytest.raises(WeightsGroupError, match="still joining"):  # SGLang has not answered yet
         await engine.weights.collective.receive("alone", [AnnouncedTensor("w", "float32", (1,))])
+
+
+# -- the in-process transport, without CUDA -----------------------------------------------------
+
+_ENGINE_MODE = """
+import asyncio, json, sys
+sys.path.insert(0, sys.argv[1])
+from tests.backends.sglang_standin import _load_sglang_types
+_load_sglang_types()  # sglang's request types without its CUDA-only imports
+from backends.sglang_transport import EngineTransport, WEIGHTS_CALLS
+
+class TokenizerManager:  # SGLang's signatures: (obj, request) -> (success, message, ...)
+    def __getattr__(self, name):
+        async def call(obj, request):
+            seen.append([name, type(obj).__name__, request])
+            return (name != "destroy_weights_update_group", f"{name} answered", 0)[: 3 if "disk" in name else 2]
+        return call
+
+class Engine:
+    tokenizer_manager = TokenizerManager()
+
+seen = []
+transport = EngineTransport.__new__(EngineTransport)
+transport.engine = Engine()
+bodies = {
+    "update_weights_from_disk": {"model_path": "/m", "flush_cache": True},
+    "init_weights_update_group": {"master_address": "h", "master_port": 1, "rank_offset": 1,
+                                  "world_size": 2, "group_name": "g", "backend": "gloo"},
+    "update_weights_from_distributed": {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]],
+                                        "group_name": "g", "flush_cache": True},
+    "destroy_weights_update_group": {"group_name": "g"},
+}
+answers = {name: asyncio.run(transport.weights_call(name, body)) for name, body in bodies.items()}
+print(json.dumps({"seen": seen, "answers": answers, "calls": WEIGHTS_CALLS}))
+"""
+
+
+def test_the_in_process_transport_awaits_the_tokenizer_managers_own_methods():
+    """In "engine" mode the calls are sglang's own request types, awaited on the tokenizer manager
+    (in a process of its own: sglang's types import only with the stand-in's patches)."""
+    root = str(Path(__file__).parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", _ENGINE_MODE, root], capture_output=True, text=True, timeout=300, cwd=root
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["seen"] == [[name, type_name, None] for name, type_name in result["calls"].items()]
+    assert result["answers"] == {
+        "update_weights_from_disk": [True, "update_weights_from_disk answered"],
+        "init_weights_update_group": [True, "init_weights_update_group answered"],
+        "update_weights_from_distributed": [True, "update_weights_from_distributed answered"],
+        "destroy_weights_update_group": [False, "destroy_weights_update_group answered"],
+    }
 
 
 # -- the real engine ----------------------------------------------------------------------------
