@@ -276,6 +276,7 @@ def make_handler(model, args):
                 model.requests.append({"path": self.path, **body})
                 return self._json(*model.weights.answer(self.path, body))
             if self.path != "/generate":
+                model.requests.append({"path": self.path})  # what SGLang was asked and lacks
                 return self._json(404, {"detail": "Not Found"})
             model.requests.append(body)
             with model.weights.serving():

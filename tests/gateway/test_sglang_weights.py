@@ -163,3 +163,22 @@ def test_the_stand_in_refuses_bodies_sglangs_types_refuse(standin, scaled_dir):
     for body in ({"model_path": str(scaled_dir), "flush_cash": True}, {"model_path": 3}):
         answer = httpx.post(standin.base_url + "/update_weights_from_disk", json=body)
         assert answer.status_code == 422, json.dumps(body)
+
+
+def test_an_update_while_the_gateway_is_paused_never_pauses_sglang(gateway, standin, scaled_dir, tmp_path):
+    """TorchRL's steps around an update: pause (retract), /get_load down to nothing running, the
+    update, continue. The pause is the gateway's own: SGLang is never paused, so its cache flush
+    after the update finds it idle."""
+    checkpoint = tmp_path / "step-2"
+    shutil.copytree(scaled_dir, checkpoint)
+    (checkpoint / "config.json").write_text((scaled_dir / "config.json").read_text() + "\n")  # new bytes
+    before = len(httpx.get(standin.base_url + "/standin/requests").json())
+    assert post(gateway, "/pause_generation", {"mode": "retract"}).status_code == 200
+    load = httpx.get(gateway.base_url + "/get_load").json()[0]
+    assert load["num_reqs"] - load["num_waiting_reqs"] == 0
+    answer = post(gateway, "/update_weights_from_disk", {"model_path": str(checkpoint)})
+    assert answer.status_code == 200, answer.text
+    assert post(gateway, "/continue_generation", {}).status_code == 200
+    served_rows(gateway, directory_version(checkpoint), 0)
+    paths = [body.get("path") for body in httpx.get(standin.base_url + "/standin/requests").json()[before:]]
+    assert paths[0] == "/update_weights_from_disk" and "/pause_generation" not in paths
