@@ -125,10 +125,14 @@ class SglangCollective(contract.Collective):
             self._group(group_name)  # it may have been left meanwhile
             await _call(self.transport, "update_weights_from_distributed", body)
 
+    def _known(self, name: str) -> None:
+        if name not in self._groups:
+            raise WeightsGroupError(f"The group to be destroyed does not exist: {name!r}.")
+
     async def leave(self, group_name: str) -> None:
-        if group_name not in self._groups:
-            raise WeightsGroupError(f"The group to be destroyed does not exist: {group_name!r}.")
+        self._known(group_name)
         async with self._busy.setdefault(group_name, asyncio.Lock()):
+            self._known(group_name)  # it may have been left meanwhile
             self._groups.discard(group_name)  # SGLang forgets it even when destroying it fails
             self._busy.pop(group_name, None)
             await self._destroy(group_name)
