@@ -1,6 +1,7 @@
 """SGLang engine: one SGLang request per row or prompt, submitted concurrently so they share
 SGLang's continuous batching and radix (prefix) cache. LoRA adapters travel per request
-(`lora_path` holds the adapter's name), never as a global switch.
+(`lora_path` holds the adapter's name), never as a global switch. New weights, from disk or a
+trainer's collective, go through SGLang's own calls (backends/sglang_weights.py).
 
 Modes (`EngineConfig.options["mode"]`), one request format (GenerateReqInput field names):
 - "engine" (default): `sglang.Engine` in this process; CUDA only.
@@ -52,6 +53,7 @@ from backends.engine import Engine, Out
 from backends.errors import AdapterError, EngineUnavailableError, RequestRejectedError
 from backends.sglang_processor import PROCESSOR
 from backends.sglang_transport import EngineTransport, HttpTransport, ManagedServer, Transport, free_port
+from backends.sglang_weights import SglangWeights
 from backends.types import EngineConfig, PromptLogprobs, SamplingParams, TokenStep, resolve_auto_dtype
 
 log = logging.getLogger(__name__)
@@ -149,6 +151,7 @@ class SglangEngine(Engine):
         self.dtype = dtype
         self._adapters: set[str] = set()
         self.adapters = SglangAdapters(self)
+        self.weights = SglangWeights(self)
 
     @classmethod
     def load(cls, config: EngineConfig) -> SglangEngine:

@@ -25,11 +25,22 @@ class SglangError(RuntimeError):
     """SGLang failed a request for a reason of its own (not the client's parameters)."""
 
 
+# SGLang's calls that change the weights: the tokenizer manager's method and HTTP path, and its
+# request type in sglang/srt/managers/io_struct.py. Each answers (success, message, ...).
+WEIGHTS_CALLS = {
+    "update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+}
+
+
 class Transport(Protocol):
     async def generate(self, request: dict[str, Any]) -> dict[str, Any]: ...
     def stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
     async def load_lora(self, name: str, path: str) -> None: ...
     async def unload_lora(self, name: str) -> None: ...
+    async def weights_call(self, name: str, body: dict[str, Any]) -> tuple[bool, str]: ...
     def is_healthy(self) -> bool: ...
     async def aclose(self) -> None: ...
 
@@ -93,6 +104,15 @@ class EngineTransport:
         result = await self.engine.async_unload_lora_adapter(name)
         if not result.success:
             raise AdapterError(f"cannot unload adapter {name!r}: {result.error_message}")
+
+    async def weights_call(self, name: str, body: dict[str, Any]) -> tuple[bool, str]:
+        """The tokenizer manager's own coroutine: the Engine's synchronous wrappers of these run
+        their own event loop to completion, which cannot run inside the gateway's."""
+        from sglang.srt.managers import io_struct
+
+        request = getattr(io_struct, WEIGHTS_CALLS[name])(**body)
+        result = await getattr(self.engine.tokenizer_manager, name)(request, None)
+        return bool(result[0]), str(result[1])
 
     def is_healthy(self) -> bool:
         return not getattr(self.engine.tokenizer_manager, "gracefully_exit", False)
@@ -175,6 +195,19 @@ class HttpTransport:
 
     async def unload_lora(self, name: str) -> None:
         await self._lora("/unload_lora_adapter", {"lora_name": name})
+
+    async def weights_call(self, name: str, body: dict[str, Any]) -> tuple[bool, str]:
+        """SGLang's endpoint of that name: 200 or 400, both with `success` and `message`."""
+        if name not in WEIGHTS_CALLS:
+            raise ValueError(f"not one of SGLang's weights calls: {name}")
+        response = await self._post("/" + name, body)
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict) or "success" not in answer:
+            self._raise_for(response, response.text)
+        return bool(answer["success"]), str(answer.get("message", ""))
 
     def is_healthy(self) -> bool:
         if self.server is not None and not self.server.alive():

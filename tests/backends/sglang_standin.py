@@ -8,6 +8,11 @@ with values computed from `distribution()`, which tests import to know the right
 `sampling_params` into a real `SamplingParams`), so a misspelled or removed field fails the request
 as it would in SGLang's Python API; the HTTP server itself would silently ignore it.
 
+New weights (sglang_standin_weights.py): /update_weights_from_disk, /init_weights_update_group,
+/update_weights_from_distributed and /destroy_weights_update_group, as SGLang 0.5.17 answers them,
+their bodies checked against sglang's own request types; the model's distribution then depends on
+the weights it has (`weights_version`).
+
 --behaviour crash | never-healthy | ignore-term drives the managed-server lifecycle tests.
 """
 
@@ -28,12 +33,18 @@ from pathlib import Path
 
 import numpy as np
 
+try:  # run as a script, this directory is on the path; imported by tests, the repository
+    from sglang_standin_weights import WEIGHTS_PATHS, Weights
+except ImportError:
+    from tests.backends.sglang_standin_weights import WEIGHTS_PATHS, Weights
+
 RECORDINGS = Path(__file__).parent / "sglang_recordings"
 
 
-def distribution(prefix, adapter, vocab_size):
-    """The fake model: log-probabilities after `prefix` (float32 [vocab_size])."""
-    key = json.dumps([list(map(int, prefix)), adapter]).encode()
+def distribution(prefix, adapter, vocab_size, weights=""):
+    """The fake model: log-probabilities after `prefix` (float32 [vocab_size]) with the weights
+    `weights` ("": those it started with; see sglang_standin_weights.weights_version)."""
+    key = json.dumps([list(map(int, prefix)), adapter, *([weights] if weights else [])]).encode()
     seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
     logits = np.random.default_rng(seed).standard_normal(vocab_size) * 3
     return (logits - np.logaddexp.reduce(logits)).astype(np.float32)  # normalised in float64
@@ -109,6 +120,7 @@ class Model:
         self.custom_logit_processor = args.enable_custom_logit_processor
         self.requests = []  # every /generate body, for tests of what the engine sent
         self.types = None if args.no_validate else _load_sglang_types()
+        self.weights = Weights(Path(args.model_path), validate=not args.no_validate)
 
     def validate(self, body):
         if self.types is None:
@@ -141,7 +153,10 @@ class Model:
         start = body.get("logprob_start_len", -1)
         start = len(ids) if start is None or start < 0 else start
         k = body.get("top_logprobs_num") or 0
-        dists = [distribution(ids[:p], lora, self.vocab_size) for p in range(start + 1, len(ids))]
+        dists = [
+            distribution(ids[:p], lora, self.vocab_size, self.weights.version)
+            for p in range(start + 1, len(ids))
+        ]
         token_logprobs = [[None, ids[start], None]] if start < len(ids) else []
         token_logprobs += [[float(d[t]), t, None] for d, t in zip(dists, ids[start + 1 :], strict=True)]
         meta = {"input_token_logprobs": token_logprobs}
@@ -194,7 +209,7 @@ class Model:
         if limit == 0:
             finish = {"type": "length", "length": 0}
         while finish is None:
-            dist = distribution(ids, lora, self.vocab_size)
+            dist = distribution(ids, lora, self.vocab_size, self.weights.version)
             token = int(np.argmax(dist))
             ids.append(token)
             outputs.append([float(dist[token]), token, None])
@@ -237,7 +252,10 @@ class Model:
                 meta["output_top_logprobs"] = [
                     [
                         [float(v), int(i), None]
-                        for v, i in zip(*_top(distribution(ids, lora, self.vocab_size), k), strict=True)
+                        for v, i in zip(
+                            *_top(distribution(ids, lora, self.vocab_size, self.weights.version), k),
+                            strict=True,
+                        )
                     ]
                 ]
             yield out
@@ -268,15 +286,25 @@ def make_handler(model, args):
                 return self._json(200, {"argv": sys.argv[1:], "env": env})
             if self.path == "/standin/requests":
                 return self._json(200, model.requests)
+            if self.path == "/standin/weights":  # the weights_version distribution() is given now
+                return self._json(200, {"version": model.weights.version})
             self._json(404, {"detail": "Not Found"})
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
             if self.path in ("/load_lora_adapter", "/unload_lora_adapter"):
                 return self._lora(body)
+            if self.path in WEIGHTS_PATHS:
+                model.requests.append({"path": self.path, **body})
+                return self._json(*model.weights.answer(self.path, body))
             if self.path != "/generate":
+                model.requests.append({"path": self.path})  # what SGLang was asked and lacks
                 return self._json(404, {"detail": "Not Found"})
             model.requests.append(body)
+            with model.weights.serving():
+                return self._generate(body)
+
+        def _generate(self, body):
             try:
                 model.validate(body)
             except (TypeError, ValueError) as exc:
