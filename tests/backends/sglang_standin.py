@@ -119,6 +119,7 @@ class Model:
         self.adapters = set()
         self.custom_logit_processor = args.enable_custom_logit_processor
         self.requests = []  # every /generate body, for tests of what the engine sent
+        self.kept = set()  # prefixes answered before, as SGLang's radix cache keeps them
         self.types = None if args.no_validate else _load_sglang_types()
         self.weights = Weights(Path(args.model_path), validate=not args.no_validate)
 
@@ -176,12 +177,27 @@ class Model:
                 meta["input_top_logprobs"] = ([None] if start < len(ids) else []) + rows
         return meta
 
+    def cached(self, body):
+        """SGLang's cached-token fields: the longest prefix kept from an earlier request, never the
+        whole input nor past the first position whose logprobs are asked; the details only when
+        something was cached."""
+        ids = tuple(body["input_ids"])
+        start = body.get("logprob_start_len", -1) if body.get("return_logprob") else -1
+        limit = min(len(ids) - 1, start) if start is not None and start >= 0 else len(ids) - 1
+        n = max((k for k in range(1, limit + 1) if ids[:k] in self.kept), default=0)
+        self.kept.update(ids[:k] for k in range(1, len(ids) + 1))
+        return {"cached_tokens": n, "cached_tokens_details": {"device": n, "host": 0} if n else None}
+
     def answer(self, body):
         """The non-streamed answer: the final chunk of generation, with the time sent."""
         out = list(self.chunks(body, incremental=False))[-1]
-        out["meta_info"]["response_sent_to_client_ts"] = time.time()
+        meta = out["meta_info"]
+        meta["response_sent_to_client_ts"] = time.time()
+        if not body.get("return_logprob"):
+            for key in [k for k in meta if "logprobs" in k]:
+                del meta[key]
         if body.get("custom_logit_processor"):
-            out["meta_info"].update(self.processed(body))
+            meta.update(self.processed(body))
         return out
 
     def processed(self, body):
@@ -194,7 +210,9 @@ class Model:
         processor = dill.loads(bytes.fromhex(json.loads(body["custom_logit_processor"])["callable"]))()
         request = types.SimpleNamespace(customized_info=None)
         params = {**body["sampling_params"]["custom_params"], "__req__": request}
-        logits = torch.from_numpy(distribution(body["input_ids"], body.get("lora_path"), self.vocab_size))
+        logits = torch.from_numpy(
+            distribution(body["input_ids"], body.get("lora_path"), self.vocab_size, self.weights.version)
+        )
         processor(logits[None].clone(), [params])
         return request.customized_info or {}
 
@@ -206,6 +224,7 @@ class Model:
         k = body.get("top_logprobs_num") or 0
         ids, lora = list(body["input_ids"]), body.get("lora_path")
         outputs, tops, finish, sent = [], [], None, 0
+        cache = self.cached(body)  # what SGLang's radix cache held when the request came in
         if limit == 0:
             finish = {"type": "length", "length": 0}
         while finish is None:
@@ -233,7 +252,7 @@ class Model:
                 completion_tokens=len(outputs),
                 output_token_logprobs=outputs[start:],
                 output_token_logprobs_length=len(outputs),
-                cached_tokens_details={"device": 0, "host": 0},
+                **cache,
             )
             _serving_fields(meta, first=first, last=finish is not None)
             if k:
@@ -246,7 +265,7 @@ class Model:
             for key in [k for k in meta if "logprobs" in k]:
                 del meta[key]
             meta.update(self.prompt_meta(body), output_token_logprobs=[], prompt_tokens=len(ids))
-            meta.update(output_token_logprobs_length=0, cached_tokens_details=None)
+            meta.update(output_token_logprobs_length=0, **cache)
             _serving_fields(meta, first=True, last=True)
             if k:  # SGLang also reports the distribution after the whole input, as triples
                 meta["output_top_logprobs"] = [
