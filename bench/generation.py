@@ -115,6 +115,7 @@ async def measure(
             equal, worst = equal + same, max(worst, diff)
         p50, p95 = np.percentile(latencies, [50, 95])
         rows.append(Row(name, count, statistics.median(rates), p50, p95, equal, count * repeats, worst))
+        progress(f"{name}: {count} streams, {rows[-1].rate:.1f} tok/s")  # kept if the run is cut short
 
 
 async def run_targets(args: argparse.Namespace, setup: Setup) -> list[Row]:
