@@ -280,6 +280,10 @@ async def test_real_engine_loads_new_weights_from_disk(model_dir, reference, sca
         assert np.abs(after - want).mean() < np.abs(after - old).mean()
         with pytest.raises(WeightsError, match="Failed"):
             await engine.weights.load(str(model_dir / "absent"))
-        np.testing.assert_allclose((await engine.next_token_logprobs([ids]))[0], after, atol=1e-3)
+        # Still the new weights. Not bit for bit: the prefix now comes from SGLang's radix cache,
+        # and a cached prefix's bfloat16 rows differ from a full prefill's by a few hundredths.
+        again = (await engine.next_token_logprobs([ids]))[0]
+        np.testing.assert_allclose(again, want, atol=0.05)
+        assert np.abs(again - want).mean() < np.abs(again - old).mean()
     finally:
         await engine.aclose()
