@@ -127,6 +127,49 @@ async def run_way(
     return particles * steps / (time.perf_counter() - started), last
 
 
+async def compare(
+    ways: dict[str, Rows], args: argparse.Namespace, before_repeat: Callable[[int], None] | None = None
+) -> None:
+    """Print rows/s per P of every way (one of them "transformers", the reference), and the largest
+    |difference| of each way's last rows from the reference's. `before_repeat(P)` runs before
+    each repeat, the first of which (fewer steps) only warms up."""
+    rng = np.random.default_rng(args.seed)
+    print("| particles | way | rows/s | min-max | vs transformers | max abs diff vs transformers |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    for particles in args.particles:
+        speeds: dict[str, list[float]] = {name: [] for name in ways}
+        diffs: dict[str, float] = {name: 0.0 for name in ways}
+        for repeat in range(args.repeats + 1):  # the first run warms up (compiles, graphs)
+            if before_repeat is not None:
+                before_repeat(particles)
+            prompt = [int(t) for t in rng.integers(100, 40000, size=32)]
+            last: dict[str, np.ndarray] = {}
+            for name, rows in ways.items():
+                steps = args.steps if repeat else 2
+                speed, last[name] = await run_way(rows, prompt, particles, steps, args.seed + repeat)
+                if repeat:
+                    speeds[name].append(speed)
+            for name, got in last.items():
+                finite = np.isfinite(last["transformers"]) & np.isfinite(got)
+                diffs[name] = max(diffs[name], float(np.abs(got - last["transformers"])[finite].max()))
+        reference = statistics.median(speeds["transformers"])
+        for name, values in speeds.items():
+            median = statistics.median(values)
+            print(
+                f"| {particles} | {name} | {median:,.0f} | {min(values):,.0f}-{max(values):,.0f} "
+                f"| {median / reference:.3f}x | {diffs[name]:.3g} |"
+            )
+
+
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    """What `compare` reads: --particles, --steps, --repeats, --seed, and the model's arguments."""
+    parser.add_argument("--particles", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    add_model_arguments(parser)
+
+
 async def main_async(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -152,30 +195,7 @@ async def main_async(args: argparse.Namespace) -> None:
         }
         if args.skip_sorted:
             del ways["sorted"]
-        rng = np.random.default_rng(args.seed)
-        print("| particles | way | rows/s | min-max | vs transformers | max abs diff vs transformers |")
-        print("| ---: | --- | ---: | ---: | ---: | ---: |")
-        for particles in args.particles:
-            speeds: dict[str, list[float]] = {name: [] for name in ways}
-            diffs: dict[str, float] = {name: 0.0 for name in ways}
-            for repeat in range(args.repeats + 1):  # the first run warms up (compiles, graphs)
-                prompt = [int(t) for t in rng.integers(100, 40000, size=32)]
-                last: dict[str, np.ndarray] = {}
-                for name, rows in ways.items():
-                    steps = args.steps if repeat else 2
-                    speed, last[name] = await run_way(rows, prompt, particles, steps, args.seed + repeat)
-                    if repeat:
-                        speeds[name].append(speed)
-                for name, got in last.items():
-                    finite = np.isfinite(last["transformers"]) & np.isfinite(got)
-                    diffs[name] = max(diffs[name], float(np.abs(got - last["transformers"])[finite].max()))
-            reference = statistics.median(speeds["transformers"])
-            for name, values in speeds.items():
-                median = statistics.median(values)
-                print(
-                    f"| {particles} | {name} | {median:,.0f} | {min(values):,.0f}-{max(values):,.0f} "
-                    f"| {median / reference:.3f}x | {diffs[name]:.3g} |"
-                )
+        await compare(ways, args)
         await sglang.aclose()
         await transformers.aclose()
 
@@ -184,12 +204,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--particles", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
+    add_compare_arguments(parser)
     parser.add_argument("--skip-sorted", action="store_true", help="leave out today's way (slow at large P)")
-    add_model_arguments(parser)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     asyncio.run(main_async(args))

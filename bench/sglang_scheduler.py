@@ -21,8 +21,8 @@ import argparse
 import asyncio
 import cProfile
 import io
+import json
 import pstats
-import statistics
 import sys
 import tempfile
 import time
@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
 from backends.types import EngineConfig  # noqa: E402
-from bench.smc import add_model_arguments, random_model_dir  # noqa: E402
+from bench.sglang_rows import add_compare_arguments, compare, run_way  # noqa: E402
+from bench.smc import random_model_dir  # noqa: E402
 from bench.smc_ways import SGLANG_ARGS  # noqa: E402
 
 
@@ -127,35 +128,17 @@ class SchedulerRows:
         return out
 
 
-def run_way(rows, prompt: list[int], particles: int, steps: int, seed: int) -> tuple[float, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    prefixes = [list(prompt) for _ in range(particles)]
-    started = time.perf_counter()
-    last = np.empty(0)
-    for _ in range(steps):
-        for prefix in prefixes:
-            prefix.append(int(rng.integers(100, 40000)))
-        last = rows(prefixes)
-    return particles * steps / (time.perf_counter() - started), last
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--particles", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
+    add_compare_arguments(parser)
     parser.add_argument("--profile", action="store_true", help="cProfile the scheduler way at the last P")
     parser.add_argument("--server-arg", action="append", default=[], metavar="KEY=JSON")
-    add_model_arguments(parser)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    import json
-
     extra = {k: json.loads(v) for k, v in (a.split("=", 1) for a in args.server_arg)}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = (
@@ -169,49 +152,29 @@ def main() -> None:
         transformers = TransformersEngine.load(
             EngineConfig(model=str(model_dir), dtype=args.dtype, device=args.device)
         )
-        loop = asyncio.new_event_loop()
 
-        def transformers_rows(prefixes: list[list[int]]) -> np.ndarray:
-            return loop.run_until_complete(transformers.next_token_logprobs(prefixes))
+        async def scheduler_rows(prefixes: list[list[int]]) -> np.ndarray:
+            return scheduler.rows(prefixes)
 
-        ways = {"scheduler": scheduler.rows, "transformers": transformers_rows}
-        rng = np.random.default_rng(args.seed)
-        print("| particles | way | rows/s | min-max | vs transformers | max abs diff vs transformers |")
-        print("| ---: | --- | ---: | ---: | ---: | ---: |")
-        breakdown = []
-        for particles in args.particles:
-            speeds: dict[str, list[float]] = {name: [] for name in ways}
-            diff = 0.0
-            for repeat in range(args.repeats + 1):  # the first run warms up
-                prompt = [int(t) for t in rng.integers(100, 40000, size=32)]
-                last = {}
-                scheduler.times.clear()
-                for name, rows in ways.items():
-                    steps = args.steps if repeat else 2
-                    speed, last[name] = run_way(rows, prompt, particles, steps, args.seed + repeat)
-                    if repeat:
-                        speeds[name].append(speed)
-                finite = np.isfinite(last["transformers"]) & np.isfinite(last["scheduler"])
-                diff = max(diff, float(np.abs(last["scheduler"] - last["transformers"])[finite].max()))
-            breakdown.append((particles, {k: v * 1000 / args.steps for k, v in scheduler.times.items()}))
-            reference = statistics.median(speeds["transformers"])
-            for name, values in speeds.items():
-                median = statistics.median(values)
-                print(
-                    f"| {particles} | {name} | {median:,.0f} | {min(values):,.0f}-{max(values):,.0f} "
-                    f"| {median / reference:.3f}x | {diff if name == 'scheduler' else 0:.3g} |"
-                )
+        ways = {"scheduler": scheduler_rows, "transformers": transformers.next_token_logprobs}
+        breakdown: dict[int, dict[str, float]] = {}  # per P, its last repeat's phases
+
+        def before_repeat(particles: int) -> None:
+            breakdown[particles] = scheduler.times = defaultdict(float)
+
+        asyncio.run(compare(ways, args, before_repeat))
         print("\nScheduler way, ms per step (last repeat):\n")
         phases = ["submit", "schedule", "forward", "rows", "result"]
         print("| particles | " + " | ".join(phases) + " |")
         print("| ---: |" + " ---: |" * len(phases))
-        for particles, times in breakdown:
-            print(f"| {particles} | " + " | ".join(f"{times.get(p, 0):.2f}" for p in phases) + " |")
+        for particles, times in breakdown.items():
+            ms = [times.get(p, 0) * 1000 / args.steps for p in phases]
+            print(f"| {particles} | " + " | ".join(f"{v:.2f}" for v in ms) + " |")
         if args.profile:
-            prompt = [int(t) for t in rng.integers(100, 40000, size=32)]
+            prompt = [int(t) for t in np.random.default_rng(args.seed).integers(100, 40000, size=32)]
             profile = cProfile.Profile()
             profile.enable()
-            run_way(scheduler.rows, prompt, args.particles[-1], args.steps, args.seed)
+            asyncio.run(run_way(scheduler_rows, prompt, args.particles[-1], args.steps, args.seed))
             profile.disable()
             text = io.StringIO()
             pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
