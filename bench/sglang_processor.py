@@ -1,10 +1,10 @@
-"""A custom logit processor that hands each SGLang request the whole next-token row it was asked.
+"""A custom logit processor that writes each SGLang request's whole next-token row into a file.
 
-It runs in SGLang's scheduler process (which imports it by name, so it lives in a module, not in
-`__main__`), on the logits of the requests that name it: one log_softmax of the batch on the GPU,
-one copy to the host, and each request's first row in its `customized_info`, which SGLang returns in
-the request's meta_info; or, where the request names a shared file and a slot in its custom
-params, the row written there and only a flag in meta_info. The logits go on unchanged to SGLang's sampler.
+A variant of backends/sglang_processor.py for bench/sglang_rows.py: the request's custom params
+name a file in shared memory that both processes map, and a slot; the processor writes the row
+there and hands back only a flag in `customized_info`. It runs in SGLang's scheduler process
+(which imports it by name, so it lives in a module, not in `__main__`); the logits go on unchanged
+to SGLang's sampler.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _mapped(path: str, vocab_size: int, slot: int) -> np.ndarray:
     return rows
 
 
-class DenseRowsProcessor(CustomLogitProcessor):
+class FileRowsProcessor(CustomLogitProcessor):
     def __call__(
         self, logits: torch.Tensor, custom_param_list: list[dict[str, Any]] | None = None
     ) -> torch.Tensor:
@@ -36,9 +36,6 @@ class DenseRowsProcessor(CustomLogitProcessor):
             # may run one more step, whose row (after its sampled token) must not replace it.
             if request.customized_info is not None:
                 continue
-            if "file" in params:  # the row into the caller's shared file, only a flag back
-                _mapped(params["file"], len(row), params["slot"])[params["slot"]] = row
-                request.customized_info = {"dense": [True]}
-            else:
-                request.customized_info = {"dense": [row]}
+            _mapped(params["file"], len(row), params["slot"])[params["slot"]] = row
+            request.customized_info = {"dense": [True]}
         return logits

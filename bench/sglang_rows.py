@@ -7,15 +7,17 @@ Every step, each of P particles appends a seeded random token to its prefix (a 3
 shared by all), and the next-token row of every prefix is asked for, so SGLang's radix cache
 reuses each particle's earlier prefix. The ways:
 
-  sorted      today's SGLang engine (backends/sglang.py): one request per row with
-              top_logprobs_num = vocabulary, the sorted distribution scattered back
-  processor   the same sglang.Engine, one request per row with max_new_tokens = 1 and a custom
-              logit processor (bench/sglang_processor.py) that, in SGLang's scheduler, takes the
-              log_softmax of the batch's logits to the host once and hands each request its row in
-              `customized_info` (SGLang returns it in meta_info)
+  sorted      the SGLang engine's fallback for servers without the processor
+              (backends/sglang.py): one request per row with top_logprobs_num = vocabulary, the
+              sorted distribution scattered back
+  processor   the SGLang engine's own way: one request per row with max_new_tokens = 1 and the
+              custom logit processor of backends/sglang_processor.py, which in SGLang's scheduler
+              takes the log_softmax of the batch's logits to the host once and hands each request
+              its row in `customized_info` (SGLang returns it in meta_info)
   processor-batch  the same, a step's rows as one batch request (one GenerateReqInput)
-  processor-file   the same, one request per row, the rows written into a file in /dev/shm that
-              both processes map (a slot per request), only a flag back through SGLang
+  processor-file   one request per row through bench/sglang_processor.py, the rows written into
+              a file in /dev/shm that both processes map (a slot per request), only a flag back
+              through SGLang
   transformers  our transformers engine, the same rows (the pace to reach)
 
 Prints rows/s per P (median of --repeats), each way's ratio to transformers, and the largest
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import statistics
 import sys
 import tempfile
@@ -41,40 +44,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backends.sglang import SglangEngine  # noqa: E402
 from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
 from backends.types import EngineConfig  # noqa: E402
-from bench.sglang_processor import DenseRowsProcessor  # noqa: E402
+from bench.sglang_processor import FileRowsProcessor  # noqa: E402
 from bench.smc import add_model_arguments, random_model_dir  # noqa: E402
 from bench.smc_ways import SGLANG_ARGS  # noqa: E402
 
 Rows = Callable[[list[list[int]]], Awaitable[np.ndarray]]
 
 
-DENSE_SAMPLING = {"max_new_tokens": 1, "temperature": 0.0, "custom_params": {"dense": 1}}
-
-
-def processor_rows(engine: SglangEngine) -> Rows:
-    """Rows through the custom logit processor, one request per row, all submitted together."""
-    processor = DenseRowsProcessor.to_str()
-
-    async def one(row: list[int]) -> np.ndarray:
-        out = await engine.transport.generate(
-            {"input_ids": row, "sampling_params": DENSE_SAMPLING, "custom_logit_processor": processor}
-        )
-        return np.asarray(out["meta_info"]["dense"][0], dtype=np.float32)
-
-    async def rows(prefixes: list[list[int]]) -> np.ndarray:
-        return np.stack(await asyncio.gather(*(one(p) for p in prefixes)))
-
-    return rows
+def sorted_rows(engine: SglangEngine) -> Rows:
+    """Rows the way the engine asks a server without the processor: the same engine, sorted."""
+    view = copy.copy(engine)  # shares the transport; only the way of asking differs
+    view.dense_rows = "sorted"
+    return view.next_token_logprobs
 
 
 def processor_file_rows(engine: SglangEngine, directory: Path) -> Rows:
     """Rows through the custom logit processor, written into a file in shared memory that both
     processes map: one request per row, only a flag back through SGLang."""
-    processor = DenseRowsProcessor.to_str()
+    processor = FileRowsProcessor.to_str()
     path = directory / "rows"
 
     async def one(row: list[int], slot: int) -> None:
-        sampling = {**DENSE_SAMPLING, "custom_params": {"dense": 1, "file": str(path), "slot": slot}}
+        sampling = {
+            "max_new_tokens": 1,
+            "temperature": 0.0,
+            "custom_params": {"file": str(path), "slot": slot},
+        }
         await engine.transport.generate(
             {"input_ids": row, "sampling_params": sampling, "custom_logit_processor": processor}
         )
@@ -95,19 +90,18 @@ def processor_batch_rows(engine: SglangEngine) -> Rows:
     """Rows through the custom logit processor, a step's rows as one batch request of SGLang's."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    processor = DenseRowsProcessor.to_str()
     manager = engine.transport.engine.tokenizer_manager
 
     async def rows(prefixes: list[list[int]]) -> np.ndarray:
-        n = len(prefixes)
+        requests = [engine.processor_request(prefix, None) for prefix in prefixes]
         request = GenerateReqInput(
-            input_ids=prefixes,
-            sampling_params=[DENSE_SAMPLING] * n,
-            custom_logit_processor=[processor] * n,
+            input_ids=[r["input_ids"] for r in requests],
+            sampling_params=[r["sampling_params"] for r in requests],
+            custom_logit_processor=[r["custom_logit_processor"] for r in requests],
             stream=False,
         )
         outs = await manager.generate_request(request, None).__anext__()
-        return np.stack([np.asarray(out["meta_info"]["dense"][0], dtype=np.float32) for out in outs])
+        return np.stack([np.frombuffer(out["meta_info"]["dense"][0], dtype="<f4") for out in outs])
 
     return rows
 
@@ -179,7 +173,7 @@ async def main_async(args: argparse.Namespace) -> None:
             if args.random_model
             else Path(args.model)
         )
-        options = {"mode": "engine", **SGLANG_ARGS, "enable_custom_logit_processor": True}
+        options = {"mode": "engine", **SGLANG_ARGS}
         sglang = await asyncio.to_thread(
             SglangEngine.load, EngineConfig(model=str(model_dir), dtype=args.dtype, options=options)
         )
@@ -187,8 +181,8 @@ async def main_async(args: argparse.Namespace) -> None:
             TransformersEngine.load, EngineConfig(model=str(model_dir), dtype=args.dtype, device=args.device)
         )
         ways: dict[str, Rows] = {
-            "sorted": sglang.next_token_logprobs,
-            "processor": processor_rows(sglang),
+            "sorted": sorted_rows(sglang),
+            "processor": sglang.next_token_logprobs,
             "processor-batch": processor_batch_rows(sglang),
             "processor-file": processor_file_rows(sglang, Path(shm)),
             "transformers": transformers.next_token_logprobs,
