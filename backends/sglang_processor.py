@@ -1,8 +1,8 @@
 """The custom logit processor that hands each dense-row request its whole next-token row.
 
 SGLang imports this module in its scheduler process (a request names the processor by module and
-class: `PROCESSOR`, the form of sglang's `CustomLogitProcessor.to_str()`), and calls it on the float32 logits of the requests that name
-it, on the GPU, before sampling. It takes one log_softmax of those rows, one copy into page-locked
+class: `PROCESSOR`, the form of sglang's `CustomLogitProcessor.to_str()`), and calls it on the
+float32 logits of the requests that name it, on the GPU, before sampling. It takes one log_softmax of those rows, one copy into page-locked
 host memory, and gives each request its row in `customized_info`, which SGLang returns in the
 request's meta_info under "dense": raw little-endian float32 bytes, or their base64 text where the
 answer travels as JSON (custom param "b64"). The logits go on unchanged to SGLang's sampler.
@@ -46,8 +46,8 @@ class DenseRowProcessor:
             host.copy_(rows)
             payloads = [row.tobytes() for row in host.numpy()]
         for payload, i in zip(payloads, todo, strict=True):
-            text = base64.b64encode(payload).decode() if params[i].get("b64") else None
-            params[i]["__req__"].customized_info = {"dense": [text or payload]}
+            row = base64.b64encode(payload).decode() if params[i].get("b64") else payload
+            params[i]["__req__"].customized_info = {"dense": [row]}
         return logits
 
 
