@@ -36,7 +36,6 @@ import torch
 from transformers import AutoTokenizer
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
 from vllm.platforms import current_platform
@@ -51,6 +50,11 @@ from backends.errors import AdapterError, RequestRejectedError
 from backends.types import EngineConfig, PromptLogprobs, SamplingParams, TokenStep, resolve_auto_dtype
 from backends.vllm_capture import CAPTURE_KEY, DenseRowCapture
 from backends.weights_in_place import check_same_tensors
+
+try:  # vLLM >= 0.27: one base class for the errors a request causes
+    from vllm.exceptions import VLLMClientError
+except ImportError:  # vLLM 0.26, the CUDA build for torch 2.11
+    from vllm.exceptions import VLLMValidationError as VLLMClientError
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +198,10 @@ class VllmEngine(Engine):
         # AsyncLLM needs its engine core in a separate process; importing genlm-backend's vLLM
         # module sets this to 0 for the whole process (and the processes it starts).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        if not current_platform.is_cpu():
+            # A forked engine core cannot use CUDA once this process has touched it (a transformers
+            # engine beside this one, a check of the device), which vLLM does not always detect.
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(AsyncLLM.from_engine_args(_engine_args(config, path)), tokenizer, model_path=path)
 

@@ -5,6 +5,8 @@
                           the gateway) or `server` (a `sglang.launch_server` child the gateway manages)
   sglang-server           `python -m sglang.launch_server` started here, at its /v1/completions
   vllm-server             `vllm serve` started here, the same way
+  vllm-server-v1          the same on vLLM's older model runner (VLLM_USE_V2_MODEL_RUNNER=0), the
+                          one vLLM falls back to when an engine has custom logits processors, as ours
   transformers-generate   transformers' batched `generate` in this process, prompts left-padded
 
 SGLang runs with SGLANG_ARGS (bench/smc_ways.py) and SGLANG_RETURN_ORIGINAL_LOGPROB=1, as our
@@ -41,7 +43,7 @@ GATEWAY_TARGETS = [
     "gateway-sglang-engine",
     "gateway-sglang-server",
 ]
-SERVER_TARGETS = ["sglang-server", "vllm-server"]
+SERVER_TARGETS = ["sglang-server", "vllm-server", "vllm-server-v1"]
 TARGETS = [*GATEWAY_TARGETS, *SERVER_TARGETS, "transformers-generate"]
 
 
@@ -137,7 +139,7 @@ def server_command(name: str, setup: Setup) -> tuple[list[str], dict[str, str]]:
     command += ["--dtype", setup.dtype, "--served-model-name", SERVED_NAME]
     if setup.device == "cpu":  # what our vLLM engine sets there (backends/vllm.py)
         command += ["--enforce-eager", "--kv-cache-memory-bytes", str(2 * 2**30)]
-    return command, {}
+    return command, {"VLLM_USE_V2_MODEL_RUNNER": "0"} if name == "vllm-server-v1" else {}
 
 
 class TransformersGenerate:

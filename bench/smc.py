@@ -13,6 +13,7 @@ way runs the same algorithm:
   engine    our TransformersEngine in-process (prefix K/V reuse), identical rows sent once
   sglang    our SGLang engine with sglang.Engine in-process (CUDA only; one SGLang request per
             distinct row, a step's rows submitted together)
+  vllm      our vLLM engine (AsyncLLM) in-process, the same way: one vLLM request per distinct row
   gateway   a real gateway process (tests.launcher), through logprob_gateway_client.AsyncGatewayLM's
             batch_next_token_logprobs (one request per step); on one host the gateway writes the
             answers into the client's memory (shared memory, the client's default)
@@ -22,6 +23,7 @@ way runs the same algorithm:
             samplers do this); the client merges the calls into one request per step
   gateway-nocache   `gateway` with the gateway's output cache off (SMC rows never repeat)
   gateway-sglang    `gateway` serving with `--backend sglang` (sglang.Engine in the gateway)
+  gateway-vllm      `gateway` serving with `--backend vllm`
   genlm     genlm-backend's in-process AsyncTransformer (batch_next_token_logprobs), the prompt's
             K/V cached first (cache_kv)
   decode    plain transformers batched decode with one DynamicCache: the engine's limit
@@ -62,10 +64,10 @@ from bench.smc_report import load_report, plot, print_tables, save_report  # noq
 from bench.smc_ways import (  # noqa: E402
     NextRows,
     PlainDecode,
+    backend_way,
     batch_rows,
     engine_rows,
     gateway_way,
-    sglang_way,
 )
 
 PROMPT = "The old lighthouse keeper climbed the stairs every evening, and tonight, as the storm rolled in, he"
@@ -85,15 +87,24 @@ SHAPES = {
 MODES = [
     "engine",
     "sglang",
+    "vllm",
     "gateway",
     "gateway-socket",
     "gateway-particles",
     "gateway-nocache",
     "gateway-sglang",
+    "gateway-vllm",
     "genlm",
     "decode",
 ]
-GATEWAY_MODES = ("gateway", "gateway-socket", "gateway-particles", "gateway-nocache", "gateway-sglang")
+GATEWAY_MODES = (
+    "gateway",
+    "gateway-socket",
+    "gateway-particles",
+    "gateway-nocache",
+    "gateway-sglang",
+    "gateway-vllm",
+)
 
 
 def random_model_dir(
@@ -243,8 +254,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
             )
             stack.push_async_callback(engine.aclose)
             ways["engine"] = lambda p, r: engine_rows(engine)
-        if "sglang" in args.modes:
-            ways["sglang"] = await sglang_way(model_dir, args, stack)
+        for backend in ("sglang", "vllm"):
+            if backend in args.modes:
+                ways[backend] = await backend_way(backend, model_dir, args, stack)
         for mode in GATEWAY_MODES:
             if mode in args.modes:
                 ways[mode], timings[mode] = await gateway_way(mode, model_dir, args, tmp, stack)
@@ -292,7 +304,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
                 for mode, (seconds, in_calls) in (await take(runs)).items():
                     report["results"].setdefault((p, mode), []).append(p * args.steps / seconds)
                     report["calls"].setdefault((p, mode), []).append(in_calls / args.steps * 1e3)
-                    if mode.startswith(("engine", "sglang", "gateway")):
+                    if mode.startswith(("engine", "sglang", "vllm", "gateway")):
                         check = reference_check(model, kept[mode])
                         report["checks"][p, mode] = max(report["checks"].get((p, mode), 0.0), check)
             for mode in ways:

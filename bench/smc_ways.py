@@ -19,14 +19,16 @@ from logprob_gateway_client import AsyncGatewayLM
 from tests.launcher import GatewayProcess, start_gateway
 
 NextRows = Callable[[list[list[int]]], Awaitable[np.ndarray]]  # rows -> float32 [rows, vocab]
-# SGLang with what scripts/stage_sglang.sh leaves out kept off; a fraction of the GPU's memory that
-# leaves room for the bench's own transformers model beside it.
+# SGLang with what scripts/stage.sh leaves out kept off; each engine takes a fraction of the GPU's
+# memory that leaves room for the bench's own transformers model and a second engine beside it.
 SGLANG_ARGS = {
     "attention_backend": "triton",
     "sampling_backend": "pytorch",
     "grammar_backend": "none",
     "mem_fraction_static": 0.3,
 }
+VLLM_ARGS = {"gpu_memory_utilization": 0.25}
+ENGINE_ARGS = {"sglang": {"mode": "engine", **SGLANG_ARGS}, "vllm": VLLM_ARGS}
 
 
 def engine_rows(engine: Engine) -> NextRows:
@@ -108,11 +110,10 @@ def start_bench_gateway(
     )
     options = ", ".join(f"{key} = {value}" for key, value in args.engine_option)
     backend = ""
-    if mode == "gateway-sglang":
-        backend = 'backend = "sglang"\n'
-        options = ", ".join(
-            f"{key} = {json.dumps(value)}" for key, value in {"mode": "engine", **SGLANG_ARGS}.items()
-        )
+    engine = mode.removeprefix("gateway-")
+    if engine in ENGINE_ARGS:
+        backend = f'backend = "{engine}"\n'
+        options = ", ".join(f"{key} = {json.dumps(value)}" for key, value in ENGINE_ARGS[engine].items())
     toml.write_text(
         f'[[models]]\nname = "smc"\nmodel = "{model_dir}"\ndtype = "{args.dtype}"\ndevice = "{args.device}"\n'
         + backend
@@ -159,14 +160,14 @@ async def gateway_way(
     return make, timings
 
 
-async def sglang_way(
-    model_dir: Path, args: argparse.Namespace, stack: contextlib.AsyncExitStack
+async def backend_way(
+    backend: str, model_dir: Path, args: argparse.Namespace, stack: contextlib.AsyncExitStack
 ) -> Callable[[int, int], NextRows]:
-    """Our SGLang engine with `sglang.Engine` in this process: each distinct row one SGLang request,
-    all of a step's submitted at once, so that SGLang batches them and shares their prefixes."""
-    from backends.sglang import SglangEngine
+    """Our `backend` engine (sglang or vllm) in this process: each distinct row one request of that
+    engine, all of a step's submitted at once, so that it batches them and shares their prefixes."""
+    from backends.registry import engine_class
 
-    config = EngineConfig(model=str(model_dir), dtype=args.dtype, options={"mode": "engine", **SGLANG_ARGS})
-    engine = await asyncio.to_thread(SglangEngine.load, config)
+    config = EngineConfig(model=str(model_dir), dtype=args.dtype, options=ENGINE_ARGS[backend])
+    engine = await asyncio.to_thread(engine_class(backend).load, config)
     stack.push_async_callback(engine.aclose)
     return lambda p, r: engine_rows(engine)
