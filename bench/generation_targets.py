@@ -3,6 +3,8 @@
   gateway-B               our gateway (tests.launcher) with `backend = B`: transformers, vllm, mlx
   gateway-sglang-M        the same with the SGLang engine in mode M: `engine` (sglang.Engine inside
                           the gateway) or `server` (a `sglang.launch_server` child the gateway manages)
+  gateway-vllm-logprobs   the vLLM engine with `dense_rows = "logprobs"`: no logits processor, so on
+                          a GPU vLLM runs its default model runner
   sglang-server           `python -m sglang.launch_server` started here, at its /v1/completions
   vllm-server             `vllm serve` started here, the same way
   vllm-server-v1          the same on vLLM's older model runner (VLLM_USE_V2_MODEL_RUNNER=0), the
@@ -39,6 +41,7 @@ STARTUP_TIMEOUT_S = 900.0  # SGLang compiles kernels and captures CUDA graphs wh
 GATEWAY_TARGETS = [
     "gateway-transformers",
     "gateway-vllm",
+    "gateway-vllm-logprobs",
     "gateway-mlx",
     "gateway-sglang-engine",
     "gateway-sglang-server",
@@ -114,6 +117,8 @@ def gateway_toml(name: str, setup: Setup) -> Path:
     if backend != "sglang":  # SGLang picks its GPU itself
         fields["device"] = setup.device
     options = {}
+    if backend == "vllm" and mode:
+        options = {"dense_rows": mode}
     if backend == "sglang":
         options = engine_options(mode)
         if mode == "server":

@@ -16,7 +16,7 @@ the engine sends (dense row, prompt scores, generation, streamed chunks, refusal
 server of the tests is checked against that file (tests/backends/test_sglang.py).
 
 SGLang runs with the Triton attention backend, the PyTorch sampler and no grammar backend, so the
-set scripts/stage_sglang.sh packs is enough.
+set scripts/stage.sh packs is enough.
 """
 
 from __future__ import annotations

@@ -295,7 +295,7 @@ def _cuda() -> bool:
 @pytest.mark.sglang
 @pytest.mark.skipif(not _cuda(), reason="SGLang's engine needs CUDA")
 async def test_real_engine_matches_transformers(model_dir, reference):
-    # The Triton attention backend and PyTorch sampler: what scripts/stage_sglang.sh's set runs.
+    # The Triton attention backend and PyTorch sampler: what scripts/stage.sh sglang packs.
     options = dict(attention_backend="triton", sampling_backend="pytorch", grammar_backend="none")
     engine = await asyncio.to_thread(
         SglangEngine.load, _config(model_dir, mode="engine", mem_fraction_static=0.3, **options)

@@ -8,6 +8,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from packaging.version import Version
 
 from backends.types import EngineConfig, SamplingParams
 from tests.conftest import (
@@ -32,17 +33,20 @@ def _rows(reference, model=None):
     return ids, want
 
 
-@requires_cuda
-async def test_gpu_engine_matches_transformers_peft_and_new_weights(
-    model_dir, reference, scaled, scaled_dir, tmp_path
-):
+async def _loaded(model_dir, **config):
     from backends.vllm import VllmEngine
 
-    adapters = {
-        name: make_lora_adapter(model_dir, tmp_path / name, seed) for name, seed in (("a", 11), ("b", 12))
-    }
-    config = EngineConfig(model=str(model_dir), max_lora_rank=8, options={"gpu_memory_utilization": 0.3})
-    engine = await asyncio.to_thread(VllmEngine.load, config)
+    options = {"gpu_memory_utilization": 0.3}
+    return await asyncio.to_thread(
+        VllmEngine.load, EngineConfig(model=str(model_dir), options=options, **config)
+    )
+
+
+@requires_cuda
+async def test_gpu_engine_matches_transformers_and_loads_new_weights(
+    model_dir, reference, scaled, scaled_dir
+):
+    engine = await _loaded(model_dir)
     try:
         assert engine.dtype == "bfloat16"  # the default dtype on a GPU
         ids, want = _rows(reference)
@@ -56,18 +60,33 @@ async def test_gpu_engine_matches_transformers_peft_and_new_weights(
             assert abs(step.logprob - row[step.token_id]) <= TOLERANCE
             assert row.max() - row[step.token_id] <= TOLERANCE  # greedy, up to bfloat16 near-ties
 
+        await engine.weights.load(str(scaled_dir))
+        got = await engine.next_token_logprobs(ids)  # its prefix cache held the old keys/values
+        assert np.max(np.abs(got - _rows(scaled)[1])) <= TOLERANCE
+        assert np.max(np.abs(got - want)) > 10 * TOLERANCE
+    finally:
+        await engine.aclose()
+
+
+@requires_cuda
+async def test_gpu_adapters_match_peft(model_dir, reference, tmp_path):
+    from vllm import __version__
+
+    adapters = {
+        name: make_lora_adapter(model_dir, tmp_path / name, seed) for name, seed in (("a", 11), ("b", 12))
+    }
+    engine = await _loaded(model_dir, max_lora_rank=8)
+    try:
         for name, path in adapters.items():
             await engine.adapters.load(name, str(path))
         peft = load_peft_models(model_dir, adapters)
+        ids, _ = _rows(reference)
         rows = await engine.next_token_logprobs(ids * 3, adapters=[None] * 3 + ["a"] * 3 + ["b"] * 3)
         for k, name in enumerate(["base", "a", "b"]):
             model = reference.model if name == "base" else peft[name]
             assert np.max(np.abs(rows[3 * k : 3 * k + 3] - _rows(reference, model)[1])) <= TOLERANCE
         assert np.max(np.abs(rows[3:6] - rows[:3])) > 0.5  # the adapters really act
-
-        await engine.weights.load(str(scaled_dir))
-        got = await engine.next_token_logprobs(ids)  # its prefix cache held the old keys/values
-        assert np.max(np.abs(got - _rows(scaled)[1])) <= TOLERANCE
-        assert np.max(np.abs(got - want)) > 10 * TOLERANCE
+        # vLLM 0.26's reload fails on the weights its LoRA layers wrap, and its engine core dies.
+        assert (engine.weights is None) == (Version(__version__).release < (0, 32))
     finally:
         await engine.aclose()
