@@ -84,19 +84,6 @@ SHAPES = {
     # The same call overhead against a longer forward pass.
     "llama-3b": dict(_LLAMA, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128),
 }
-MODES = [
-    "engine",
-    "sglang",
-    "vllm",
-    "gateway",
-    "gateway-socket",
-    "gateway-particles",
-    "gateway-nocache",
-    "gateway-sglang",
-    "gateway-vllm",
-    "genlm",
-    "decode",
-]
 GATEWAY_MODES = (
     "gateway",
     "gateway-socket",
@@ -105,6 +92,7 @@ GATEWAY_MODES = (
     "gateway-sglang",
     "gateway-vllm",
 )
+MODES = ["engine", "sglang", "vllm", *GATEWAY_MODES, "genlm", "decode"]
 
 
 def random_model_dir(
