@@ -80,7 +80,7 @@ def _compute_dtype(dtype: str) -> str:
     return resolved
 
 
-def _engine_args(config: EngineConfig, path: Path, capture: bool) -> AsyncEngineArgs:
+def _engine_args(config: EngineConfig, path: Path, capture: bool = True) -> AsyncEngineArgs:
     on_cpu = current_platform.is_cpu()
     options: dict[str, Any] = {
         "enforce_eager": on_cpu,
