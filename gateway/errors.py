@@ -29,6 +29,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
 from backends.errors import AdapterError, RequestRejectedError
+from gateway.schemas.common import NOT_SUPPORTED
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,9 @@ def decode_error(exc: msgspec.DecodeError) -> InvalidRequestError:
     # msgspec spells a dict value's key as "[...]" (`logit_bias[...]`): name the field itself instead
     param = match.group(1).split("[...]")[0] if match and match.group(1) else None
     if isinstance(exc, msgspec.ValidationError):
-        return InvalidRequestError(f"invalid request: {message}", param=param)
+        field = (param or "").split(".")[0].split("[")[0]
+        hint = f" ({field}: {NOT_SUPPORTED[field]})" if field in NOT_SUPPORTED else ""
+        return InvalidRequestError(f"invalid request: {message}{hint}", param=param)
     return InvalidRequestError(f"request body is not valid JSON: {message}", param=param)
 
 

@@ -10,6 +10,7 @@ from gateway.schemas.common import (
     ModelName,
     Name,
     NonNegativeInt,
+    OutputControls,
     Penalty,
     PositiveInt,
     Seed,
@@ -33,7 +34,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     name: Name | None = None
 
 
-class ChatCompletionRequest(msgspec.Struct, kw_only=True):
+class ChatCompletionRequest(OutputControls, kw_only=True):
     model: ModelName
     messages: list[ChatMessage]
     max_tokens: NonNegativeInt | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -36,3 +36,41 @@ class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+
+
+# Fields of OpenAI's (and vLLM's) request bodies that ask for more than plain text, which the
+# gateway does not give yet: typed to the values that ask for nothing more, so anything else is a
+# 400 naming the field, never silently ignored (docs/api.md lists them).
+_NOT_YET = "only what asks for plain text is accepted: the gateway does not constrain output yet"
+_NO_TOOLS = "the gateway does not call functions"
+NoneOnly = Annotated[None, msgspec.Meta(description=_NOT_YET)]
+
+
+class PlainText(msgspec.Struct, kw_only=True):
+    type: Literal["text"]
+
+
+class OutputControls(msgspec.Struct, kw_only=True):
+    response_format: Annotated[PlainText, msgspec.Meta(description=_NOT_YET)] | None = None
+    tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=0, description=_NO_TOOLS)] | None = None
+    tool_choice: Annotated[Literal["none", "auto"], msgspec.Meta(description=_NO_TOOLS)] | None = None
+    functions: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=0, description=_NO_TOOLS)] | None = (
+        None
+    )
+    function_call: Annotated[Literal["none", "auto"], msgspec.Meta(description=_NO_TOOLS)] | None = None
+    modalities: list[Literal["text"]] | None = None
+    audio: NoneOnly = None
+    web_search_options: NoneOnly = None
+    # vLLM's structured-output fields
+    guided_json: NoneOnly = None
+    guided_regex: NoneOnly = None
+    guided_choice: NoneOnly = None
+    guided_grammar: NoneOnly = None
+    structured_outputs: NoneOnly = None
+
+
+# What a refusal of each of those fields adds to msgspec's message.
+NOT_SUPPORTED = {
+    name: _NO_TOOLS if "tool" in name or "function" in name else _NOT_YET
+    for name in OutputControls.__struct_fields__
+}

@@ -10,6 +10,7 @@ from gateway.schemas.common import (
     ModelName,
     Name,
     NonNegativeInt,
+    OutputControls,
     Penalty,
     PositiveInt,
     Seed,
@@ -27,7 +28,7 @@ from gateway.schemas.common import (
 Prompt = str | list[str | TokenId | list[TokenId]]
 
 
-class CompletionRequest(msgspec.Struct, kw_only=True):
+class CompletionRequest(OutputControls, kw_only=True):
     model: ModelName
     prompt: Prompt
     max_tokens: NonNegativeInt | None = 16

@@ -268,6 +268,37 @@ CASES = {
         COMPLETIONS, completion(n=2, best_of=3), 400, "best_of", "best_of is not supported"
     ),
     "suffix": Case(COMPLETIONS, completion(suffix=" world"), 400, "suffix", "suffix is not supported"),
+    # fields asking for more than plain text: refused, never ignored
+    "chat-response_format-json_schema": Case(
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        400,
+        "response_format.type",
+        "does not constrain output yet",
+    ),
+    "response_format-json_object": Case(
+        COMPLETIONS,
+        completion(response_format={"type": "json_object"}),
+        400,
+        "response_format.type",
+        "'json_object'",
+    ),
+    "chat-response_format-bogus": Case(
+        CHAT, chat(response_format={"type": "bogus"}), 400, "response_format.type", "'bogus'"
+    ),
+    "chat-tools": Case(
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        400,
+        "tools",
+        "does not call functions",
+    ),
+    "chat-tool_choice-required": Case(
+        CHAT, chat(tool_choice="required"), 400, "tool_choice", "does not call functions"
+    ),
+    "chat-modalities-audio": Case(CHAT, chat(modalities=["text", "audio"]), 400, "modalities[1]", "'audio'"),
+    "chat-guided_json": Case(CHAT, chat(guided_json={"type": "object"}), 400, "guided_json", "constrain"),
+    "guided_regex": Case(COMPLETIONS, completion(guided_regex="[0-9]+"), 400, "guided_regex", "constrain"),
     # chat messages
     "chat-empty-messages": Case(CHAT, chat(messages=[]), 400, "messages", "messages must not be empty"),
     "chat-unknown-role": Case(
@@ -552,6 +583,17 @@ def test_sdk_raises_not_found_with_server_message(client):
         client.completions.create(model=f"{MODEL}:no-such-lora", prompt="Hi", max_tokens=1)
     assert caught.value.code == NOT_FOUND
     assert "has no adapter 'no-such-lora'" in caught.value.body["message"]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [
+        (CHAT, chat(response_format={"type": "text"}, tools=[], tool_choice="none", modalities=["text"])),
+        (COMPLETIONS, completion(response_format={"type": "text"}, guided_json=None)),
+    ],
+)
+def test_fields_that_ask_for_plain_text_are_accepted(http, endpoint, body):
+    assert http.post(endpoint, json=body).status_code == 200
 
 
 def test_server_still_serves_after_bad_requests(http):
