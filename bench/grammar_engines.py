@@ -2,6 +2,7 @@
 
     python bench/grammar_engines.py            # everything (a few minutes on 2 cores)
     python bench/grammar_engines.py --quick    # one compile repetition, fewer schemas
+    python bench/grammar_engines.py --torch-threads 2   # torch's apply kernels on 2 threads
 
 Needs `pip install xgrammar llguidance` (CPU wheels). For each library:
 - compile: per grammar (bench/grammar_schemas.py: 20 JSON schemas, 3 regexes, an arithmetic grammar in
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import re
 import statistics
 import sys
 import time
@@ -42,72 +42,13 @@ try:
 except ImportError:
     sys.exit("this benchmark needs both grammar engines: pip install xgrammar llguidance")
 
-import jsonschema
 import torch
 from transformers import AutoTokenizer
 
 from backends.builtin_models import resolve_model_dir
-from bench.grammar_schemas import (
-    ARITHMETIC_EBNF,
-    ARITHMETIC_INSTANCE,
-    ARITHMETIC_LARK,
-    ARITHMETIC_PATTERN,
-    INVALID_SCHEMA,
-    JSON_CASES,
-    REGEX_CASES,
-    UNSUPPORTED_REGEX,
-)
+from bench.grammar_schemas import INVALID_SCHEMA, UNSUPPORTED_REGEX, Grammar, all_grammars
 
 STEPS = 64
-
-
-@dataclass(frozen=True)
-class Grammar:
-    """One request's grammar: what each library compiles, the instance that steers decoding, a check."""
-
-    name: str
-    kind: str  # "json" | "regex" | "ebnf"
-    source: Any  # schema dict, regex, or {"xgrammar": ebnf, "llguidance": lark}
-    instance_text: str
-    is_valid: Callable[[str], bool]
-
-
-def _json_valid(schema: dict[str, Any]) -> Callable[[str], bool]:
-    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
-
-    def check(text: str) -> bool:
-        try:
-            jsonschema.validate(json.loads(text), schema, format_checker=checker)
-        except (ValueError, jsonschema.ValidationError):
-            return False
-        return True
-
-    return check
-
-
-def _arithmetic_valid(text: str) -> bool:
-    if not re.fullmatch(ARITHMETIC_PATTERN, text):
-        return False
-    try:
-        compile(text, "<grammar>", "eval")
-    except SyntaxError:
-        return False
-    return True
-
-
-def all_grammars() -> list[Grammar]:
-    grammars = [
-        Grammar(c.name, "json", c.schema, json.dumps(c.instance), _json_valid(c.schema)) for c in JSON_CASES
-    ]
-    grammars += [
-        Grammar(
-            f"re:{c.name}", "regex", c.pattern, c.instance, lambda t, p=c.pattern: bool(re.fullmatch(p, t))
-        )
-        for c in REGEX_CASES
-    ]
-    arithmetic = {"xgrammar": ARITHMETIC_EBNF, "llguidance": ARITHMETIC_LARK}
-    grammars.append(Grammar("ebnf:arithmetic", "ebnf", arithmetic, ARITHMETIC_INSTANCE, _arithmetic_valid))
-    return grammars
 
 
 class XGrammar:
@@ -332,6 +273,32 @@ def per_step_row(library: Library, batch: int, times: StepTimes) -> str:
     )
 
 
+def apply_helper_rows(vocab_size: int, batch: int = 64, reps: int = 20) -> list[str]:
+    """Each library's apply helper on one [batch, vocab] bitmask: both use the same packed int32 layout."""
+    helpers = {
+        "xgrammar.apply_token_bitmask_inplace (cpu)": xgrammar.apply_token_bitmask_inplace,
+        "llguidance.torch.apply_token_bitmask_inplace": llguidance.torch.apply_token_bitmask_inplace,
+    }
+    base_logits = torch.randn(batch, vocab_size)
+    logits = torch.empty_like(base_logits)
+    rows = []
+    for name, helper in helpers.items():
+        cells = []
+        for allowed_bits in (0, -1):  # only token 0 allowed (as inside a JSON key), everything allowed
+            bitmask = xgrammar.allocate_token_bitmask(batch, vocab_size)
+            bitmask.fill_(allowed_bits)
+            bitmask[:, 0] |= 1
+            samples = []
+            for _ in range(reps + 1):
+                logits.copy_(base_logits)
+                start = time.perf_counter()
+                helper(logits, bitmask)
+                samples.append(time.perf_counter() - start)
+            cells.append(f"{median_ms(samples[1:]):.3f}")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def check_lines(library: Library, grammars: list[Grammar], finished: list[Finished]) -> list[str]:
     lines = []
     first = {}
@@ -353,7 +320,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one compile repetition, every 4th schema")
     parser.add_argument("--reps", type=int, default=3, help="cold compiles per grammar (median)")
+    parser.add_argument(
+        "--torch-threads", type=int, default=1, help="torch intra-op threads (1: steadier on a shared box)"
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.torch_threads)
     reps = 1 if args.quick else args.reps
 
     model_dir = resolve_model_dir("smollm2-135m")
@@ -413,6 +384,10 @@ def main() -> int:
     print("| library | B | fill ms | apply ms | accept ms | total ms | µs per stream-step |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     print("\n".join(step_rows))
+    print("\n## Apply helpers alone, ms, B=64 (median of 20)\n")
+    print("| helper | 1 token allowed | all allowed |")
+    print("|---|---:|---:|")
+    print("\n".join(apply_helper_rows(vocab_size)))
     print("\n## Error messages\n")
     print("\n".join(errors))
     print("\n## Checks (first completion of every grammar)\n")

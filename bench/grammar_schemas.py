@@ -7,8 +7,13 @@ rejects a valid instance shows up as a divergence.
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import jsonschema
 
 
 @dataclass(frozen=True)
@@ -294,3 +299,52 @@ INVALID_SCHEMA: dict[str, Any] = {
     "properties": {"n": {"type": "integer", "minimum": "zero"}},
 }
 UNSUPPORTED_REGEX = r"(?=.*\d)[a-z0-9]{8}"
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """One request's grammar: what each library compiles, the instance that steers decoding, a check."""
+
+    name: str
+    kind: str  # "json" | "regex" | "ebnf"
+    source: Any  # schema dict, regex, or {"xgrammar": ebnf, "llguidance": lark}
+    instance_text: str
+    is_valid: Callable[[str], bool]
+
+
+def _json_valid(schema: dict[str, Any]) -> Callable[[str], bool]:
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+
+    def check(text: str) -> bool:
+        try:
+            jsonschema.validate(json.loads(text), schema, format_checker=checker)
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
+
+    return check
+
+
+def _arithmetic_valid(text: str) -> bool:
+    if not re.fullmatch(ARITHMETIC_PATTERN, text):
+        return False
+    try:
+        compile(text, "<grammar>", "eval")
+    except SyntaxError:
+        return False
+    return True
+
+
+def all_grammars() -> list[Grammar]:
+    grammars = [
+        Grammar(c.name, "json", c.schema, json.dumps(c.instance), _json_valid(c.schema)) for c in JSON_CASES
+    ]
+    grammars += [
+        Grammar(
+            f"re:{c.name}", "regex", c.pattern, c.instance, lambda t, p=c.pattern: bool(re.fullmatch(p, t))
+        )
+        for c in REGEX_CASES
+    ]
+    arithmetic = {"xgrammar": ARITHMETIC_EBNF, "llguidance": ARITHMETIC_LARK}
+    grammars.append(Grammar("ebnf:arithmetic", "ebnf", arithmetic, ARITHMETIC_INSTANCE, _arithmetic_valid))
+    return grammars
