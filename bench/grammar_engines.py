@@ -46,7 +46,7 @@ import torch
 from transformers import AutoTokenizer
 
 from backends.builtin_models import resolve_model_dir
-from bench.grammar_schemas import INVALID_SCHEMA, UNSUPPORTED_REGEX, Grammar, all_grammars
+from bench.grammar_schemas import FEATURE_PROBES, FeatureProbe, Grammar, all_grammars
 
 STEPS = 64
 
@@ -90,18 +90,17 @@ class XGrammar:
     def terminated(self, matcher: Any) -> bool:
         return matcher.is_terminated()
 
-    def error_of(self, compile_bad: Callable[[Any], Any]) -> str:
+    def verdict(self, probe: FeatureProbe, eos: int) -> str:
+        compiler = self.new_compiler()
         try:
-            compile_bad(self.new_compiler())
+            if probe.kind == "json":
+                compiled = compiler.compile_json_schema(probe.source)
+            else:
+                compiled = compiler.compile_regex(probe.source)
         except Exception as error:  # the library raises RuntimeError or its own subclasses
-            return f"{type(error).__name__}: {str(error).strip()}"
-        return "accepted without error"
-
-    def bad_schema(self) -> str:
-        return self.error_of(lambda c: c.compile_json_schema(INVALID_SCHEMA))
-
-    def bad_regex(self) -> str:
-        return self.error_of(lambda c: c.compile_regex(UNSUPPORTED_REGEX))
+            return f"error: {type(error).__name__}: {str(error).strip()}"
+        matcher = xgrammar.GrammarMatcher(compiled)
+        return "accepts" if matcher.accept_string(probe.text) and matcher.accept_token(eos) else "rejects"
 
 
 class LLGuidance:
@@ -151,18 +150,16 @@ class LLGuidance:
     def terminated(self, matcher: Any) -> bool:
         return matcher.is_stopped()
 
-    def error_of(self, grammar_text: Callable[[], str]) -> str:
-        try:
-            matcher = llguidance.LLMatcher(self.tokenizer, grammar_text())
-        except Exception as error:  # grammar_from_json_schema raises ValueError on bad JSON
-            return f"{type(error).__name__}: {error}"
-        return matcher.get_error() if matcher.is_error() else "accepted without error"
-
-    def bad_schema(self) -> str:
-        return self.error_of(lambda: llguidance.LLMatcher.grammar_from_json_schema(INVALID_SCHEMA))
-
-    def bad_regex(self) -> str:
-        return self.error_of(lambda: llguidance.LLMatcher.grammar_from_regex(UNSUPPORTED_REGEX))
+    def verdict(self, probe: FeatureProbe, eos: int) -> str:
+        if probe.kind == "json":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(probe.source)
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_regex(probe.source)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            return f"error: {matcher.get_error().strip()}"
+        tokens = self.tokenizer.tokenize_str(probe.text) + [eos]
+        return "accepts" if matcher.consume_tokens(tokens) else "rejects"
 
 
 Library = XGrammar | LLGuidance
@@ -343,7 +340,7 @@ def main() -> int:
 
     libraries: list[Library] = [XGrammar(tokenizer, vocab_size), LLGuidance(tokenizer, vocab_size)]
     compile_rows: dict[str, dict[str, tuple[float, float | None, float]]] = {}
-    step_rows, checks, errors = [], [], []
+    step_rows, checks = [], []
     for library in libraries:
         for grammar in grammars:
             compile_rows.setdefault(grammar.name, {})[library.name] = measure_compile(library, grammar, reps)
@@ -364,10 +361,6 @@ def main() -> int:
         streams = [stream_for(json_grammars[i % len(json_grammars)]) for i in range(64)]
         times, _ = simulate(library, streams, STEPS, eos, tokenizer.decode)
         step_rows.append(per_step_row(library, 64, times))
-        errors.append(
-            f"- {library.name}, invalid schema {json.dumps(INVALID_SCHEMA)}: {library.bad_schema()}"
-        )
-        errors.append(f"- {library.name}, lookahead regex {UNSUPPORTED_REGEX!r}: {library.bad_regex()}")
 
     print(f"## Compile, ms (cold: median of {reps} on a fresh compiler; cached: second compile)\n")
     print(
@@ -388,8 +381,12 @@ def main() -> int:
     print("| helper | 1 token allowed | all allowed |")
     print("|---|---:|---:|")
     print("\n".join(apply_helper_rows(vocab_size)))
-    print("\n## Error messages\n")
-    print("\n".join(errors))
+    print("\n## Features: compiles? accepts the text? (valid: what jsonschema / re say)\n")
+    print("| probe | valid | xgrammar | llguidance |")
+    print("|---|---|---|---|")
+    for probe in FEATURE_PROBES:
+        cells = [" / ".join(library.verdict(probe, eos).splitlines()) for library in libraries]
+        print(f"| {probe.label} | {'yes' if probe.valid else 'no'} | " + " | ".join(cells) + " |")
     print("\n## Checks (first completion of every grammar)\n")
     print("\n".join(checks))
     failures = [line for line in checks if line.startswith("FAIL")]

@@ -292,13 +292,62 @@ NUMBER: /[0-9]+/
 """
 ARITHMETIC_PATTERN = r"[0-9()+\-*/]+"
 
-# A schema that is not valid JSON Schema and a regex feature (lookahead) that neither DFA-based engine
-# is expected to support: their messages are part of the report.
-INVALID_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"n": {"type": "integer", "minimum": "zero"}},
-}
-UNSUPPORTED_REGEX = r"(?=.*\d)[a-z0-9]{8}"
+
+@dataclass(frozen=True)
+class FeatureProbe:
+    """Whether a library compiles `source` and accepts `text`, against what JSON Schema / `re` say."""
+
+    label: str
+    kind: str  # "json" | "regex"
+    source: Any
+    text: str
+    valid: bool
+
+
+def _one(spec: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": {"v": spec}, "required": ["v"]}
+
+
+_LOOKAHEAD = r"^(?=.*[0-9])[a-z0-9]+$"
+# A bad schema and a regex feature outside regular languages come first: their messages are quoted.
+FEATURE_PROBES: list[FeatureProbe] = [
+    FeatureProbe(
+        "invalid schema: minimum 'zero'", "json", _one({"type": "integer", "minimum": "zero"}), "", False
+    ),
+    FeatureProbe("regex with lookahead", "regex", r"(?=.*\d)[a-z0-9]{8}", "abcdefg1", True),
+    FeatureProbe(
+        "pattern with lookahead, 'abc'",
+        "json",
+        _one({"type": "string", "pattern": _LOOKAHEAD}),
+        '{"v": "abc"}',
+        False,
+    ),
+    FeatureProbe(
+        "format date, month 13",
+        "json",
+        _one({"type": "string", "format": "date"}),
+        '{"v": "1815-13-10"}',
+        False,
+    ),
+    FeatureProbe("maximum 100, 101", "json", _one({"type": "integer", "maximum": 100}), '{"v": 101}', False),
+    FeatureProbe("multipleOf 5, 7", "json", _one({"type": "integer", "multipleOf": 5}), '{"v": 7}', False),
+    FeatureProbe(
+        "uniqueItems, [1, 1]",
+        "json",
+        _one({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
+        '{"v": [1, 1]}',
+        False,
+    ),
+    FeatureProbe("not string, 1", "json", _one({"not": {"type": "string"}}), '{"v": 1}', True),
+    FeatureProbe("undeclared property", "json", {"type": "object"}, '{"a": 1}', True),
+    FeatureProbe(
+        'if/then, {"a": 1, "b": 2}',
+        "json",
+        {"type": "object", "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}},
+        '{"a": 1, "b": 2}',
+        True,
+    ),
+]
 
 
 @dataclass(frozen=True)
