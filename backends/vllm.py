@@ -80,7 +80,16 @@ def _compute_dtype(dtype: str) -> str:
     return resolved
 
 
-def _engine_args(config: EngineConfig, path: Path, capture: bool = True) -> AsyncEngineArgs:
+def _captures(config: EngineConfig) -> bool:
+    """Whether dense rows go through DenseRowCapture (option `dense_rows`, checked here)."""
+    dense_rows = config.options.get("dense_rows", "capture")
+    if dense_rows not in DENSE_ROWS:
+        raise EngineUnavailableError(f"dense_rows must be one of {', '.join(DENSE_ROWS)}, not {dense_rows!r}")
+    return dense_rows == "capture"
+
+
+def _engine_args(config: EngineConfig, path: Path) -> AsyncEngineArgs:
+    capture = _captures(config)
     on_cpu = current_platform.is_cpu()
     options: dict[str, Any] = {
         "enforce_eager": on_cpu,
@@ -215,15 +224,9 @@ class VllmEngine(Engine):
             # A forked engine core cannot use CUDA once this process has touched it (a transformers
             # engine beside this one, a check of the device), which vLLM does not always detect.
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        dense_rows = config.options.get("dense_rows", "capture")
-        if dense_rows not in DENSE_ROWS:
-            raise EngineUnavailableError(
-                f"dense_rows must be one of {', '.join(DENSE_ROWS)}, not {dense_rows!r}"
-            )
-        capture = dense_rows == "capture"
+        args = _engine_args(config, path)  # checks the options before anything loads
         tokenizer = AutoTokenizer.from_pretrained(path)
-        engine = AsyncLLM.from_engine_args(_engine_args(config, path, capture))
-        return cls(engine, tokenizer, model_path=path, capture=capture)
+        return cls(AsyncLLM.from_engine_args(args), tokenizer, model_path=path, capture=_captures(config))
 
     def _lora(self, adapter: str | None) -> LoRARequest | None:
         if adapter is None:

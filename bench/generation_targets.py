@@ -119,7 +119,7 @@ def gateway_toml(name: str, setup: Setup) -> Path:
     options = {}
     if backend == "vllm" and mode:
         options = {"dense_rows": mode}
-    if backend == "sglang":
+    elif backend == "sglang":
         options = engine_options(mode)
         if mode == "server":
             options |= {
