@@ -9,7 +9,7 @@ tags it for `DenseRowCapture` (backends/vllm_capture.py), which writes the row's
 from inside the engine into a file-backed array. A custom logits processor makes vLLM's GPU worker
 fall back from its newer model runner (V2) to the V1 runner, which generates more slowly at high
 concurrency; "logprobs" registers none and asks vLLM's own `logprobs=-1` instead, which builds one
-Python object per vocabulary entry (milliseconds a row): for deployments that mostly generate.
+Python object per vocabulary entry: for deployments that mostly generate.
 
 Options (`EngineConfig.options`, passed on to `AsyncEngineArgs`), with these defaults:
 `enforce_eager` (True on CPU, where graph compilation takes minutes), `kv_cache_memory_bytes`
