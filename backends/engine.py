@@ -10,6 +10,7 @@ A capability is an object or None, and `engine.<capability> is None` is the one 
     weights       Weights       new weights in place; `.collective`: over a trainer's collective
     host_memory   HostMemory    rows written from the device straight into registered host memory
     prefix_cache  PrefixCache   prefix keys/values kept for reuse, which can be forgotten
+    structured_outputs  StructuredOutputs   generation held to a grammar (SamplingParams.grammar)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 from backends.types import (
     AnnouncedTensor,
     EngineConfig,
+    Grammar,
     PromptLogprobs,
     SamplingParams,
     TokenStep,
@@ -108,6 +110,17 @@ class PrefixCache(ABC):
         """Forget every kept prefix; later requests compute them again."""
 
 
+class StructuredOutputs(ABC):
+    """Generation held to a grammar: `generate` samples only tokens the request's
+    `SamplingParams.grammar` allows, and ends (end-of-sequence) where it is complete."""
+
+    @abstractmethod
+    async def check(self, grammar: Grammar, timeout_s: float) -> None:
+        """GrammarError, with the grammar engine's message, if `grammar` is invalid, asks for what
+        the engine cannot enforce, or does not compile within `timeout_s`. Compiled grammars are
+        kept by content, so the generation that follows does not compile it again."""
+
+
 class Engine(ABC):
     """One loaded model. Token ids given to an engine are already validated (0 <= id < vocab_size)."""
 
@@ -121,6 +134,7 @@ class Engine(ABC):
     weights: Weights | None = None
     host_memory: HostMemory | None = None
     prefix_cache: PrefixCache | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @classmethod
     @abstractmethod

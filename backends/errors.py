@@ -6,7 +6,8 @@
      ├── AdapterError             an adapter does not fit (or is not loaded)
      ├── WeightsError             new weights that do not fit; nothing changed
      │    └── WeightsGroupError   no collective of that name, or one of that name exists already
-     └── RequestRejectedError     a request's parameters beyond a limit of the engine's own
+     ├── RequestRejectedError     a request's parameters beyond a limit of the engine's own
+     └── GrammarError             a grammar that is invalid, unenforceable, or too slow to compile
 
 The gateway maps them to HTTP answers in one table (gateway/errors.py) and where it calls them.
 """
@@ -37,3 +38,8 @@ class RequestRejectedError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class GrammarError(ValueError):
+    """A grammar the engine cannot hold generation to: invalid, using a feature the grammar
+    engine cannot enforce, or not compiled within the time allowed. The message says why."""

@@ -42,6 +42,7 @@ from backends.builtin_models import resolve_model_dir
 from backends.distinct_rows import computed_rows
 from backends.engine import Engine, Out
 from backends.errors import WeightsError
+from backends.grammar import LLGuidanceGrammars
 from backends.mlx_lora import AdapterSet
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
 from backends.step_scheduler import StepScheduler
@@ -146,6 +147,8 @@ class MlxPrefixCache(contract.PrefixCache):
 
 
 class MlxEngine(Engine):
+    structured_outputs: LLGuidanceGrammars
+
     def __init__(
         self,
         model: Any,
@@ -174,6 +177,7 @@ class MlxEngine(Engine):
         self.adapters = MlxAdapters(self)
         self.weights = MlxWeights(self)
         self.prefix_cache = MlxPrefixCache(self)
+        self.structured_outputs = LLGuidanceGrammars(tokenizer, self.vocab_size, self.eos_token_ids)
 
     def _float32_head(self) -> mx.array | None:
         """The output projection in float32, for llama-family models run in a 16-bit dtype."""
@@ -264,7 +268,9 @@ class MlxEngine(Engine):
         async def next_logits(token: int | None) -> np.ndarray:
             return (await self.steps.submit([(stream, list(ids) if token is None else [token])]))[0]
 
-        async for step in sample_tokens(params, self.eos_token_ids, next_logits):
+        async for step in sample_tokens(
+            params, self.eos_token_ids, next_logits, grammars=self.structured_outputs
+        ):
             yield step
 
     def _step_pass(self, steps: list[Step]) -> np.ndarray:
@@ -319,3 +325,4 @@ class MlxEngine(Engine):
     async def aclose(self) -> None:
         await self.steps.aclose()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.structured_outputs.close()

@@ -26,6 +26,7 @@ from backends.builtin_models import resolve_model_dir
 from backends.distinct_rows import computed_rows, outputs
 from backends.engine import Engine, Out
 from backends.errors import AdapterError, WeightsError, WeightsGroupError
+from backends.grammar import LLGuidanceGrammars
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
 from backends.types import (
     AnnouncedTensor,
@@ -127,6 +128,7 @@ class MockWeights(engine_contract.Weights):
 class MockEngine(Engine):
     adapters: MockAdapters
     weights: MockWeights
+    structured_outputs: LLGuidanceGrammars
 
     def __init__(
         self,
@@ -156,6 +158,7 @@ class MockEngine(Engine):
         self.dead = False
         self.host_memory = MockHostMemory(vocab_size) if options.get("host_memory") else None
         self._base = _base_row(0, vocab_size)
+        self.structured_outputs = LLGuidanceGrammars(tokenizer, self.vocab_size, self.eos_token_ids)
 
     @classmethod
     def load(cls, config: EngineConfig) -> MockEngine:
@@ -227,5 +230,7 @@ class MockEngine(Engine):
             await asyncio.sleep(self.delay_s)
             return self.logits(prefix, adapter)
 
-        async for step in sample_tokens(params, self.eos_token_ids, next_logits):
+        async for step in sample_tokens(
+            params, self.eos_token_ids, next_logits, grammars=self.structured_outputs
+        ):
             yield step

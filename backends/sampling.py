@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from backends.errors import GrammarError
 from backends.types import GREEDY_BELOW, PromptLogprobs, SamplingParams, TokenStep
+
+if TYPE_CHECKING:
+    from backends.grammar import LLGuidanceGrammars
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -44,11 +49,14 @@ class Sampler:
         self.counts: Counter[int] = Counter()
         self.generated = 0
 
-    def step(self, logits: np.ndarray) -> TokenStep:
+    def step(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> TokenStep:
         """Pick a token from a [vocab] float32 row of logits (or of log-probabilities, when
-        `normalized`) and report it."""
+        `normalized`), among the `allowed` ones (bool [vocab]) if given, and report it with the
+        row's own log-probabilities, before the mask."""
         p = self.params
         logprobs = logits if self.normalized else log_softmax(logits)
+        if allowed is not None:
+            logits = np.where(allowed, logits, np.float32(-np.inf))
         penalised = bool(self.counts) and bool(p.presence_penalty or p.frequency_penalty)
         if p.temperature < GREEDY_BELOW and not p.logit_bias and not penalised:
             token = int(np.argmax(logits))  # float32 orders as float64 does: no copy for greedy
@@ -92,24 +100,35 @@ async def sample_tokens(
     eos_token_ids: frozenset[int],
     next_logits: Callable[[int | None], Awaitable[np.ndarray]],
     normalized: bool = False,
+    grammars: LLGuidanceGrammars | None = None,
 ) -> AsyncIterator[TokenStep]:
     """The generation loop of the engines that sample themselves.
 
     `next_logits(None)` runs the prompt and returns its last logits row; `next_logits(token)`
     appends the sampled token and returns the next row (rows of log-probabilities if
     `normalized`). Nothing runs ahead of the consumer, so a caller that stops iterating (stop
-    string, disconnect) wastes no forward pass.
+    string, disconnect) wastes no forward pass. Under `params.grammar` (compiled by `grammars`)
+    each token's mask is computed while its row is.
     """
     if params.max_tokens <= 0:
         return
+    constraint = None
+    if params.grammar is not None:
+        if grammars is None:
+            raise GrammarError("this engine does not hold generation to a grammar")
+        constraint = await grammars.constraint(params.grammar)
     sampler = Sampler(params, eos_token_ids, normalized)
-    logits = await next_logits(None)
+    token = None
     while True:
-        step = sampler.step(logits)
+        mask = None if constraint is None else constraint.next_mask()
+        logits = await next_logits(token)
+        step = sampler.step(logits, None if mask is None else await mask)
+        if constraint is not None and step.finish_reason is None:
+            constraint.accept(step.token_id)
         yield step
         if step.finish_reason is not None:
             return
-        logits = await next_logits(step.token_id)
+        token = step.token_id
 
 
 def prompt_scores(rows: np.ndarray, ids: Sequence[int], k: int) -> PromptLogprobs:

@@ -38,6 +38,7 @@ from backends.dense_rows import DenseRows
 from backends.distinct_rows import DistinctRows, outputs, write_out
 from backends.engine import Engine, Out
 from backends.errors import AdapterError
+from backends.grammar import LLGuidanceGrammars
 from backends.grouped_attention import use_grouped_attention
 from backends.host_copy import CudaHostMemory, release_pinned_memory, rows_to_host, write_rows_into
 from backends.prefix_cache import PrefixCache as PrefixKeysValues
@@ -123,6 +124,8 @@ BASE = "__base__"  # PEFT's name for "no adapter" in mixed-adapter batches
 
 
 class TransformersEngine(Engine):
+    structured_outputs: LLGuidanceGrammars
+
     def __init__(
         self,
         model: Any,
@@ -167,6 +170,7 @@ class TransformersEngine(Engine):
                 graphs=self.device.type == "cuda",
                 compiled=decode_lane_compile,
             )
+        self.structured_outputs = LLGuidanceGrammars(tokenizer, self.vocab_size, self.eos_token_ids)
         self.groups = CollectiveGroups(self.device)  # collectives new weights come over
         self.dense = DenseRows(
             self._call,
@@ -316,7 +320,9 @@ class TransformersEngine(Engine):
                 return (await self.steps.submit([(tuple(sequence), adapter)]))[0]
             return await self._run(self._forward, state, sequence if token is None else [token], adapter)
 
-        async for step in sample_tokens(params, self.eos_token_ids, next_logits, self.prefix_kv is not None):
+        normalized = self.prefix_kv is not None
+        grammars = self.structured_outputs
+        async for step in sample_tokens(params, self.eos_token_ids, next_logits, normalized, grammars):
             yield step
 
     @torch.inference_mode()
@@ -332,3 +338,4 @@ class TransformersEngine(Engine):
         await self.groups.aclose()
         await self.steps.aclose()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.structured_outputs.close()

@@ -63,6 +63,20 @@ def resolve_auto_dtype(dtype: str, on_gpu: bool) -> str:
     return dtype
 
 
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "lark")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What generated text must match, as text: a JSON schema (JSON), a regular expression (the
+    whole output matches it), or a context-free grammar in EBNF (GBNF: `root ::= ...`, as
+    llama.cpp, xgrammar and SGLang spell it) or in Lark. Equal grammars are equal values, so
+    compiled grammars are kept by content."""
+
+    kind: str  # one of GRAMMAR_KINDS
+    source: str
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -73,6 +87,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Mapping[int, float] = field(default_factory=dict)
+    grammar: Grammar | None = None  # tokens outside it are never sampled
 
     def __post_init__(self) -> None:
         # Near-zero temperatures are greedy, so every engine, vLLM included, samples them alike.
@@ -85,7 +100,8 @@ class TokenStep:
     """One generated token.
 
     `logprob` and the alternatives come from the model's raw distribution (log_softmax of the
-    logits), before temperature, top_p, penalties or logit_bias, as vLLM reports them by default.
+    logits), before temperature, top_p, penalties, logit_bias or a grammar's mask, as vLLM reports
+    them by default (vLLM's and SGLang's engines report theirs: docs/api.md).
     """
 
     token_id: int

@@ -28,7 +28,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from backends.errors import AdapterError, RequestRejectedError
+from backends.errors import AdapterError, GrammarError, RequestRejectedError
 from gateway.schemas.common import NOT_SUPPORTED
 
 log = logging.getLogger(__name__)
@@ -208,6 +208,11 @@ def _handle_rejected(request: Request, exc: RequestRejectedError) -> Response:
     return _handle_gateway_error(request, InvalidRequestError(str(exc), param=exc.param))
 
 
+def _handle_grammar(request: Request, exc: GrammarError) -> Response:
+    """A grammar that fails while generating (a step beyond the grammar engine's limits)."""
+    return _handle_gateway_error(request, InvalidRequestError(str(exc)))
+
+
 def _handle_unexpected(_: Request, exc: Exception) -> Response:
     log.exception("unexpected error", exc_info=exc)
     return error_response(500, "internal server error", "internal_error", None, None)
@@ -218,6 +223,7 @@ EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
     msgspec.DecodeError: _handle_decode_error,
     AdapterError: _handle_adapter_error,
     RequestRejectedError: _handle_rejected,
+    GrammarError: _handle_grammar,
     HTTPException: _handle_http_exception,
     Exception: _handle_unexpected,
 }

@@ -116,6 +116,9 @@ class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rows_per_minute_per_key: Annotated[int, msgspec.Meta(ge=0)] = 0  # dense rows; 0: unlimited
     # logprob values in one answer (tokens' own, top logprobs, named token ids), counted before any work
     max_logprob_entries: Annotated[int, msgspec.Meta(gt=0)] = 4 * 2**20
+    # a request's grammar (response_format, SGLang's regex/json_schema/ebnf) compiled within this,
+    # or refused (400); compiled grammars are kept by content, so a grammar pays it once
+    grammar_compile_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     # Dense answers' bytes held at once, server-wide, from before their rows are computed until
     # their clients have read them (429 beyond; 400 for one answer larger than all of it).
     max_answer_bytes: Annotated[int, msgspec.Meta(gt=0)] = 2 * 2**30

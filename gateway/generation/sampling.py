@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from backends.types import SamplingParams
+from backends.errors import GrammarError
+from backends.types import Grammar, SamplingParams
 from gateway.errors import ContextLengthError, InvalidRequestError
 from gateway.registry import ServedModel
 from gateway.settings import Limits
@@ -28,12 +29,14 @@ def sampling_params(
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     logit_bias: dict[str, float] | None = None,
+    grammar: Grammar | None = None,
     top_logprobs_field: str = "top_logprobs",
 ) -> SamplingParams:
     """The engine's parameters for a request's fields (None: the default, as OpenAI's). Raises
     InvalidRequestError naming `top_logprobs_field` (the API's name for the alternatives reported
     per token) beyond `limits.max_top_logprobs`, and for a logit_bias that is not the model's.
-    `max_tokens` comes checked (check_context); a seed wraps to its unsigned 64-bit value."""
+    `max_tokens` comes checked (check_context), `grammar` too (checked_grammar); a seed wraps to
+    its unsigned 64-bit value."""
     if top_logprobs > limits.max_top_logprobs:
         raise InvalidRequestError(
             f"{top_logprobs_field} must be at most {limits.max_top_logprobs}", param=top_logprobs_field
@@ -47,7 +50,28 @@ def sampling_params(
         presence_penalty=presence_penalty or 0.0,
         frequency_penalty=frequency_penalty or 0.0,
         logit_bias=check_logit_bias(served, logit_bias),
+        grammar=grammar,
     )
+
+
+async def checked_grammar(
+    served: ServedModel, limits: Limits, grammar: Grammar | None, param: str
+) -> Grammar | None:
+    """`grammar`, compiled (kept by the engine for the generation that follows) within the
+    limit; InvalidRequestError naming `param`, with the grammar engine's message, where it is
+    invalid, unenforceable, slower to compile, or the engine constrains nothing."""
+    if grammar is None:
+        return None
+    structured = served.require_engine().structured_outputs
+    if structured is None:
+        raise InvalidRequestError(
+            f"model {served.name!r} runs on an engine that cannot constrain output", param=param
+        )
+    try:
+        await structured.check(grammar, limits.grammar_compile_timeout_s)
+    except GrammarError as exc:
+        raise InvalidRequestError(f"{param}: {exc}", param=param) from None
+    return grammar
 
 
 def check_stop(stop: str | list[str] | None, limits: Limits) -> list[str]:

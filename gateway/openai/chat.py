@@ -12,6 +12,7 @@ from backends.vocab import token_display
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
 from gateway.generation import sampling
+from gateway.generation.structured import requested_grammar
 from gateway.openapi.operation import OPENAPI, SSE, Operation
 from gateway.prompts import check_text_chars, tokenize
 from gateway.registry import ServedModel
@@ -117,6 +118,7 @@ async def create_chat_completion(request: Request) -> Response:
     stops = sampling.check_stop(body.stop, limits)
     prompt_ids = await asyncio.to_thread(chat_prompt_ids, served, body.messages, limits)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    grammar = await sampling.checked_grammar(served, limits, *requested_grammar(body))
     params = sampling.sampling_params(
         served,
         limits,
@@ -128,6 +130,7 @@ async def create_chat_completion(request: Request) -> Response:
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         logit_bias=body.logit_bias,
+        grammar=grammar,
     )
     if body.logprobs:  # per token: its logprob and its top_logprobs
         entries = n * params.max_tokens * (1 + params.top_logprobs)

@@ -13,6 +13,7 @@ from backends.vocab import decode_text, token_display
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
 from gateway.generation import sampling
+from gateway.generation.structured import requested_grammar
 from gateway.openapi.operation import OPENAPI, SSE, Operation
 from gateway.prompts import token_inputs
 from gateway.registry import ServedModel
@@ -148,6 +149,7 @@ async def create_completion(request: Request) -> Response:
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     for p in prompts:
         sampling.check_context(served, len(p.ids), max_tokens, limits)
+    grammar = await sampling.checked_grammar(served, limits, *requested_grammar(body))
     params = sampling.sampling_params(
         served,
         limits,
@@ -159,6 +161,7 @@ async def create_completion(request: Request) -> Response:
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         logit_bias=body.logit_bias,
+        grammar=grammar,
         top_logprobs_field="logprobs",
     )
     if body.logprobs is not None:  # per position: its logprob, the top dict (the chosen token + logprobs)

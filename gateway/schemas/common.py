@@ -38,20 +38,57 @@ class Usage(msgspec.Struct, kw_only=True):
     total_tokens: int
 
 
-# Fields of OpenAI's (and vLLM's) request bodies that ask for more than plain text, which the
-# gateway does not give yet: typed to the values that ask for nothing more, so anything else is a
-# 400 naming the field, never silently ignored (docs/api.md lists them).
-_NOT_YET = "only what asks for plain text is accepted: the gateway does not constrain output yet"
+# Fields of OpenAI's (and vLLM's) request bodies that ask for what the gateway does not give:
+# typed to the values that ask for nothing more, so anything else is a 400 naming the field, never
+# silently ignored (docs/api.md lists them).
 _NO_TOOLS = "the gateway does not call functions"
-NoneOnly = Annotated[None, msgspec.Meta(description=_NOT_YET)]
+_DEPRECATED = "vLLM's deprecated field: use response_format or structured_outputs"
+_NO_MEDIA = "the gateway answers text only"
 
 
-class PlainText(msgspec.Struct, kw_only=True):
-    type: Literal["text"]
+class TextFormat(msgspec.Struct, kw_only=True, tag_field="type", tag="text"):
+    """Plain text (the default)."""
+
+
+class JsonObjectFormat(msgspec.Struct, kw_only=True, tag_field="type", tag="json_object"):
+    """Any JSON object."""
+
+
+class JsonSchemaSpec(msgspec.Struct, kw_only=True):
+    name: Annotated[str, msgspec.Meta(max_length=64, pattern="^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    # The output validates against it; keywords the grammar engine cannot enforce are refused
+    # (a 400), whatever `strict` says.
+    schema: dict[str, Any]
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True, tag_field="type", tag="json_schema"):
+    """JSON that validates against `json_schema.schema`."""
+
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs` (one of its constraints): a JSON schema, a regular expression
+    the whole output matches, one of some strings, an EBNF (GBNF) or Lark grammar, any JSON object."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], msgspec.Meta(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+NoneOnly = Annotated[None, msgspec.Meta(description=_DEPRECATED)]
 
 
 class OutputControls(msgspec.Struct, kw_only=True):
-    response_format: Annotated[PlainText, msgspec.Meta(description=_NOT_YET)] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
     tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=0, description=_NO_TOOLS)] | None = None
     tool_choice: Annotated[Literal["none", "auto"], msgspec.Meta(description=_NO_TOOLS)] | None = None
     functions: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=0, description=_NO_TOOLS)] | None = (
@@ -59,18 +96,25 @@ class OutputControls(msgspec.Struct, kw_only=True):
     )
     function_call: Annotated[Literal["none", "auto"], msgspec.Meta(description=_NO_TOOLS)] | None = None
     modalities: list[Literal["text"]] | None = None
-    audio: NoneOnly = None
-    web_search_options: NoneOnly = None
-    # vLLM's structured-output fields
+    audio: Annotated[None, msgspec.Meta(description=_NO_MEDIA)] = None
+    web_search_options: Annotated[None, msgspec.Meta(description="the gateway does not search the web")] = (
+        None
+    )
+    # vLLM's structured-output fields before `structured_outputs`
     guided_json: NoneOnly = None
     guided_regex: NoneOnly = None
     guided_choice: NoneOnly = None
     guided_grammar: NoneOnly = None
-    structured_outputs: NoneOnly = None
 
 
 # What a refusal of each of those fields adds to msgspec's message.
 NOT_SUPPORTED = {
-    name: _NO_TOOLS if "tool" in name or "function" in name else _NOT_YET
-    for name in OutputControls.__struct_fields__
+    "tools": _NO_TOOLS,
+    "tool_choice": _NO_TOOLS,
+    "functions": _NO_TOOLS,
+    "function_call": _NO_TOOLS,
+    "modalities": _NO_MEDIA,
+    "audio": _NO_MEDIA,
+    "web_search_options": "the gateway does not search the web",
+    **{name: _DEPRECATED for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
 }

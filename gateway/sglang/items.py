@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backends.types import SamplingParams
+from backends.types import Grammar, SamplingParams
 from gateway.errors import ContextLengthError, InvalidRequestError
 from gateway.generation import sampling
 from gateway.prompts import check_text_chars, check_token_ids, tokenize
@@ -132,12 +132,25 @@ def _check_unsupported(sp: SglangSamplingParams, vocab_size: int) -> None:
         raise InvalidRequestError(
             "Only one of json_schema, regex, ebnf, or structural_tag can be set.", param="sampling_params"
         )
-    if constraints:
-        raise _unsupported(f"constrained decoding ({constraints[0]})", f"sampling_params.{constraints[0]}")
+    if sp.structural_tag:
+        raise _unsupported("structural_tag", "sampling_params.structural_tag")
+
+
+def grammar_of(sp: SglangSamplingParams | None) -> tuple[Grammar | None, str]:
+    """The grammar SGLang's `regex`, `json_schema` or `ebnf` asks for, and its field."""
+    for kind in ("regex", "json_schema", "ebnf"):
+        source = getattr(sp, kind, None)
+        if source:
+            return Grammar(kind, source), f"sampling_params.{kind}"
+    return None, "sampling_params"
 
 
 def sampling_of(
-    served: ServedModel, sp: SglangSamplingParams | None, top_k: int, limits: Limits
+    served: ServedModel,
+    sp: SglangSamplingParams | None,
+    top_k: int,
+    limits: Limits,
+    grammar: Grammar | None = None,
 ) -> tuple[SamplingParams, list[str], frozenset[int]]:
     """Our sampling parameters for SGLang's (`top_k`: top_logprobs_num), with the stop strings
     and stop ids; max_new_tokens is the parameters' max_tokens."""
@@ -168,6 +181,7 @@ def sampling_of(
         presence_penalty=sp.presence_penalty,
         frequency_penalty=sp.frequency_penalty,
         logit_bias=sp.logit_bias,
+        grammar=grammar,
         top_logprobs_field="top_logprobs_num",
     )
     return params, sampling.check_stop(sp.stop, limits), stop_ids
@@ -214,7 +228,8 @@ async def plan(body: GenerateRequest, served_for: Any, limits: Limits) -> tuple[
     for i, prompt in enumerate(ids):
         served, adapter = served_for(lora[i])
         top_k = tops[i] or 0
-        params, stops, stop_ids = sampling_of(served, sps[i], top_k, limits)
+        grammar = await sampling.checked_grammar(served, limits, *grammar_of(sps[i]))
+        params, stops, stop_ids = sampling_of(served, sps[i], top_k, limits, grammar)
         try:
             sampling.check_context(served, len(prompt), params.max_tokens, limits)
         except ContextLengthError as exc:  # named as SGLang's fields

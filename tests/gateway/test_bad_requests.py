@@ -269,19 +269,62 @@ CASES = {
     ),
     "suffix": Case(COMPLETIONS, completion(suffix=" world"), 400, "suffix", "suffix is not supported"),
     # fields asking for more than plain text: refused, never ignored
-    "chat-response_format-json_schema": Case(
+    # structured outputs: a grammar that cannot be held to is a 400 with the grammar engine's message
+    "chat-response_format-bad-schema": Case(
         CHAT,
-        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        chat(
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
+        ),
         400,
-        "response_format.type",
-        "does not constrain output yet",
+        "response_format.json_schema.schema",
+        "strin",
     ),
-    "response_format-json_object": Case(
-        COMPLETIONS,
-        completion(response_format={"type": "json_object"}),
+    "chat-response_format-schema-missing": Case(
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
         400,
-        "response_format.type",
-        "'json_object'",
+        "response_format.json_schema",
+        "`schema`",
+    ),
+    "response_format-unenforceable-keyword": Case(
+        COMPLETIONS,
+        completion(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "format": "no-such-format"}},
+            }
+        ),
+        400,
+        "response_format.json_schema.schema",
+        "no-such-format",
+    ),
+    "structured_outputs-bad-regex": Case(
+        COMPLETIONS,
+        completion(structured_outputs={"regex": "(?<=a)b"}),
+        400,
+        "structured_outputs",
+        "look-around",
+    ),
+    "structured_outputs-two": Case(
+        COMPLETIONS,
+        completion(structured_outputs={"regex": "a", "choice": ["a"]}),
+        400,
+        "structured_outputs",
+        "exactly one",
+    ),
+    "structured_outputs-and-response_format": Case(
+        CHAT,
+        chat(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+        400,
+        "structured_outputs",
+        "cannot both",
+    ),
+    "structured_outputs-bad-grammar": Case(
+        COMPLETIONS,
+        completion(structured_outputs={"grammar": "root ::= nowhere"}),
+        400,
+        "structured_outputs",
+        "nowhere",
     ),
     "chat-response_format-bogus": Case(
         CHAT, chat(response_format={"type": "bogus"}), 400, "response_format.type", "'bogus'"
@@ -297,8 +340,16 @@ CASES = {
         CHAT, chat(tool_choice="required"), 400, "tool_choice", "does not call functions"
     ),
     "chat-modalities-audio": Case(CHAT, chat(modalities=["text", "audio"]), 400, "modalities[1]", "'audio'"),
-    "chat-guided_json": Case(CHAT, chat(guided_json={"type": "object"}), 400, "guided_json", "constrain"),
-    "guided_regex": Case(COMPLETIONS, completion(guided_regex="[0-9]+"), 400, "guided_regex", "constrain"),
+    "chat-guided_json": Case(
+        CHAT,
+        chat(guided_json={"type": "object"}),
+        400,
+        "guided_json",
+        "use response_format or structured_outputs",
+    ),
+    "guided_regex": Case(
+        COMPLETIONS, completion(guided_regex="[0-9]+"), 400, "guided_regex", "structured_outputs"
+    ),
     # chat messages
     "chat-empty-messages": Case(CHAT, chat(messages=[]), 400, "messages", "messages must not be empty"),
     "chat-unknown-role": Case(
@@ -363,11 +414,18 @@ CASES = {
     "generate-unknown-sampling-key": Case(
         GENERATE, {"text": "Hi", "sampling_params": {"bogus": 1}}, 400, "sampling_params", "unknown field"
     ),
-    "generate-regex": Case(
+    "generate-bad-regex": Case(
         GENERATE,
-        {"text": "Hi", "sampling_params": {"regex": "a+"}},
+        {"text": "Hi", "sampling_params": {"regex": "(?<=a)b"}},
         400,
         "sampling_params.regex",
+        "look-around",
+    ),
+    "generate-structural_tag": Case(
+        GENERATE,
+        {"text": "Hi", "sampling_params": {"structural_tag": "{}"}},
+        400,
+        "sampling_params.structural_tag",
         "not supported",
     ),
     "generate-two-constraints": Case(

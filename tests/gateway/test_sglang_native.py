@@ -5,11 +5,13 @@ language (`sgl.RuntimeEndpoint`) running programs against the gateway."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
 
 import httpx
+import jsonschema
 import numpy as np
 import pytest
 
@@ -313,7 +315,13 @@ def test_info_and_health_endpoints(http, model_dir):
         ({"input_ids": []}, "input_ids"),
         ({"input_ids": [1, "a"]}, "input_ids"),
         ({"input_ids": [49152]}, "input_ids"),
-        ({"text": "a", "sampling_params": {"regex": "[0-9]+"}}, "sampling_params.regex"),
+        ({"text": "a", "sampling_params": {"regex": "(?<=a)b"}}, "sampling_params.regex"),
+        (
+            {"text": "a", "sampling_params": {"json_schema": '{"type": "strin"}'}},
+            "sampling_params.json_schema",
+        ),
+        ({"text": "a", "sampling_params": {"ebnf": "root ::= missing"}}, "sampling_params.ebnf"),
+        ({"text": "a", "sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag"),
         ({"text": "a", "sampling_params": {"top_k": 5}}, "sampling_params.top_k"),
         ({"text": "a", "sampling_params": {"min_p": 0.1}}, "sampling_params.min_p"),
         ({"text": "a", "sampling_params": {"unknown": 1}}, "sampling_params"),
@@ -349,6 +357,12 @@ def test_routes_are_counted_and_behind_keys():
         )
 
 
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "maximum": 150}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 FRONTEND = textwrap.dedent(
     """
     import functools, importlib.abc, importlib.machinery, json, sys, types
@@ -376,6 +390,7 @@ FRONTEND = textwrap.dedent(
     import sglang as sgl
 
     sgl.set_default_backend(sgl.RuntimeEndpoint(sys.argv[1]))
+    PERSON = json.loads(sys.argv[2])
 
     @sgl.function
     def program(s, choices):
@@ -393,12 +408,15 @@ FRONTEND = textwrap.dedent(
            "more": state["more"], "select": state.get_meta_info("city")}
 
     @sgl.function
-    def number(s):
+    def constrained(s, schema):
         s += "1 + 1 = " + sgl.gen_int("n", max_tokens=3)
+        s += "\\nThe date: " + sgl.gen("date", max_tokens=16, temperature=0, regex=r"\\d{4}-\\d{2}-\\d{2}")
+        s += "\\nA person: " + sgl.gen("person", max_tokens=48, temperature=0, json_schema=schema)
 
-    failed = number.run()
-    failed.sync()
-    out["regex"] = str(failed.error())  # the interpreter keeps the server's refusal on the state
+    held = constrained.run(schema=json.dumps(PERSON))
+    held.sync()
+    out["error"] = str(held.error())
+    out.update(n=held["n"], date=held["date"], person=held["person"])
     print(json.dumps(out))
     """
 )
@@ -412,7 +430,10 @@ def assert_frontend_program(base_url: str, reference, atol: float) -> None:
     """The frontend's program against `base_url`: its gen, select and fork equal a forward pass
     (select's normalized scores within `atol`)."""
     result = subprocess.run(
-        [sys.executable, "-c", FRONTEND, base_url], capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", FRONTEND, base_url, json.dumps(PERSON)],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
@@ -436,7 +457,11 @@ def assert_frontend_program(base_url: str, reference, atol: float) -> None:
     for word, more in zip([" Yes", " No"], out["more"], strict=True):
         branch = tok(context + out["city"] + word + ",")["input_ids"]
         assert more == tok.decode(reference.greedy(branch, 4))
-    assert "constrained decoding (regex) is not supported" in out["regex"]
+    # constrained: gen_int, gen(regex=...) and gen(json_schema=...) hold to their grammars
+    assert out["error"] == "None"
+    assert re.fullmatch(r"[-+]?[0-9]+[ \n]*", out["n"]), out["n"]
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", out["date"]), out["date"]
+    jsonschema.validate(json.loads(out["person"]), PERSON)
 
 
 def test_torchrl_async_sglang_generates_against_the_gateway(gateway, reference):
