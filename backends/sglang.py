@@ -24,6 +24,12 @@ only for prompt positions, the row is sent with one placeholder token appended a
 last token. Either way a row needs one position past it, so the engine's context length is one
 token shorter than SGLang's.
 
+Grammars (`SamplingParams.grammar`) go to SGLang's own structured-output machinery as its
+`regex`, `json_schema` or `ebnf` (Lark too, which its llguidance backend reads there). The
+"engine" and "server" modes start SGLang with the llguidance grammar backend (unless told another),
+the library the gateway checks grammars with, so what the check accepts SGLang enforces alike; a
+"url" server enforces with whatever backend it was started with.
+
 Sampled-token logprobs: SGLang reports them after temperature unless SGLANG_RETURN_ORIGINAL_LOGPROB
 is set, which the "engine" and "server" modes do. Even then they include penalties and
 logit_bias (SGLang applies those to the logits before its sampler).
@@ -51,6 +57,7 @@ from backends.builtin_models import resolve_model_dir
 from backends.distinct_rows import computed_rows
 from backends.engine import Engine, Out
 from backends.errors import AdapterError, EngineUnavailableError, RequestRejectedError
+from backends.grammar import LLGuidanceGrammars, ascii_digits
 from backends.sglang_processor import PROCESSOR
 from backends.sglang_transport import EngineTransport, HttpTransport, ManagedServer, Transport, free_port
 from backends.sglang_weights import SglangWeights
@@ -152,6 +159,7 @@ class SglangEngine(Engine):
         self._adapters: set[str] = set()
         self.adapters = SglangAdapters(self)
         self.weights = SglangWeights(self)
+        self.structured_outputs = LLGuidanceGrammars(tokenizer, self.vocab_size, self.eos_token_ids)
 
     @classmethod
     def load(cls, config: EngineConfig) -> SglangEngine:
@@ -199,7 +207,10 @@ class SglangEngine(Engine):
         if config.max_lora_rank:
             command += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank)]
             command += ["--lora-target-modules", "all"]
-        command += [str(arg) for arg in options.get("launch_args", [])]
+        launch_args = [str(arg) for arg in options.get("launch_args", [])]
+        if "--grammar-backend" not in launch_args:
+            command += ["--grammar-backend", "llguidance"]
+        command += launch_args
         log_path = Path(options.get("log_path") or tempfile.mkstemp(prefix="sglang-", suffix=".log")[1])
         log.info("launching %s (log: %s)", " ".join(command), log_path)
         server = ManagedServer(command, free_port(), log_path, env=_RAW_LOGPROBS)
@@ -219,6 +230,7 @@ class SglangEngine(Engine):
             "model_path": str(path),
             "dtype": config.dtype,
             "enable_custom_logit_processor": True,
+            "grammar_backend": options.pop("grammar_backend", "llguidance"),
         }
         if config.max_model_len:
             args["context_length"] = config.max_model_len
@@ -331,6 +343,12 @@ class SglangEngine(Engine):
             "sampling_seed": params.seed,
             "stop_token_ids": sorted(self.eos_token_ids),
         }
+        grammar = params.grammar
+        if grammar is not None:
+            if grammar.kind == "regex":
+                sampling["regex"] = ascii_digits(grammar.source)
+            else:
+                sampling["json_schema" if grammar.kind == "json_schema" else "ebnf"] = grammar.source
         return {
             "input_ids": list(ids),
             "sampling_params": sampling,
@@ -372,3 +390,4 @@ class SglangEngine(Engine):
 
     async def aclose(self) -> None:
         await self.transport.aclose()
+        self.structured_outputs.close()

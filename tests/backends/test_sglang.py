@@ -17,11 +17,11 @@ from tests.conftest import require_engine_library
 
 require_engine_library("sglang")
 
-from backends.errors import AdapterError, RequestRejectedError  # noqa: E402
+from backends.errors import AdapterError, GrammarError, RequestRejectedError  # noqa: E402
 from backends.sglang import ScatterError, SglangEngine, scatter_row  # noqa: E402
 from backends.sglang_processor import PROCESSOR  # noqa: E402
 from backends.sglang_transport import ManagedServer, SglangError  # noqa: E402
-from backends.types import EngineConfig, SamplingParams  # noqa: E402
+from backends.types import EngineConfig, Grammar, SamplingParams  # noqa: E402
 from tests.backends.sglang_standin import distribution  # noqa: E402
 from tests.launcher import free_port  # noqa: E402
 
@@ -117,6 +117,29 @@ async def test_generation_streams_token_steps(engine, sent):
     (body,) = sent()
     assert body["stream"] and body["sampling_params"]["logit_bias"] == {"3": 1.0}
     assert body["sampling_params"]["stop_token_ids"] == sorted(engine.eos_token_ids)
+
+
+async def test_grammars_go_to_sglangs_own_fields(engine, sent):
+    """SGLang enforces grammars itself, with the llguidance backend the gateway's check uses; the
+    stand-in builds each body into sglang's own SamplingParams, which refuses misspelled fields."""
+    cases = [
+        (Grammar("regex", r"\d{4}-[\d]{2}"), "regex", "[0-9]{4}-[0-9]{2}"),  # \d as ASCII digits
+        (Grammar("json_schema", '{"type": "object"}'), "json_schema", '{"type": "object"}'),
+        (Grammar("ebnf", 'root ::= "a" | "b"'), "ebnf", 'root ::= "a" | "b"'),
+        (Grammar("lark", 'start: "a" | "b"'), "ebnf", 'start: "a" | "b"'),  # its llguidance reads Lark there
+    ]
+    for grammar, _, _ in cases:
+        await engine.structured_outputs.check(grammar, 5.0)
+        params = SamplingParams(max_tokens=2, temperature=0.0, grammar=grammar)
+        assert len([s async for s in engine.generate([2, 7], params)]) == 2
+    bodies = sent()
+    for (_, field, value), body in zip(cases, bodies, strict=True):
+        constraints = {k: v for k, v in body["sampling_params"].items() if k in ("regex", "json_schema", "ebnf")}
+        assert constraints == {field: value}
+    argv = httpx.get(engine.transport.base_url + "/server_info").json()["argv"]
+    assert argv[argv.index("--grammar-backend") + 1] == "llguidance"
+    with pytest.raises(GrammarError, match="look-around"):
+        await engine.structured_outputs.check(Grammar("regex", "(?<=a)b"), 5.0)
 
 
 async def test_stopping_a_stream_early(engine):
