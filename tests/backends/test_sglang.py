@@ -134,7 +134,9 @@ async def test_grammars_go_to_sglangs_own_fields(engine, sent):
         assert len([s async for s in engine.generate([2, 7], params)]) == 2
     bodies = sent()
     for (_, field, value), body in zip(cases, bodies, strict=True):
-        constraints = {k: v for k, v in body["sampling_params"].items() if k in ("regex", "json_schema", "ebnf")}
+        constraints = {
+            k: v for k, v in body["sampling_params"].items() if k in ("regex", "json_schema", "ebnf")
+        }
         assert constraints == {field: value}
     argv = httpx.get(engine.transport.base_url + "/server_info").json()["argv"]
     assert argv[argv.index("--grammar-backend") + 1] == "llguidance"

@@ -1,0 +1,163 @@
+"""Generation held to a grammar, on the engines that sample themselves (real transformers and MLX
+engines on the default model): each token is the most likely one the grammar allows, its reported
+logprob is the model's before the mask, constrained streams share passes with unconstrained ones,
+and grammars compile once, within a bound, or are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import numpy as np
+import pytest
+
+from backends.errors import GrammarError
+from backends.grammar import ascii_digits, grammar_text
+from backends.transformers import TransformersEngine
+from backends.types import EngineConfig, Grammar, SamplingParams
+from tests.gateway.structured_cases import ARITHMETIC, REGEXES, SCHEMAS
+
+DATE = Grammar("regex", REGEXES["date"][0])
+PERSON = Grammar("json_schema", json.dumps(SCHEMAS[3]))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return TransformersEngine.load(EngineConfig(model=str(model_dir), dtype="float32"))
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
+async def generate(engine, ids, grammar=None, max_tokens=48, **params):
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, grammar=grammar, **params)
+    return [step async for step in engine.generate(ids, sampling)]
+
+
+def text_of(engine, steps) -> str:
+    return engine.tokenizer.decode([s.token_id for s in steps], skip_special_tokens=True)
+
+
+def allowed_masks(tokenizer, vocab_size, eos, grammar: Grammar, tokens: list[int]) -> list[np.ndarray]:
+    """The grammar's mask before each of `tokens`, from a matcher of llguidance's own."""
+    matcher = llguidance.LLMatcher(
+        llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos)),
+        grammar_text(grammar),
+    )
+    masks = []
+    for token in tokens:
+        bits = np.frombuffer(matcher.compute_bitmask(), np.uint8)
+        masks.append(np.unpackbits(bits, bitorder="little")[:vocab_size].astype(bool))
+        assert matcher.consume_token(token)
+    return masks
+
+
+async def test_each_token_is_the_best_allowed_and_reports_the_raw_logprob(engine, reference):
+    ids = chat_ids(engine.tokenizer, "Describe a person you know as a JSON object.")
+    steps = await generate(engine, ids, PERSON, max_tokens=64, top_logprobs=3)
+    assert steps[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads(text_of(engine, steps)), SCHEMAS[3])
+    tokens = [s.token_id for s in steps]
+    rows = reference.logprobs(ids + tokens)[len(ids) - 1 : -1]
+    masks = allowed_masks(engine.tokenizer, engine.vocab_size, engine.eos_token_ids, PERSON, tokens)
+    for step, row, mask in zip(steps, rows, masks, strict=True):
+        assert mask[step.token_id]
+        # the most likely allowed token (a near tie may go either way in float32)
+        assert row[step.token_id] >= row[mask].max() - 1e-4
+        # reported: the model's own distribution, before the mask, as a forward pass gives it
+        assert step.logprob == pytest.approx(row[step.token_id], abs=1e-4)
+        np.testing.assert_array_equal(step.top_ids, np.argsort(-row, kind="stable")[:3])
+    assert any(not mask[int(np.argmax(row))] for row, mask in zip(rows, masks, strict=True))  # it did steer
+
+
+async def test_regexes_and_an_arithmetic_grammar_hold(engine):
+    for name, (pattern, question) in REGEXES.items():
+        steps = await generate(engine, chat_ids(engine.tokenizer, question), Grammar("regex", pattern))
+        assert steps[-1].finish_reason == "stop", name
+        assert re.fullmatch(pattern, text_of(engine, steps), re.ASCII), name
+    steps = await generate(
+        engine, chat_ids(engine.tokenizer, "Write a sum of three numbers."), Grammar("ebnf", ARITHMETIC), 64
+    )
+    text = text_of(engine, steps)
+    assert steps[-1].finish_reason == "stop" and re.fullmatch(r"[0-9+\-*/()]+", text), text
+    assert isinstance(eval(compile(text, "<grammar>", "eval")), int | float)  # noqa: S307 (digits and operators only)
+
+
+async def test_constrained_streams_share_passes_and_leave_others_unchanged(engine):
+    prompts = [
+        chat_ids(engine.tokenizer, f"Tell me about {topic}.") for topic in ("cats", "rain", "tea", "jazz")
+    ]
+    alone = [await generate(engine, ids, max_tokens=16) for ids in prompts]
+    passes = engine.steps.passes
+    together = await asyncio.gather(
+        *(generate(engine, ids, max_tokens=16) for ids in prompts),
+        *(generate(engine, ids, PERSON, max_tokens=16) for ids in prompts[:2]),
+        *(generate(engine, ids, DATE, max_tokens=16) for ids in prompts[2:]),
+    )
+    for own, shared in zip(alone, together[:4], strict=True):
+        assert [s.token_id for s in shared] == [s.token_id for s in own]
+        np.testing.assert_allclose([s.logprob for s in shared], [s.logprob for s in own], atol=1e-4)
+    # eight streams of up to 16 tokens each: far fewer passes than the 8 x 16 they would take alone
+    assert engine.steps.passes - passes <= 2 * 16 and engine.steps.largest >= 8
+    for steps in together[4:6]:
+        assert text_of(engine, steps).startswith("{")
+
+
+async def test_grammars_compile_once_and_within_the_bound(engine):
+    grammars = engine.structured_outputs
+    schema = Grammar("json_schema", json.dumps(SCHEMAS[-1]))
+    await asyncio.gather(*(grammars.check(schema, 10.0) for _ in range(4)))
+    compiled = grammars._compiled[schema]
+    await grammars.check(schema, 1e-9)  # kept: no compile, so no time needed
+    assert grammars._compiled[schema] is compiled
+    with pytest.raises(GrammarError, match="did not compile within"):
+        await grammars.check(Grammar("json_schema", json.dumps(SCHEMAS[-2])), 1e-9)
+    await grammars.check(Grammar("json_schema", json.dumps(SCHEMAS[-2])), 10.0)  # the same compile, kept
+
+
+@pytest.mark.parametrize(
+    ("grammar", "message"),
+    [
+        (Grammar("regex", "(?<=a)b"), "look-around"),
+        (Grammar("regex", "(ab"), "unclosed group"),
+        (Grammar("json_schema", "{not json"), "invalid json_schema"),
+        (Grammar("json_schema", "[1, 2]"), "object or a boolean"),
+        (Grammar("json_schema", '{"type": "string", "format": "no-such"}'), "no-such"),
+        (Grammar("ebnf", "root ::= missing"), "missing"),
+        (Grammar("lark", "start: ("), "Expected token ')'"),
+        (Grammar("cobol", "x"), "grammar kind"),
+    ],
+)
+async def test_bad_grammars_are_refused_with_one_line(engine, grammar, message):
+    with pytest.raises(GrammarError, match=re.escape(message)) as refused:
+        await engine.structured_outputs.check(grammar, 10.0)
+    assert "\n" not in str(refused.value)
+
+
+def test_digits_are_ascii():
+    assert ascii_digits(r"\d{4}-[\d.]+") == "[0-9]{4}-[0-9.]+"
+    assert ascii_digits(r"\\d \D []\d] [^]\d]") == r"\\d \D []0-9] [^]0-9]"
+
+
+async def test_mlx_engine_holds_grammars(model_dir):
+    pytest.importorskip("mlx_lm")
+    from backends.mlx import MlxEngine
+
+    engine = await asyncio.to_thread(MlxEngine.load, EngineConfig(model=str(model_dir), dtype="float32"))
+    try:
+        ids = chat_ids(engine.tokenizer, "Describe a person you know as a JSON object.")
+        person, date = await asyncio.gather(
+            generate(engine, ids, PERSON, max_tokens=64),
+            generate(engine, chat_ids(engine.tokenizer, REGEXES["date"][1]), DATE),
+        )
+        jsonschema.validate(json.loads(text_of(engine, person)), SCHEMAS[3])
+        assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text_of(engine, date))
+    finally:
+        await engine.aclose()
