@@ -36,6 +36,11 @@ from backends.errors import GrammarError
 from backends.types import GRAMMAR_KINDS, Grammar
 
 MAX_COMPILED = 64  # grammars kept compiled, least recently used first out
+# JSON on one line, with no whitespace between tokens: whitespace allowed anywhere lets a small
+# model emit newlines until max_tokens. vLLM's `disable_any_whitespace` and SGLang's
+# `constrained_json_disable_any_whitespace` give the same grammar. A schema's own "x-guidance"
+# options override these.
+COMPACT_JSON = {"whitespace_flexible": False}
 MAX_MESSAGE = 1000  # characters of a grammar engine's message passed on
 
 
@@ -75,7 +80,7 @@ def grammar_text(grammar: Grammar) -> str:
             schema = json.loads(grammar.source)
             if not isinstance(schema, dict | bool):
                 raise _error(f"a JSON schema is an object or a boolean, not {type(schema).__name__}")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT_JSON)
         if grammar.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(ascii_digits(grammar.source))
         return llguidance.grammar_from(grammar.kind, grammar.source)

@@ -27,7 +27,8 @@ token shorter than SGLang's.
 Grammars (`SamplingParams.grammar`) go to SGLang's own structured-output machinery as its
 `regex`, `json_schema` or `ebnf` (Lark too, which its llguidance backend reads there). The
 "engine" and "server" modes start SGLang with the llguidance grammar backend (unless told another),
-the library the gateway checks grammars with, so what the check accepts SGLang enforces alike; a
+the library the gateway checks grammars with, and JSON without free whitespace (as
+backends/grammar.py), so what the check accepts SGLang enforces alike; a
 "url" server enforces with whatever backend it was started with.
 
 Sampled-token logprobs: SGLang reports them after temperature unless SGLANG_RETURN_ORIGINAL_LOGPROB
@@ -209,7 +210,7 @@ class SglangEngine(Engine):
             command += ["--lora-target-modules", "all"]
         launch_args = [str(arg) for arg in options.get("launch_args", [])]
         if "--grammar-backend" not in launch_args:
-            command += ["--grammar-backend", "llguidance"]
+            command += ["--grammar-backend", "llguidance", "--constrained-json-disable-any-whitespace"]
         command += launch_args
         log_path = Path(options.get("log_path") or tempfile.mkstemp(prefix="sglang-", suffix=".log")[1])
         log.info("launching %s (log: %s)", " ".join(command), log_path)
@@ -231,6 +232,9 @@ class SglangEngine(Engine):
             "dtype": config.dtype,
             "enable_custom_logit_processor": True,
             "grammar_backend": options.pop("grammar_backend", "llguidance"),
+            "constrained_json_disable_any_whitespace": options.pop(
+                "constrained_json_disable_any_whitespace", True
+            ),
         }
         if config.max_model_len:
             args["context_length"] = config.max_model_len

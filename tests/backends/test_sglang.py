@@ -140,6 +140,7 @@ async def test_grammars_go_to_sglangs_own_fields(engine, sent):
         assert constraints == {field: value}
     argv = httpx.get(engine.transport.base_url + "/server_info").json()["argv"]
     assert argv[argv.index("--grammar-backend") + 1] == "llguidance"
+    assert "--constrained-json-disable-any-whitespace" in argv
     with pytest.raises(GrammarError, match="look-around"):
         await engine.structured_outputs.check(Grammar("regex", "(?<=a)b"), 5.0)
 

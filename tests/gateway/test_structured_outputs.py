@@ -1,0 +1,141 @@
+"""Structured outputs through the real gateway on the real default model, with the clients users
+have: the `openai` SDK's `response_format` and vLLM's `structured_outputs` on both endpoints, and
+SGLang's /generate `regex` / `json_schema` / `ebnf`. Every output is checked by a validator of its
+own (jsonschema, re.fullmatch, Python's parser), never against a recorded answer."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import re
+
+import jsonschema
+import pytest
+
+from tests.conftest import MODEL
+from tests.gateway.structured_cases import ARITHMETIC, PROMPTS, REGEXES, SCHEMAS
+
+
+def _schema_format(index: int) -> dict:
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": f"case_{index}", "schema": SCHEMAS[index], "strict": True},
+    }
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+async def test_json_schemas_of_growing_size_validate_for_every_prompt(async_client, index):
+    async def ask(prompt: str):
+        return await async_client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=400,
+            temperature=0,
+            response_format=_schema_format(index),
+        )
+
+    answers = await asyncio.gather(*(ask(p) for p in PROMPTS))
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop", (prompt, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content), SCHEMAS[index])
+
+
+def test_json_object_mode_on_both_endpoints(client):
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give me a JSON object about a cat."}],
+        max_tokens=200,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert isinstance(json.loads(chat.choices[0].message.content), dict)
+    completion = client.completions.create(
+        model=MODEL,
+        prompt="A JSON object describing a city:",
+        max_tokens=200,
+        temperature=0,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    assert isinstance(json.loads(completion.choices[0].text), dict)
+
+
+@pytest.mark.parametrize("name", sorted(REGEXES))
+def test_regexes_match_the_whole_output(client, name):
+    pattern, question = REGEXES[name]
+    for stream in (False, True):
+        answer = client.completions.create(
+            model=MODEL,
+            prompt=question + "\nAnswer:",
+            max_tokens=40,
+            temperature=0,
+            stream=stream,
+            extra_body={"structured_outputs": {"regex": pattern}},
+        )
+        text = "".join(c.choices[0].text for c in answer) if stream else answer.choices[0].text
+        assert re.fullmatch(pattern, text, re.ASCII), text
+
+
+def _arithmetic(text: str) -> None:
+    """The text parses as an arithmetic expression of integers (Python's parser, nothing else)."""
+    allowed = (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div)
+    tree = ast.parse(text, mode="eval")
+    assert all(isinstance(node, allowed) for node in ast.walk(tree)), text
+
+
+def test_an_ebnf_arithmetic_grammar_parses(client, http):
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Write an arithmetic expression."}],
+        max_tokens=64,
+        temperature=0.7,
+        seed=3,
+        n=3,
+        extra_body={"structured_outputs": {"grammar": ARITHMETIC}},
+    )
+    for choice in answer.choices:
+        assert choice.finish_reason == "stop"
+        _arithmetic(choice.message.content)
+    # SGLang's spelling of the same grammar
+    out = http.post(
+        "/generate",
+        json={
+            "text": "2 + 3 * 4 = 14, and",
+            "sampling_params": {"ebnf": ARITHMETIC, "max_new_tokens": 64, "temperature": 0},
+        },
+    ).json()
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    _arithmetic(out["text"])
+
+
+def test_choice_is_one_of_the_strings(client):
+    choices = ["Paris", "Berlin", "a banana"]
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=10,
+        temperature=1.0,
+        seed=0,
+        n=4,
+        extra_body={"structured_outputs": {"choice": choices}},
+    )
+    assert {c.message.content for c in answer.choices} <= set(choices)
+
+
+def test_sglang_generate_holds_json_schema_and_regex(http):
+    schema = SCHEMAS[8]
+    out = http.post(
+        "/generate",
+        json={
+            "text": ["A person and their address, as JSON:", "Another one:"],
+            "sampling_params": {"json_schema": json.dumps(schema), "max_new_tokens": 200, "temperature": 0},
+        },
+    ).json()
+    for result in out:
+        jsonschema.validate(json.loads(result["text"]), schema)
+    pattern = REGEXES["email"][0]
+    out = http.post(
+        "/generate", json={"text": "Email:", "sampling_params": {"regex": pattern, "temperature": 0}}
+    ).json()
+    assert re.fullmatch(pattern, out["text"], re.ASCII)
