@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
+import msgspec
 from litestar import Request, Response, post
 
 from backends.types import TokenStep
@@ -13,6 +15,7 @@ from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
 from gateway.generation import sampling
 from gateway.generation.structured import requested_grammar
+from gateway.openai.tools import ToolCalls, requested_calls, template_tools
 from gateway.openapi.operation import OPENAPI, SSE, Operation
 from gateway.prompts import check_text_chars, tokenize
 from gateway.registry import ServedModel
@@ -29,6 +32,8 @@ from gateway.schemas.chat import (
     ChatMessage,
     ChoiceLogprobs,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
 )
 from gateway.schemas.common import Usage
@@ -43,11 +48,27 @@ def _content(message: ChatMessage) -> str:
     return "".join(part.text for part in message.content)
 
 
+def _turn(message: ChatMessage) -> dict[str, Any]:
+    turn: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role}
+    turn["content"] = _content(message)
+    if message.tool_calls:
+        turn["tool_calls"] = msgspec.to_builtins(message.tool_calls)
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
+
+
 def chat_prompt_ids(
-    served: ServedModel, messages: list[ChatMessage], limits: Limits, *, add_generation_prompt: bool = True
+    served: ServedModel,
+    messages: list[ChatMessage],
+    limits: Limits,
+    *,
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The conversation templated and tokenized; blocks as long as that takes: call it off the
-    event loop. Its messages' text counts as one text against `limits.max_text_chars`."""
+    """The conversation (and `tools`, for templates that show them) templated and tokenized;
+    blocks as long as that takes: call it off the event loop. Its text counts as one text against
+    `limits.max_text_chars`."""
     if not messages:
         raise InvalidRequestError("messages must not be empty", param="messages")
     tokenizer = served.require_engine().tokenizer
@@ -55,13 +76,13 @@ def chat_prompt_ids(
         raise InvalidRequestError(
             f"model {served.name!r} has no chat template; use /v1/completions", param="model"
         )
-    conversation = [
-        {"role": "system" if m.role == "developer" else m.role, "content": _content(m)} for m in messages
-    ]
-    check_text_chars(served, limits, sum(len(m["content"]) for m in conversation), "messages")
+    conversation = [_turn(m) for m in messages]
+    chars = sum(len(turn["content"]) for turn in conversation)
+    chars += sum(len(call.function.arguments) for m in messages for call in m.tool_calls or ())
+    check_text_chars(served, limits, chars + len(msgspec.json.encode(tools or [])), "messages")
     try:
         text = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+            conversation, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
         )
     except Exception as exc:  # templates raise on conversations they do not support
         raise InvalidRequestError(
@@ -116,9 +137,13 @@ async def create_chat_completion(request: Request) -> Response:
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     stops = sampling.check_stop(body.stop, limits)
-    prompt_ids = await asyncio.to_thread(chat_prompt_ids, served, body.messages, limits)
+    calls = requested_calls(body)
+    prompt_ids = await asyncio.to_thread(
+        lambda: chat_prompt_ids(served, body.messages, limits, tools=template_tools(body))
+    )
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    grammar = await sampling.checked_grammar(served, limits, *requested_grammar(body))
+    wanted = (calls.grammar, "tool_choice") if calls is not None else requested_grammar(body)
+    grammar = await sampling.checked_grammar(served, limits, *wanted)
     params = sampling.sampling_params(
         served,
         limits,
@@ -145,25 +170,34 @@ async def create_chat_completion(request: Request) -> Response:
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         reserve_stream(request)
-        return sse_response(_stream(served, body, streams, usage, include_usage))
+        return sse_response(_stream(served, body, streams, usage, include_usage, calls))
     pieces = await asyncio.gather(*(gen.collect(s) for s in streams))
     choices = []
     for index, piece in enumerate(pieces):
         usage.add(piece.steps)
         logprobs = ChoiceLogprobs(content=_token_logprobs(served, piece.steps)) if body.logprobs else None
-        choices.append(
-            ChatChoice(
-                index=index,
-                message=AssistantMessage(content=piece.text),
-                logprobs=logprobs,
-                finish_reason=piece.finish_reason,
-            )
-        )  # type: ignore[arg-type]
+        made = _made_calls(calls, piece)
+        message = (
+            AssistantMessage(content=None, tool_calls=made) if made else AssistantMessage(content=piece.text)
+        )
+        finish = "tool_calls" if made else piece.finish_reason
+        choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish))  # type: ignore[arg-type]
     return json_response(
         ChatCompletionResponse(
             id=new_id("chatcmpl"), created=now(), model=body.model, choices=choices, usage=usage.usage()
         )
     )
+
+
+def _made_calls(calls: ToolCalls | None, piece: gen.Piece) -> list[ToolCall] | None:
+    """The calls of a finished choice held to a call's grammar; None where it is text (no call
+    asked, or its JSON cut short by max_tokens or a stop string: then the text is the answer)."""
+    if calls is None or piece.finish_reason != "stop":
+        return None
+    try:
+        return calls.calls(piece.text)
+    except ValueError:
+        return None
 
 
 class _UsageCounter:
@@ -192,6 +226,7 @@ async def _stream(
     streams: list[AsyncIterator[gen.Piece]],
     usage: _UsageCounter,
     include_usage: bool,
+    calls: ToolCalls | None,
 ) -> AsyncIterator[bytes]:
     chunk_id, created = new_id("chatcmpl"), now()
 
@@ -202,16 +237,32 @@ async def _stream(
             )
         )
 
+    held = [""] * len(streams)  # a call's JSON, sent as one delta of calls when it is whole
     for index in range(len(streams)):
         yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
     async for index, piece in gen.merge(streams):
         usage.add(piece.steps)
-        if not (piece.text or piece.finish_reason or (body.logprobs and piece.steps)):
+        finish = piece.finish_reason
+        delta = ChatDelta(content=piece.text) if piece.text else ChatDelta()
+        if calls is not None:
+            held[index] += piece.text
+            delta = ChatDelta()
+            if finish is not None:
+                made = _made_calls(calls, gen.Piece(held[index], finish_reason=finish))
+                if made:
+                    delta, finish = (
+                        ChatDelta(tool_calls=[_call_delta(i, c) for i, c in enumerate(made)]),
+                        "tool_calls",
+                    )
+                else:
+                    delta = ChatDelta(content=held[index])
+        if not (delta.content or delta.tool_calls or finish or (body.logprobs and piece.steps)):
             continue
         logprobs = ChoiceLogprobs(content=_token_logprobs(served, piece.steps)) if body.logprobs else None
-        delta = ChatDelta(content=piece.text) if piece.text else ChatDelta()
-        yield chunk(
-            [ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=piece.finish_reason)]
-        )  # type: ignore[arg-type]
+        yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)])  # type: ignore[arg-type]
     if include_usage:
         yield chunk([], usage.usage())
+
+
+def _call_delta(index: int, call: ToolCall) -> ToolCallDelta:
+    return ToolCallDelta(index=index, id=call.id, function=call.function)

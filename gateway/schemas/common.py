@@ -41,7 +41,7 @@ class Usage(msgspec.Struct, kw_only=True):
 # Fields of OpenAI's (and vLLM's) request bodies that ask for what the gateway does not give:
 # typed to the values that ask for nothing more, so anything else is a 400 naming the field, never
 # silently ignored (docs/api.md lists them).
-_NO_TOOLS = "the gateway does not call functions"
+_NO_TOOLS = 'function calls are made on /v1/chat/completions, with tool_choice "required" or a named function'
 _DEPRECATED = "vLLM's deprecated field: use response_format or structured_outputs"
 _NO_MEDIA = "the gateway answers text only"
 

@@ -329,15 +329,40 @@ CASES = {
     "chat-response_format-bogus": Case(
         CHAT, chat(response_format={"type": "bogus"}), 400, "response_format.type", "'bogus'"
     ),
-    "chat-tools": Case(
+    "chat-tools-auto": Case(
         CHAT,
         chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         400,
-        "tools",
-        "does not call functions",
+        "tool_choice",
+        "needs a parser",
     ),
-    "chat-tool_choice-required": Case(
-        CHAT, chat(tool_choice="required"), 400, "tool_choice", "does not call functions"
+    "chat-tool_choice-required-no-tools": Case(CHAT, chat(tool_choice="required"), 400, "tool_choice", "no tools"),
+    "chat-tool_choice-unknown-function": Case(
+        CHAT,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        400,
+        "tool_choice",
+        "no tool is named 'g'",
+    ),
+    "chat-tools-bad-parameters": Case(
+        CHAT,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
+            tool_choice="required",
+        ),
+        400,
+        "tool_choice",
+        "strin",
+    ),
+    "completion-tools": Case(
+        COMPLETIONS,
+        completion(tools=[{"type": "function", "function": {"name": "f"}}]),
+        400,
+        "tools",
+        "/v1/chat/completions",
     ),
     "chat-modalities-audio": Case(CHAT, chat(modalities=["text", "audio"]), 400, "modalities[1]", "'audio'"),
     "chat-guided_json": Case(

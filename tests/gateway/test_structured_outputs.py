@@ -139,3 +139,102 @@ def test_sglang_generate_holds_json_schema_and_regex(http):
         "/generate", json={"text": "Email:", "sampling_params": {"regex": pattern, "temperature": 0}}
     ).json()
     assert re.fullmatch(pattern, out["text"], re.ASCII)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 12}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _arguments_validate(call) -> None:
+    schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_a_named_function_is_called_with_valid_arguments(client):
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        max_tokens=80,
+        temperature=0,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    _arguments_validate(call)
+    # the conversation goes on with the call and its result, as the SDK's tool loop sends them
+    follow_up = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            *ASK,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+        ],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert follow_up.choices[0].message.content
+
+
+def test_required_calls_one_of_the_tools_streamed_or_not(client):
+    for parallel in (False, True):
+        answer = client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            max_tokens=120,
+            temperature=0,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+        )
+        calls = answer.choices[0].message.tool_calls
+        assert answer.choices[0].finish_reason == "tool_calls" and calls
+        assert parallel or len(calls) == 1
+        for call in calls:
+            _arguments_validate(call)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            max_tokens=120,
+            temperature=0,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            stream=True,
+        )
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    (delta,) = deltas
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    for call in delta.tool_calls:
+        _arguments_validate(call)
