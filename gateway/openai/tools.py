@@ -40,8 +40,8 @@ class ToolCalls:
 def requested_calls(body: ChatCompletionRequest) -> ToolCalls | None:
     """The calls the request asks for; None: a text answer ("none", or no tools)."""
     tools = body.tools or []
-    choice = body.tool_choice or ("auto" if tools else "none")
-    if choice == "none":
+    choice = body.tool_choice or "auto"
+    if choice == "none" or (choice == "auto" and not tools):
         return None
     if not tools:
         raise InvalidRequestError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.schemas.common import StructuredOutputs
 from gateway.settings import Settings
 
 
@@ -114,6 +115,7 @@ def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
             {"properties": {"stream": {"const": True}}, "required": ["stream"]},
         ]
         request["allOf"] = [{"anyOf": request.pop("anyOf")}, {"anyOf": streamed_only}]
+    _apply_grammar_checks(schemas)
     schemas["NextTokenLogprobsRequest"]["anyOf"] = [
         {"properties": {"shared_memory": {"type": "null"}}},
         {"properties": {"layout": {"const": "matrix"}}, "required": ["layout"]},
@@ -137,3 +139,50 @@ def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
         {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
         {"properties": {"messages": {"type": "array"}}, "required": ["messages"]},
     ]
+
+
+GRAMMAR_FIELDS = ("response_format", "structured_outputs", "tools", "tool_choice")
+
+
+def _apply_grammar_checks(schemas: dict[str, Any]) -> None:
+    """gateway/generation/structured.py and gateway/openai/tools.py: one constraint per request
+    (structured_outputs naming exactly one; not both it and a JSON response_format; no tool call
+    beside either), and a tool_choice that asks for a call only with tools, never "auto" with
+    them. Whether a grammar compiles is the grammar engine's to say (a 400 with its message)."""
+    fields = StructuredOutputs.__struct_fields__
+    schemas["StructuredOutputs"]["anyOf"] = [
+        {
+            "properties": {
+                **{other: {"type": "null"} for other in fields if other not in (field, "json_object")},
+                **({} if field == "json_object" else {"json_object": {"enum": [None, False]}}),
+                field: {"const": True} if field == "json_object" else {"not": {"type": "null"}},
+            },
+            "required": [field],
+        }
+        for field in fields
+    ]
+    plain_text = {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}}]}
+    one_grammar = {
+        "anyOf": [
+            {"properties": {"structured_outputs": {"type": "null"}}},
+            {"properties": {"response_format": plain_text}},
+        ]
+    }
+    no_tools = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
+    calls = {
+        "anyOf": [
+            {"properties": {"tools": no_tools, "tool_choice": {"enum": [None, "none", "auto"]}}},
+            {"properties": {"tool_choice": {"const": "none"}}, "required": ["tool_choice"]},
+            {
+                "properties": {
+                    "tools": {"type": "array", "minItems": 1},
+                    "tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]},
+                    "structured_outputs": {"type": "null"},
+                    "response_format": plain_text,
+                },
+                "required": ["tools", "tool_choice"],
+            },
+        ]
+    }
+    schemas["CompletionRequest"]["allOf"].append(one_grammar)
+    schemas["ChatCompletionRequest"]["allOf"] += [one_grammar, calls]

@@ -336,7 +336,9 @@ CASES = {
         "tool_choice",
         "needs a parser",
     ),
-    "chat-tool_choice-required-no-tools": Case(CHAT, chat(tool_choice="required"), 400, "tool_choice", "no tools"),
+    "chat-tool_choice-required-no-tools": Case(
+        CHAT, chat(tool_choice="required"), 400, "tool_choice", "no tools"
+    ),
     "chat-tool_choice-unknown-function": Case(
         CHAT,
         chat(

@@ -24,6 +24,7 @@ import pytest
 from litestar import Request, Response, get
 
 from gateway.app import ROUTE_HANDLERS, create_app
+from gateway.openapi.constraints import GRAMMAR_FIELDS
 from gateway.openapi.document import build_openapi
 from gateway.openapi.operation import OPENAPI, TEXT, Operation
 from gateway.openapi.vocabulary import decimal_below
@@ -181,6 +182,17 @@ def deployment_document(
         for field in ("prompt", "input", "tokens", "text", "input_ids"):
             if field in properties:
                 _require_a_token(properties[field], vanishing)
+    # Whether a grammar compiles (a JSON schema, a regex, a tool's parameters) only the grammar
+    # engine knows, as only the tokenizer knows a text's tokens: those fields, and the document's
+    # rules about them, are left out here; test_structured_outputs.py, test_grammar.py and
+    # test_bad_requests.py cover them.
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        schema = schemas[name]
+        for field in GRAMMAR_FIELDS:
+            schema["properties"].pop(field, None)
+        schema["allOf"] = [
+            rule for rule in schema["allOf"] if not any(f in json.dumps(rule) for f in GRAMMAR_FIELDS)
+        ]
     # SGLang's /generate relates fields JSON Schema cannot (a list per prompt, logprob_start_len
     # within the prompt, n the same in every sampling_params): test_fuzz.py and
     # test_sglang_native.py cover it instead
