@@ -3,6 +3,7 @@
     python bench/generation.py                                  # SmolLM2-135M, CPU, float32, 1 and 8 streams
     python bench/generation.py --streams 1 8 32 64 --device cuda --dtype bfloat16 --model DIR
     python bench/generation.py --backend mlx                     # the MLX engine (CPU build on Linux)
+    python bench/generation.py --constraints none json regex mixed   # structured outputs beside free text
     python bench/generation.py --random-model llama-1b --device cuda --dtype bfloat16 --tokenizer DIR \
         --streams 1 8 64 --max-tokens 128 --targets gateway-transformers gateway-sglang-engine \
         gateway-sglang-server sglang-server transformers-generate   # the SGLang comparison, on a GPU
@@ -25,6 +26,19 @@ streams' texts equal those of the same request sent alone to that target, and th
 difference of a token logprob among those. A target that cannot start (SGLang without CUDA, say)
 is reported on stderr and left out. --random-model builds randomly initialised weights of a named
 shape (bench/smc.py) in a temporary directory.
+
+--constraints runs every stream count once per constraint, the same prompts each time: `none`
+(free text; alone, the default, it prints the table above unchanged), `json` (every completion under STORY_SCHEMA, a bounded
+JSON schema: strings with maxLength, an array with maxItems, an enum, an integer range; compact
+JSON, llguidance's `x-guidance` whitespace_flexible off, so a story fits in about 30 tokens),
+`regex` (SENTENCE_REGEX, one sentence of 10 to 25 words) and `mixed` (odd streams under the
+schema, even ones free: constrained and unconstrained requests in the same round). Each request
+carries its grammar in its server's spelling (bench/generation_targets.py). Within a repeat the
+constraints run one after another, so a slow spell of a shared machine falls on all of them. The
+table then gains a `constraint` column, the ratio to `none` of the same target and count, the mean
+completion tokens per stream (a constrained output ends where its grammar does), and how many
+constrained outputs validate: jsonschema for the schema, a full match for the regex. "Texts equal
+alone" compares each request with itself, grammar included, sent alone.
 """
 
 from __future__ import annotations
@@ -33,13 +47,17 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import json
+import re
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import openai
 import torch
@@ -48,7 +66,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.builtin_models import resolve_model_dir  # noqa: E402
 from backends.transformers import resolve_device, resolve_dtype  # noqa: E402
-from bench.generation_targets import TARGETS, Completion, Setup, Target, TargetUnavailable, start_target  # noqa: E402
+from bench.generation_targets import (  # noqa: E402
+    TARGETS,
+    Completion,
+    OutputGrammar,
+    Setup,
+    Target,
+    TargetUnavailable,
+    start_target,
+)
 from bench.smc import add_model_arguments, random_model_dir  # noqa: E402
 
 TOPICS = [
@@ -63,8 +89,48 @@ TOPICS = [
 ]
 
 
+STORY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 24},
+        "mood": {"enum": ["calm", "dark", "joyful", "strange"]},
+        "characters": {
+            "type": "array",
+            "items": {"type": "string", "minLength": 1, "maxLength": 12},
+            "maxItems": 2,
+        },
+        "year": {"type": "integer", "minimum": 1800, "maximum": 2100},
+    },
+    "required": ["title", "mood", "characters", "year"],
+    "additionalProperties": False,
+    # Compact JSON: free whitespace lets a small model spend max_tokens on newlines.
+    "x-guidance": {"whitespace_flexible": False},
+}
+SENTENCE_REGEX = r"[A-Z][a-z]{0,11}( [a-z]{1,12}){9,24}\."
+STORY = OutputGrammar("json", STORY_SCHEMA)
+SENTENCE = OutputGrammar("regex", SENTENCE_REGEX)
+# Each constraint's grammar of stream i.
+CONSTRAINTS: dict[str, Callable[[int], OutputGrammar | None]] = {
+    "none": lambda i: None,
+    "json": lambda i: STORY,
+    "regex": lambda i: SENTENCE,
+    "mixed": lambda i: STORY if i % 2 else None,
+}
+
+
 def prompt(i: int) -> str:
     return f"Write a short story about {TOPICS[i % len(TOPICS)]} (number {i}):"
+
+
+def matches(text: str, grammar: OutputGrammar) -> bool:
+    """Whether a whole output matches its grammar: valid JSON the schema accepts, or the regex."""
+    if grammar.kind == "regex":
+        return re.fullmatch(grammar.source, text) is not None
+    try:
+        jsonschema.validate(json.loads(text), grammar.source)
+    except (ValueError, jsonschema.ValidationError):  # json.JSONDecodeError is a ValueError
+        return False
+    return True
 
 
 def progress(line: str) -> None:
@@ -74,13 +140,17 @@ def progress(line: str) -> None:
 @dataclass
 class Row:
     target: str
+    constraint: str
     streams: int
     rate: float  # median aggregate tokens/s
+    tokens_per_stream: float  # mean completion tokens
     latency_p50: float
     latency_p95: float
     equal: int  # streams whose text equals the request's alone
     compared: int
     worst_diff: float  # largest |token logprob difference| of the equal ones
+    valid: int  # constrained outputs that match their grammar
+    constrained: int
 
 
 def agreement(done: list[Completion], alone: list[Completion]) -> tuple[int, float]:
@@ -95,27 +165,68 @@ def agreement(done: list[Completion], alone: list[Completion]) -> tuple[int, flo
     return equal, worst
 
 
+@dataclass
+class Runs:
+    """What the repeats of one constraint at one stream count gave."""
+
+    rates: list[float]
+    done: list[Completion]
+    equal: int = 0
+    worst: float = 0.0
+    valid: int = 0
+    constrained: int = 0
+
+
 async def measure(
-    name: str, target: Target, counts: list[int], max_tokens: int, repeats: int, rows: list[Row]
+    name: str, target: Target, args: argparse.Namespace, constraints: list[str], rows: list[Row]
 ) -> None:
-    """Appends a row per stream count to `rows` as it is measured."""
-    progress(f"{name}: {max(counts)} requests alone")
-    alone = [(await target.round([prompt(i)], max_tokens))[0] for i in range(max(counts))]
-    for count in counts:
-        progress(f"{name}: {count} streams")
+    """Appends a row per stream count and constraint to `rows` as it is measured."""
+    most = max(args.streams)
+    needed = {CONSTRAINTS[c](i) for c in constraints for i in range(most)}
+    alone: dict[tuple[int, OutputGrammar | None], Completion] = {}
+    for grammar in sorted(needed, key=lambda g: "" if g is None else g.kind):
+        progress(f"{name}: {most} requests alone{'' if grammar is None else ' under ' + grammar.kind}")
+        for i in range(most):
+            alone[i, grammar] = (await target.round([prompt(i)], args.max_tokens, [grammar]))[0]
+    for count in args.streams:
         prompts = [prompt(i) for i in range(count)]
-        await target.round(prompts, max_tokens)  # warm-up
-        rates, latencies, equal, worst = [], [], 0, 0.0
-        for _ in range(repeats):
-            started = time.perf_counter()
-            done = await target.round(prompts, max_tokens)
-            rates.append(sum(c.tokens for c in done) / (time.perf_counter() - started))
-            latencies.extend(c.latency_s for c in done)
-            same, diff = agreement(done, alone[:count])
-            equal, worst = equal + same, max(worst, diff)
-        p50, p95 = np.percentile(latencies, [50, 95])
-        rows.append(Row(name, count, statistics.median(rates), p50, p95, equal, count * repeats, worst))
-        progress(f"{name}: {count} streams, {rows[-1].rate:.1f} tok/s")  # kept if the run is cut short
+        grammars = {c: [CONSTRAINTS[c](i) for i in range(count)] for c in constraints}
+        runs = {c: Runs([], []) for c in constraints}
+        progress(f"{name}: {count} streams")
+        for constraint in constraints:  # warm-up
+            await target.round(prompts, args.max_tokens, grammars[constraint])
+        for _ in range(args.repeats):  # the constraints in turn, so a slow spell falls on all
+            for constraint, run in runs.items():
+                started = time.perf_counter()
+                done = await target.round(prompts, args.max_tokens, grammars[constraint])
+                run.rates.append(sum(c.tokens for c in done) / (time.perf_counter() - started))
+                run.done.extend(done)
+                same, diff = agreement(done, [alone[i, g] for i, g in enumerate(grammars[constraint])])
+                run.equal, run.worst = run.equal + same, max(run.worst, diff)
+                held = [(c, g) for c, g in zip(done, grammars[constraint], strict=True) if g is not None]
+                run.valid += sum(matches(c.text, g) for c, g in held)
+                run.constrained += len(held)
+        for constraint, run in runs.items():
+            p50, p95 = np.percentile([c.latency_s for c in run.done], [50, 95])
+            tokens = statistics.mean(c.tokens for c in run.done)
+            rate, compared = statistics.median(run.rates), count * args.repeats
+            rows.append(
+                Row(
+                    name,
+                    constraint,
+                    count,
+                    rate,
+                    tokens,
+                    p50,
+                    p95,
+                    run.equal,
+                    compared,
+                    run.worst,
+                    run.valid,
+                    run.constrained,
+                )
+            )
+            progress(f"{name}: {count} streams, {constraint}, {rate:.1f} tok/s")  # kept if cut short
 
 
 async def run_targets(args: argparse.Namespace, setup: Setup) -> list[Row]:
@@ -128,32 +239,57 @@ async def run_targets(args: argparse.Namespace, setup: Setup) -> list[Row]:
             except TargetUnavailable as exc:
                 progress(f"{name}: skipped, {exc}")
                 continue
+            constraints = args.constraints
+            if not target.takes_grammars and constraints != ["none"]:
+                progress(f"{name}: takes no grammar, runs unconstrained only")
+                constraints = ["none"]
             try:
-                await measure(name, target, args.streams, args.max_tokens, args.repeats, rows)
+                await measure(name, target, args, constraints, rows)
             except (
                 openai.OpenAIError,
                 RuntimeError,
             ) as exc:  # a crash or out of memory: the others still run
-                progress(f"{name}: failed after {sum(r.target == name for r in rows)} stream counts: {exc!r}")
+                progress(f"{name}: failed after {sum(r.target == name for r in rows)} rows: {exc!r}")
         progress(f"{name}: stopped")
     return rows
 
 
 def print_table(rows: list[Row], reference: str, max_tokens: int, repeats: int) -> None:
-    base = {row.streams: row.rate for row in rows if row.target == reference}
-    print(f"### Concurrent greedy completions of {max_tokens} tokens, median of {repeats}\n")
-    print(
-        f"| target | streams | aggregate tok/s | vs {reference} | latency p50 s | latency p95 s "
-        "| texts equal alone | max logprob diff |"
-    )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    order = {name: i for i, name in enumerate(dict.fromkeys(row.target for row in rows))}
-    for row in sorted(rows, key=lambda r: (r.streams, order[r.target])):
-        ratio = f"{row.rate / base[row.streams]:.2f}x" if row.streams in base else "-"
-        print(
-            f"| {row.target} | {row.streams} | {row.rate:.1f} | {ratio} | {row.latency_p50:.2f} "
-            f"| {row.latency_p95:.2f} | {row.equal}/{row.compared} | {row.worst_diff:.1e} |"
-        )
+    """Unconstrained only: the table of old. With constraints: their columns, each stream count's
+    rows together."""
+    constrained = any(row.constraint != "none" for row in rows)
+    base = {(r.streams, r.constraint): r.rate for r in rows if r.target == reference}
+    free = {(r.target, r.streams): r.rate for r in rows if r.constraint == "none"}
+    heads = ["target", "streams", "aggregate tok/s", f"vs {reference}"]
+    if constrained:
+        heads[1:1] = ["constraint"]
+        heads += ["vs none", "tokens per stream"]
+    heads += ["latency p50 s", "latency p95 s", "texts equal alone", "max logprob diff"]
+    heads += ["outputs valid"] if constrained else []
+    title = f"Concurrent greedy completions of {max_tokens} tokens, median of {repeats}"
+    print(f"### {title}{', with and without a grammar' if constrained else ''}\n")
+    print("| " + " | ".join(heads) + " |")
+    print("| " + " | ".join("---" if head in ("target", "constraint") else "---:" for head in heads) + " |")
+    targets = {name: i for i, name in enumerate(dict.fromkeys(row.target for row in rows))}
+    kinds = {name: i for i, name in enumerate(CONSTRAINTS)}
+    for row in sorted(rows, key=lambda r: (r.streams, targets[r.target], kinds[r.constraint])):
+        cells = [
+            row.target,
+            str(row.streams),
+            f"{row.rate:.1f}",
+            ratio(row.rate, base.get((row.streams, row.constraint))),
+        ]
+        if constrained:
+            cells[1:1] = [row.constraint]
+            cells += [ratio(row.rate, free.get((row.target, row.streams))), f"{row.tokens_per_stream:.1f}"]
+        cells += [f"{row.latency_p50:.2f}", f"{row.latency_p95:.2f}", f"{row.equal}/{row.compared}"]
+        cells += [f"{row.worst_diff:.1e}"]
+        cells += [f"{row.valid}/{row.constrained}" if row.constrained else "-"] if constrained else []
+        print("| " + " | ".join(cells) + " |")
+
+
+def ratio(rate: float, base: float | None) -> str:
+    return f"{rate / base:.2f}x" if base else "-"
 
 
 def main() -> None:
@@ -167,6 +303,13 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--constraints",
+        nargs="+",
+        choices=list(CONSTRAINTS),
+        default=["none"],
+        help="run each stream count under each (see above); default: none",
+    )
     parser.add_argument("--logs", type=Path, help="keep the targets' logs here (default: removed at the end)")
     args = parser.parse_args()
     args.targets = list(dict.fromkeys(args.targets or [f"gateway-{args.backend}"]))

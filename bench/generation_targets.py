@@ -11,6 +11,11 @@
                           one vLLM falls back to when an engine has custom logits processors, as ours
   transformers-generate   transformers' batched `generate` in this process, prompts left-padded
 
+A completion may carry an `OutputGrammar` (a JSON schema or a regex), in the spelling of the server
+that reads it: the gateway takes OpenAI's `response_format` for a schema and vLLM's
+`structured_outputs` for a regex, `vllm serve` `structured_outputs` for both, SGLang's server
+`response_format` and its own `regex`. transformers-generate takes none (`takes_grammars`).
+
 SGLang runs with SGLANG_ARGS (bench/smc_ways.py) and SGLANG_RETURN_ORIGINAL_LOGPROB=1, as our
 engine runs it. `start_target` registers the target's stop on the given stack; a target that
 cannot start raises `TargetUnavailable` with a short reason and leaves nothing running.
@@ -27,7 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 import openai
 import torch
@@ -71,9 +76,34 @@ class Completion:
     latency_s: float
 
 
+@dataclass(frozen=True, eq=False)  # equal and hashed by identity: the schema is a dict
+class OutputGrammar:
+    """What a constrained completion must match, whole: a JSON schema or a regular expression."""
+
+    kind: Literal["json", "regex"]
+    source: Any  # the schema (a dict) or the pattern
+
+
+def grammar_fields(grammar: OutputGrammar | None, server: str) -> dict[str, Any]:
+    """The body fields asking `server` ("gateway", "vllm" or "sglang") for `grammar`."""
+    if grammar is None:
+        return {}
+    if grammar.kind == "json" and server != "vllm":
+        json_schema = {"name": "output", "schema": grammar.source}
+        return {"response_format": {"type": "json_schema", "json_schema": json_schema}}
+    if server == "sglang":
+        return {"regex": grammar.source}
+    return {"structured_outputs": {grammar.kind: grammar.source}}
+
+
 class Target(Protocol):
-    async def round(self, prompts: Sequence[str], max_tokens: int) -> list[Completion]:
-        """One greedy completion of each prompt (logprobs of the chosen tokens), all at once."""
+    takes_grammars: bool
+
+    async def round(
+        self, prompts: Sequence[str], max_tokens: int, grammars: Sequence[OutputGrammar | None] = ()
+    ) -> list[Completion]:
+        """One greedy completion of each prompt (logprobs of the chosen tokens), all at once;
+        prompt i under `grammars[i]` where given and not None."""
         ...
 
 
@@ -90,15 +120,23 @@ def start_failure(path: Path, kept: bool) -> str:
 class OpenAICompletions:
     """An OpenAI-compatible /v1/completions: each prompt its own request, a round's sent at once."""
 
-    def __init__(self, base_url: str) -> None:
+    takes_grammars = True
+
+    def __init__(self, base_url: str, server: str) -> None:
         self.client = openai.AsyncOpenAI(
             base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=3600
         )
+        self.server = server  # whose spelling of a grammar the requests use
 
-    async def one(self, prompt: str, max_tokens: int) -> Completion:
+    async def one(self, prompt: str, max_tokens: int, grammar: OutputGrammar | None) -> Completion:
         started = time.perf_counter()
         answer = await self.client.completions.create(
-            model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1
+            model=SERVED_NAME,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            logprobs=1,
+            extra_body=grammar_fields(grammar, self.server) or None,
         )
         latency = time.perf_counter() - started
         choice = answer.choices[0]
@@ -106,8 +144,13 @@ class OpenAICompletions:
         tokens = answer.usage.completion_tokens if answer.usage else len(logprobs)
         return Completion(choice.text, logprobs, tokens, latency)
 
-    async def round(self, prompts: Sequence[str], max_tokens: int) -> list[Completion]:
-        return list(await asyncio.gather(*(self.one(p, max_tokens) for p in prompts)))
+    async def round(
+        self, prompts: Sequence[str], max_tokens: int, grammars: Sequence[OutputGrammar | None] = ()
+    ) -> list[Completion]:
+        chosen = [*grammars, *[None] * (len(prompts) - len(grammars))]
+        return list(
+            await asyncio.gather(*(self.one(p, max_tokens, g) for p, g in zip(prompts, chosen, strict=True)))
+        )
 
 
 def gateway_toml(name: str, setup: Setup) -> Path:
@@ -151,6 +194,8 @@ class TransformersGenerate:
     """transformers' `generate` of a round's prompts as one left-padded batch; every stream's
     latency is the call's. Logprobs are those of the raw logits of each chosen token."""
 
+    takes_grammars = False
+
     def __init__(self, setup: Setup) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -165,7 +210,11 @@ class TransformersGenerate:
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set([eos] if isinstance(eos, int) else eos or [])
 
-    async def round(self, prompts: Sequence[str], max_tokens: int) -> list[Completion]:
+    async def round(
+        self, prompts: Sequence[str], max_tokens: int, grammars: Sequence[OutputGrammar | None] = ()
+    ) -> list[Completion]:
+        if any(grammars):
+            raise RuntimeError("transformers-generate takes no grammar")
         batch = self.tokenizer(list(prompts), return_tensors="pt", padding=True).to(self.device)
         started = time.perf_counter()
         with torch.inference_mode():
@@ -227,6 +276,7 @@ async def start_target(name: str, setup: Setup, stack: contextlib.AsyncExitStack
                 f"the server did not start:\n    {start_failure(log_path, setup.logs_kept)}"
             ) from None
         base_url = server.base_url
-    client = OpenAICompletions(base_url)
+    server = "gateway" if name in GATEWAY_TARGETS else name.split("-")[0]
+    client = OpenAICompletions(base_url, server)
     stack.push_async_callback(client.client.close)
     return client
