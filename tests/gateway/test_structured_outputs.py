@@ -84,15 +84,21 @@ def _arithmetic(text: str) -> None:
     assert all(isinstance(node, allowed) for node in ast.walk(tree)), text
 
 
-def test_an_ebnf_arithmetic_grammar_parses(client, http):
-    answer = client.chat.completions.create(
+def _sampled_chat(client, question: str, constraint: dict, max_tokens: int, **sampling):
+    """n sampled answers to `question` under vLLM's `structured_outputs` constraint."""
+    return client.chat.completions.create(
         model=MODEL,
-        messages=[{"role": "user", "content": "Write an arithmetic expression."}],
-        max_tokens=64,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=max_tokens,
         temperature=0.7,
-        seed=3,
-        n=3,
-        extra_body={"structured_outputs": {"grammar": ARITHMETIC}},
+        extra_body={"structured_outputs": constraint},
+        **sampling,
+    )
+
+
+def test_an_ebnf_arithmetic_grammar_parses(client, http):
+    answer = _sampled_chat(
+        client, "Write an arithmetic expression.", {"grammar": ARITHMETIC}, 64, n=3, seed=3
     )
     for choice in answer.choices:
         assert choice.finish_reason == "stop"
@@ -111,15 +117,7 @@ def test_an_ebnf_arithmetic_grammar_parses(client, http):
 
 def test_choice_is_one_of_the_strings(client):
     choices = ["Paris", "Berlin", "a banana"]
-    answer = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=10,
-        temperature=1.0,
-        seed=0,
-        n=4,
-        extra_body={"structured_outputs": {"choice": choices}},
-    )
+    answer = _sampled_chat(client, "What is the capital of France?", {"choice": choices}, 10, n=4, seed=0)
     assert {c.message.content for c in answer.choices} <= set(choices)
 
 
@@ -206,8 +204,8 @@ def test_a_named_function_is_called_with_valid_arguments(client):
 
 
 def test_required_calls_one_of_the_tools_streamed_or_not(client):
-    for parallel in (False, True):
-        answer = client.chat.completions.create(
+    def ask(parallel: bool, stream: bool = False):
+        return client.chat.completions.create(
             model=MODEL,
             messages=ASK,
             max_tokens=120,
@@ -215,26 +213,18 @@ def test_required_calls_one_of_the_tools_streamed_or_not(client):
             tools=[WEATHER, TIME],
             tool_choice="required",
             parallel_tool_calls=parallel,
+            stream=stream,
         )
+
+    for parallel in (False, True):
+        answer = ask(parallel)
         calls = answer.choices[0].message.tool_calls
         assert answer.choices[0].finish_reason == "tool_calls" and calls
         assert parallel or len(calls) == 1
         for call in calls:
             _arguments_validate(call)
-    chunks = list(
-        client.chat.completions.create(
-            model=MODEL,
-            messages=ASK,
-            max_tokens=120,
-            temperature=0,
-            tools=[WEATHER, TIME],
-            tool_choice="required",
-            parallel_tool_calls=False,
-            stream=True,
-        )
-    )
-    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
-    (delta,) = deltas
+    chunks = list(ask(False, stream=True))
+    (delta,) = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     for call in delta.tool_calls:
         _arguments_validate(call)
