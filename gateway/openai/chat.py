@@ -79,7 +79,7 @@ def chat_prompt_ids(
     conversation = [_turn(m) for m in messages]
     chars = sum(len(turn["content"]) for turn in conversation)
     chars += sum(len(call.function.arguments) for m in messages for call in m.tool_calls or ())
-    check_text_chars(served, limits, chars + len(msgspec.json.encode(tools or [])), "messages")
+    check_text_chars(served, limits, chars + (len(msgspec.json.encode(tools)) if tools else 0), "messages")
     try:
         text = tokenizer.apply_chat_template(
             conversation, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
