@@ -176,7 +176,7 @@ async def create_chat_completion(request: Request) -> Response:
     for index, piece in enumerate(pieces):
         usage.add(piece.steps)
         logprobs = ChoiceLogprobs(content=_token_logprobs(served, piece.steps)) if body.logprobs else None
-        made = _made_calls(calls, piece)
+        made = _made_calls(calls, piece.text, piece.finish_reason)
         message = (
             AssistantMessage(content=None, tool_calls=made) if made else AssistantMessage(content=piece.text)
         )
@@ -189,13 +189,13 @@ async def create_chat_completion(request: Request) -> Response:
     )
 
 
-def _made_calls(calls: ToolCalls | None, piece: gen.Piece) -> list[ToolCall] | None:
+def _made_calls(calls: ToolCalls | None, text: str, finish_reason: str | None) -> list[ToolCall] | None:
     """The calls of a finished choice held to a call's grammar; None where it is text (no call
     asked, or its JSON cut short by max_tokens or a stop string: then the text is the answer)."""
-    if calls is None or piece.finish_reason != "stop":
+    if calls is None or finish_reason != "stop":
         return None
     try:
-        return calls.calls(piece.text)
+        return calls.calls(text)
     except ValueError:
         return None
 
@@ -248,7 +248,7 @@ async def _stream(
             held[index] += piece.text
             delta = ChatDelta()
             if finish is not None:
-                made = _made_calls(calls, gen.Piece(held[index], finish_reason=finish))
+                made = _made_calls(calls, held[index], finish)
                 if made:
                     delta, finish = (
                         ChatDelta(tool_calls=[_call_delta(i, c) for i, c in enumerate(made)]),
