@@ -18,6 +18,7 @@ from gateway import status
 from gateway.access import Access, KeyRing
 from gateway.dense import routes as dense_routes
 from gateway.dense import vocabulary as dense_vocabulary
+from gateway.dense.local_socket import LocalSocketServer
 from gateway.dense.row_cache import build_cache
 from gateway.dense.service import DenseService
 from gateway.dense.shared_memory import SharedMemoryWriter
@@ -89,12 +90,20 @@ def create_app(
             "metrics": metrics,
             "access": access,
             "shutdown": Shutdown(),
+            "local_socket": None,  # a LocalSocketServer once it listens
         }
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         dense.cache = build_cache(settings.cache, metrics, dense.quiet)
+        if shared_memory is not None and settings.local_socket:
+            local = LocalSocketServer(dense, registry, access, settings.limits, metrics, state.shutdown)
+            try:
+                log.info("dense rows for clients on this host also at %s", await local.start())
+                state.local_socket = local
+            except OSError as exc:  # no writable temporary directory: HTTP serves them all
+                log.warning("no local socket (%s); same-host clients use HTTP", exc)
         loading = asyncio.create_task(_load(registry, on_loaded, on_load_failed))
         try:
             yield
@@ -102,6 +111,8 @@ def create_app(
             loading.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loading
+            if state.local_socket is not None:
+                await state.local_socket.aclose()
             await dense.aclose()
             await registry.aclose()
 

@@ -98,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="always send dense answers in the body, never into a same-host client's memory",
     )
     serve.add_argument(
+        "--no-local-socket",
+        dest="local_socket",
+        action="store_const",
+        const=False,
+        help="answer same-host clients over HTTP only, never over a Unix socket",
+    )
+    serve.add_argument(
         "--trusted-weight-sync",
         dest="trusted_weight_sync",
         action="store_const",

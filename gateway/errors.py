@@ -94,6 +94,11 @@ class UnsupportedMediaTypeError(GatewayError):
     code = "unsupported_media_type"
 
 
+class PayloadTooLargeError(GatewayError):
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
 class RateLimitError(GatewayError):
     status_code = 429
     error_type = "rate_limit_error"

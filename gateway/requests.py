@@ -41,7 +41,11 @@ async def decode_json(request: Request, body_type: type[T]) -> T:
             f"Content-Type {media_type[:100]!r} is not supported: send the body as application/json "
             f"(or {MSGPACK_TYPES[0]})"
         )
-    body = await request.body()
+    return decode_body(await request.body(), binary, body_type)
+
+
+def decode_body(body: bytes, binary: bool, body_type: type[T]) -> T:
+    """A request body (MessagePack when `binary`, else JSON) as `body_type`; errors become 400s."""
     try:
         try:
             if binary:

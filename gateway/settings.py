@@ -7,6 +7,7 @@
     metrics_public = true          # /metrics without a key
     shutdown_grace_s = 30          # after SIGTERM: finish in-flight requests this long
     shared_memory = true           # write dense answers into same-host clients' memory when asked
+    local_socket = true            # those clients may then ask over a Unix socket, not HTTP
     trusted_weight_sync = false    # a trainer's weight-sync calls without the admin key
     open_flush_cache = false       # /flush_cache for every key, not only the admin key
     weight_sync_timeout_s = 300    # joining a trainer's collective, each update's transfer
@@ -151,6 +152,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Dense matrices written into a same-host client's memfd when its request names one
     # (gateway/dense/shared_memory.py); off: always in the body.
     shared_memory: bool = True
+    # Clients whose answers go into their memory may ask over a Unix socket instead of HTTP
+    # (gateway/dense/local_socket.py); needs shared_memory.
+    local_socket: bool = True
     # A gateway dedicated to one trainer: the weight-sync endpoints (/init_weights_update_group,
     # /update_weights_from_distributed, /pause_generation, ...) without the admin key, which
     # TorchRL never sends (gateway/weights/group_routes.py).
@@ -201,6 +205,7 @@ _ENV_KEYS = {
     "METRICS_PUBLIC": "metrics_public",
     "SHUTDOWN_GRACE_S": "shutdown_grace_s",
     "SHARED_MEMORY": "shared_memory",
+    "LOCAL_SOCKET": "local_socket",
     "TRUSTED_WEIGHT_SYNC": "trusted_weight_sync",
     "WEIGHT_SYNC_TIMEOUT_S": "weight_sync_timeout_s",
     "OPEN_FLUSH_CACHE": "open_flush_cache",

@@ -25,6 +25,7 @@ returns torch tensors when torch is installed (like genlm), numpy arrays otherwi
 from __future__ import annotations
 
 import asyncio
+import logging
 import tempfile
 from collections.abc import Sequence
 from functools import cache, cached_property
@@ -37,6 +38,8 @@ import numpy as np
 
 from logprob_gateway_client.buffer_lru import BufferLRU
 from logprob_gateway_client.encoding import ITEMSIZE, Dtype
+from logprob_gateway_client.local_socket import HEADER as LOCAL_SOCKET_HEADER
+from logprob_gateway_client.local_socket import LocalSocket, LocalSocketLost
 from logprob_gateway_client.lora import LoraManagement
 from logprob_gateway_client.row_key import RowKey
 from logprob_gateway_client.sampling import HAS_TORCH, Sampling
@@ -56,6 +59,7 @@ from logprob_gateway_client.wire import (
 __all__ = ["AsyncGatewayLM", "GatewayClientError"]
 
 MSGPACK = "application/msgpack"
+log = logging.getLogger(__name__)
 
 
 def _genlm_tokens(byte_vocab: list[bytes]) -> list[bytes]:
@@ -107,6 +111,7 @@ class AsyncGatewayLM(LoraManagement, Sampling):
         cache_bytes: int = 512 << 20,
         max_rows_per_request: int = 1024,
         shared_memory: bool | None = None,
+        local_socket: bool = True,
         admin_key: str | None = None,
     ) -> None:
         _register_with_genlm()
@@ -137,6 +142,12 @@ class AsyncGatewayLM(LoraManagement, Sampling):
         use = shared_memory is not False and memfd_supported()
         self._segments = SharedSegments(evict=self._cache.drop_owner) if use else None
         self._ask_shared_memory = self._segments is not None  # until the gateway answers in the body
+        self._api_key = api_key
+        # The gateway's Unix socket, once an answer in this process's memory names it (local_socket.py)
+        self._local_allowed = local_socket and self._segments is not None
+        self._use_local_socket = self._local_allowed
+        self._local: LocalSocket | None = None
+        self.local_socket_answers = 0  # dense answers that came over the local socket
         self.shared_memory_answers = 0  # dense answers the gateway wrote into shared memory
         vocab = self._get(f"/v1/models/{self._base_model}/vocabulary")
         self.vocab_size: int = vocab["vocab_size"]
@@ -258,7 +269,13 @@ class AsyncGatewayLM(LoraManagement, Sampling):
         for chunk in self._chunks(rows):
             body, segment = self._request(model, chunk)
             try:
-                parts.append(self._matrix(await self._post_dense(body), len(chunk), segment))
+                try:
+                    content = await self._post_dense(body)
+                except LocalSocketLost:  # the gateway restarted, say: this call goes over HTTP
+                    self._retire(segment)
+                    body, segment = self._request(model, chunk)
+                    content = await self._post_dense(body)
+                parts.append(self._matrix(content, len(chunk), segment))
             except BaseException:
                 self._retire(segment)
                 raise
@@ -266,14 +283,40 @@ class AsyncGatewayLM(LoraManagement, Sampling):
 
     async def _post_dense(self, body: bytes) -> bytes | bytearray | memoryview:
         """The body of a successful dense answer, in one buffer (the transport's own where it
-        read the socket)."""
+        read the socket): over the gateway's local socket once it named one, else over HTTP."""
+        if self._local is not None:
+            try:
+                content, self.server_timing = await self._local.call(body)
+            except LocalSocketLost:
+                self._local.close()
+                self._local = None
+                self._use_local_socket = self._local_allowed  # connect again once an answer says where
+                raise
+            self.local_socket_answers += 1
+            return content
         client = self._async_client()
         async with client.stream("POST", "/v1/next_token_logprobs", content=body) as response:
             self.server_timing = response.headers.get("server-timing")
             if response.status_code >= 400:
                 await response.aread()
                 raise_for_error(response)
-            return await read_into_buffer(response)
+            content = await read_into_buffer(response)
+            path = response.headers.get(LOCAL_SOCKET_HEADER)
+        if path and self._use_local_socket:
+            await self._open_local(path)
+        return content
+
+    async def _open_local(self, path: str) -> None:
+        """Connect to the socket an answer named; one that cannot be reached or greeted is not
+        tried again (a gateway in another container, say): HTTP serves every call."""
+        self._use_local_socket = False
+        local = LocalSocket(path, self._api_key, min(self._timeout, 10.0))
+        try:
+            await local.connect()
+        except (OSError, TimeoutError, GatewayClientError) as exc:
+            log.info("the gateway's local socket %s is out of reach (%s); staying on HTTP", path, exc)
+            return
+        self._local = local
 
     def _same_loop(self) -> None:
         """Connections belong to the event loop that opened them: a new loop starts afresh."""
@@ -413,6 +456,8 @@ class AsyncGatewayLM(LoraManagement, Sampling):
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close_sockets()
+        if self._local is not None:
+            self._local.close()
         if self._segments is not None:
             self._segments.close()
         self._sync.close()

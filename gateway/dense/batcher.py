@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -45,10 +46,20 @@ class EngineCall(Protocol):
 
 
 @dataclass
+class EngineTimes:
+    """When the engine call that computed a request's rows began and ended (perf_counter; the
+    last call, for a request split over several)."""
+
+    began: float = 0.0
+    ended: float = 0.0
+
+
+@dataclass
 class _Request:
     rows: list[Row]
     future: asyncio.Future[np.ndarray]
     out: Out | None = None
+    times: EngineTimes | None = None
     enqueued: float = field(default_factory=lambda: asyncio.get_running_loop().time())
 
 
@@ -82,15 +93,20 @@ class RowBatcher:
         self._concurrent = False  # the last engine call served more than one request
 
     async def submit(
-        self, rows: Sequence[Sequence[int]], adapter: str | None = None, out: Out | None = None
+        self,
+        rows: Sequence[Sequence[int]],
+        adapter: str | None = None,
+        out: Out | None = None,
+        times: EngineTimes | None = None,
     ) -> np.ndarray:
         """float32 [len(rows), vocab]: each row equal to what the engine computes for it alone.
         With `out`, the engine wrote them there when the request was alone in its engine call,
-        and the answer is `out` (its first array); otherwise the caller copies them."""
+        and the answer is `out` (its first array); otherwise the caller copies them. `times`, if
+        given, is filled in with when the engine call began and ended."""
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run(), name="row-batcher")
         request = _Request(
-            [(adapter, tuple(r)) for r in rows], asyncio.get_running_loop().create_future(), out
+            [(adapter, tuple(r)) for r in rows], asyncio.get_running_loop().create_future(), out, times
         )
         self.stats.requests += 1
         self.stats.rows += len(rows)
@@ -159,12 +175,16 @@ class RowBatcher:
                     # The engine's rows are the answer: written where it goes, repeats included
                     # (the engine computes each distinct row once).
                     rows = batch[0].rows
+                    began = time.perf_counter()
                     written = await self._engine_call([ids for _, ids in rows], [a for a, _ in rows], out=out)
+                    _timed(batch, began)
                     self.stats.engine_rows += len(unique)
                     if not batch[0].future.done():
                         batch[0].future.set_result(written)
                     return
+                began = time.perf_counter()
                 parts.append(await self._engine_call([ids for _, ids in chunk], [a for a, _ in chunk]))
+                _timed(batch, began)
             self.stats.engine_rows += len(unique)
             results = parts[0] if len(parts) == 1 else np.concatenate(parts)
         except Exception as exc:
@@ -181,6 +201,13 @@ class RowBatcher:
         for request in batch:
             if not request.future.done():
                 request.future.set_result(_take(results, [index[row] for row in request.rows]))
+
+
+def _timed(batch: list[_Request], began: float) -> None:
+    ended = time.perf_counter()
+    for request in batch:
+        if request.times is not None:
+            request.times.began, request.times.ended = began, ended
 
 
 def _take(results: np.ndarray, positions: list[int]) -> np.ndarray:

@@ -12,6 +12,7 @@ from gateway.dense.delivery import answer_nbytes
 from gateway.dense.service import DenseService
 from gateway.openapi.operation import OPENAPI, Operation
 from gateway.prompts import has_text, token_inputs
+from gateway.registry import ServedModel
 from gateway.schemas.logprobs import (
     BatchingStats,
     NextTokenLogprobsBinaryMatrixResponse,
@@ -21,6 +22,9 @@ from gateway.schemas.logprobs import (
     NextTokenLogprobsResponse,
     NextTokenLogprobsSharedMemoryResponse,
 )
+from gateway.settings import Limits
+
+LOCAL_SOCKET_HEADER = "Logprob-Gateway-Socket"  # gateway/dense/local_socket.py
 
 
 def _dense(request: Request) -> DenseService:
@@ -75,7 +79,27 @@ def _dense(request: Request) -> DenseService:
 async def next_token_logprobs(request: Request) -> Response:
     body = await requests.decode_json(request, NextTokenLogprobsRequest)
     served, adapter = requests.resolve_model(request, body.model)
-    limits = requests.settings(request).limits
+    rows = await dense_inputs(served, body, requests.settings(request).limits)
+    requests.charge_rows(request, len(rows))
+    binary = requests.wants_msgpack(request)
+    dense = _dense(request)
+    # Before any row is computed: its size is known, and a server full of unread answers says so.
+    shared = body.shared_memory is not None and dense.shared_memory is not None
+    vocab_size = served.require_engine().vocab_size
+    requests.reserve_answer_bytes(request, answer_nbytes(len(rows), vocab_size, body, binary, shared))
+    answer = await dense.answer(served, adapter, rows, body, binary)
+    media_type = requests.MSGPACK_TYPES[0] if binary else "application/json"
+    headers = {"Server-Timing": answer.server_timing}
+    local_socket = request.app.state.local_socket
+    if answer.in_shared_memory and local_socket is not None and local_socket.path is not None:
+        headers[LOCAL_SOCKET_HEADER] = local_socket.path  # this client's host: calls may skip HTTP
+    return responses.PartsResponse(answer.parts, media_type=media_type, headers=headers)
+
+
+async def dense_inputs(
+    served: ServedModel, body: NextTokenLogprobsRequest, limits: Limits
+) -> list[list[int]]:
+    """The request's rows as checked token ids (text tokenized), within the limits."""
     prepare = partial(
         token_inputs,
         served,
@@ -87,18 +111,7 @@ async def next_token_logprobs(request: Request) -> Response:
     )
     # Token-id rows are checked in one C pass; only text is worth a thread.
     inputs = await asyncio.to_thread(prepare) if has_text(body.input) else prepare()
-    requests.charge_rows(request, len(inputs))
-    binary = requests.wants_msgpack(request)
-    dense = _dense(request)
-    # Before any row is computed: its size is known, and a server full of unread answers says so.
-    shared = body.shared_memory is not None and dense.shared_memory is not None
-    vocab_size = served.require_engine().vocab_size
-    requests.reserve_answer_bytes(request, answer_nbytes(len(inputs), vocab_size, body, binary, shared))
-    answer = await dense.answer(served, adapter, [i.ids for i in inputs], body, binary)
-    media_type = requests.MSGPACK_TYPES[0] if binary else "application/json"
-    return responses.PartsResponse(
-        answer.parts, media_type=media_type, headers={"Server-Timing": answer.server_timing}
-    )
+    return [i.ids for i in inputs]
 
 
 @get(

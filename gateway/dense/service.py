@@ -23,7 +23,7 @@ import numpy as np
 
 from backends.engine import Engine
 from gateway.dense import delivery
-from gateway.dense.batcher import RowBatcher
+from gateway.dense.batcher import EngineTimes, RowBatcher
 from gateway.dense.quiet_time import QuietTime
 from gateway.dense.row_cache import RowCache
 from gateway.dense.shared_memory import Destination, SharedMemoryWriter
@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 class Answer:
     parts: delivery.Parts  # the body, buffer by buffer
     server_timing: str  # where the server's time went, as a Server-Timing header
+    in_shared_memory: bool  # the rows went into the client's segment, the body says where
 
 
 class DenseService:
@@ -78,8 +79,11 @@ class DenseService:
         rows: list[list[int]],
         body: NextTokenLogprobsRequest,
         binary: bool,
+        *,
+        body_allowed: bool = True,
     ) -> Answer:
-        """The answer to `body` for `rows`, checked token ids of the model `served` (and `adapter`)."""
+        """The answer to `body` for `rows`, checked token ids of the model `served` (and `adapter`).
+        Without `body_allowed`, a segment the rows cannot go into is a 400 before any is computed."""
         begun = time.perf_counter()
         engine = served.require_engine()
         longest = max(len(ids) for ids in rows)
@@ -90,11 +94,18 @@ class DenseService:
             )
         # Checked before any row is computed: a segment too small is the client's error.
         destination = self._destination(body, engine, len(rows))
+        if destination is None and not body_allowed:
+            raise InvalidRequestError(
+                "the segment named in shared_memory cannot be written from here (another host or "
+                "PID namespace, or not this process's to inspect): ask over HTTP",
+                param="shared_memory",
+            )
         into = _engine_target(body, destination, engine.vocab_size)
         started = time.perf_counter()
+        times = EngineTimes()
         try:
             async with served.weights.reading():  # keys and rows of the same weights
-                computed, hits = await self.rows(served, adapter, rows, into)
+                computed, hits = await self.rows(served, adapter, rows, into, times)
         except GatewayError:
             raise
         except Exception as exc:
@@ -117,17 +128,20 @@ class DenseService:
         )
         self.metrics.dense_rows.labels(served.name, adapter or "", encoding).inc(len(rows))
         self.metrics.dense_response_bytes.labels(served.name, encoding).inc(sum(len(p) for p in parts))
-        # Milliseconds, for clients and benches: the request read and checked, rows (cache + queue
-        # + engine), encode (or the copy into shared memory).
+        # Milliseconds, for clients and benches: the request read and checked, rows (the cache,
+        # the batcher's queue and the engine: `engine` is its call, 0 when every row was cached),
+        # encode (or the copy into shared memory).
+        engine_s = times.ended - times.began
         timing = ", ".join(
             f"{name};dur={seconds * 1e3:.2f}"
             for name, seconds in (
                 ("parse", started - begun),
                 ("rows", computed_at - started),
+                ("engine", engine_s),
                 ("encode", time.perf_counter() - computed_at),
             )
         )
-        return Answer(parts, timing)
+        return Answer(parts, timing, destination is not None)
 
     def _destination(self, body: NextTokenLogprobsRequest, engine: Engine, count: int) -> Destination | None:
         """Where in the client's segment the matrix goes; None: in the body (no segment named, the
@@ -147,16 +161,17 @@ class DenseService:
         adapter: str | None,
         rows: list[list[int]],
         into: np.ndarray | None = None,
+        times: EngineTimes | None = None,
     ) -> tuple[np.ndarray, int]:
         """float32 [len(rows), vocab], and how many rows came from the output cache (bit-identical
         to computing them): the one way to dense rows, for every route. `into` (float32
         [len(rows), vocab]): where the engine may write them itself; when it did, the rows
-        returned are `into`. The caller holds the model's weights for reading
-        (`served.weights.reading()`)."""
+        returned are `into`. `times`: when the engine's call for them began and ended. The caller
+        holds the model's weights for reading (`served.weights.reading()`)."""
         batcher = self.batcher(served)
         cache = self.cache
         if cache is None:
-            return await batcher.submit(rows, adapter, into), 0
+            return await batcher.submit(rows, adapter, into, times), 0
         adapter_id = None if adapter is None else f"{adapter}:{served.adapters[adapter].fingerprint}"
         keys = cache.keys(served.cache_scope, adapter_id, rows)
         vocab_size = served.require_engine().vocab_size
@@ -164,7 +179,7 @@ class DenseService:
         missing = [i for i, row in enumerate(cached) if row is None]
         if len(missing) == len(rows):  # nothing cached (every SMC step): the engine's rows as they are
             if into is None:
-                computed = await batcher.submit(rows, adapter)
+                computed = await batcher.submit(rows, adapter, times=times)
                 cache.store_later(keys, computed)
                 return computed, 0
             # The client's segment is handed on with the answer: the cache keeps page-locked rows
@@ -173,7 +188,7 @@ class DenseService:
             host_memory = served.require_engine().host_memory
             assert host_memory is not None
             own = host_memory.empty(len(rows))
-            computed = await batcher.submit(rows, adapter, (into, own))
+            computed = await batcher.submit(rows, adapter, (into, own), times)
             cache.store_later(keys, own if computed is into else computed)
             return computed, 0
         out = np.empty((len(rows), vocab_size), dtype=np.float32)
@@ -181,7 +196,7 @@ class DenseService:
             if row is not None:
                 out[i] = row
         if missing:
-            fresh = await batcher.submit([rows[i] for i in missing], adapter)
+            fresh = await batcher.submit([rows[i] for i in missing], adapter, times=times)
             out[missing] = fresh
             cache.store_later([keys[i] for i in missing], fresh)
         log.debug("model %s: %d rows, %d from the cache", served.name, len(rows), len(rows) - len(missing))

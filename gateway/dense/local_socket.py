@@ -1,0 +1,283 @@
+"""Dense rows for clients on the gateway's own host, over a Unix socket instead of HTTP.
+
+A client that gets its rows in its own shared memory (gateway/dense/shared_memory.py) still pays
+an HTTP exchange per call: its client library, the HTTP parser, the ASGI layers and the router,
+which together cost several times what the rest of the gateway does for a small call. Such a
+client is told, in the `Logprob-Gateway-Socket` header of an answer written into its memory, where
+this socket is; it connects and asks over it from then on. Everyone else keeps HTTP.
+
+Frames, each way: a 4-byte little-endian length, then a MessagePack array.
+
+    client: ["hello", api_key or nil]      server: [0, status, "", error body or ""]
+    client: [id, body]                      server: [id, status, server_timing, body]
+
+`body` is what HTTP carries for `POST /v1/next_token_logprobs` in MessagePack; the answer's body
+is the same small document saying where the rows lie, or, with status >= 400, the same JSON error
+body. The same API keys (once per connection), per-key limits, answer-byte budget, metrics
+(method "LOCAL") and errors apply; a request whose answer would not go into shared memory is a
+400, so no frame carries rows and a client that reads nothing holds a few hundred bytes.
+Bounds: a frame is at most `max_body_bytes`; the hello must come within `header_timeout_s`; a
+connection reads no further requests while `MAX_IN_FLIGHT` of its own are running or its unread
+answers pass the transport's high-water mark; requests in flight are cancelled when it closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import struct
+import tempfile
+import time
+from typing import Any
+
+import msgspec
+
+from gateway import requests
+from gateway.access import Access
+from gateway.dense.routes import dense_inputs
+from gateway.dense.service import DenseService
+from gateway.errors import (
+    EXCEPTION_HANDLERS,
+    AuthenticationError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    ShuttingDownError,
+)
+from gateway.metrics import Metrics
+from gateway.registry import ModelRegistry
+from gateway.schemas.logprobs import NextTokenLogprobsRequest
+from gateway.server.shutdown import Shutdown
+from gateway.settings import Limits
+
+log = logging.getLogger(__name__)
+
+ROUTE = "/v1/next_token_logprobs"
+MAX_IN_FLIGHT = 64  # a connection's requests running at once before it reads no more
+_LENGTH = struct.Struct("<I")
+
+
+def error_frame(exc: BaseException) -> tuple[int, bytes]:
+    """The status and JSON body HTTP would answer `exc` with (the app's own exception handlers)."""
+    for kind in type(exc).__mro__:
+        handler = EXCEPTION_HANDLERS.get(kind)
+        if handler is not None:
+            response = handler(None, exc)
+            return response.status_code, response.content
+    raise exc  # not an Exception (cancellation): not an answer
+
+
+class LocalSocketServer:
+    """Listens on a socket in a directory of its own (mode 0711: its random name is the way in),
+    in the event loop of the HTTP server it sits beside."""
+
+    def __init__(
+        self,
+        dense: DenseService,
+        registry: ModelRegistry,
+        access: Access,
+        limits: Limits,
+        metrics: Metrics,
+        shutdown: Shutdown,
+    ) -> None:
+        self.dense, self.registry, self.access, self.limits = dense, registry, access, limits
+        self.metrics, self.shutdown = metrics, shutdown
+        self.path: str | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[_Connection] = set()
+
+    async def start(self) -> str:
+        directory = tempfile.mkdtemp(prefix="logprob-gateway-")
+        os.chmod(directory, 0o711)
+        path = os.path.join(directory, "dense.sock")
+        self._server = await asyncio.get_running_loop().create_unix_server(lambda: _Connection(self), path)
+        os.chmod(path, 0o666)  # other users' clients may connect; API keys still apply
+        self.path = path
+        return path
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for connection in list(self._connections):
+                connection.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+                os.rmdir(os.path.dirname(self.path))
+            self.path = None
+
+    async def answer(self, key: str | None, payload: bytes) -> tuple[int, str, bytes]:
+        """(status, Server-Timing, body) for one request frame's body; every error becomes its
+        HTTP status and error body, as the HTTP route's would."""
+        started = time.perf_counter()
+        status, model, adapter_label = 500, "", ""
+        reserved = 0
+        self.metrics.in_flight.inc()
+        try:
+            if self.shutdown.draining:
+                raise ShuttingDownError("the server is shutting down; send the request again")
+            if key is not None:
+                self.access.enter(key)
+            try:
+                body = requests.decode_body(payload, True, NextTokenLogprobsRequest)
+                if body.shared_memory is None:
+                    raise InvalidRequestError(
+                        "the local socket answers into shared memory only: name a segment in "
+                        "shared_memory, or ask over HTTP",
+                        param="shared_memory",
+                    )
+                served, adapter = self.registry.resolve(body.model)
+                model, adapter_label = served.name, adapter or ""
+                ids = await dense_inputs(served, body, self.limits)
+                self.access.take_rows(key, len(ids))
+                reserved = len(ids) * served.require_engine().vocab_size * 4  # the float32 rows
+                self.access.reserve_answer_bytes(reserved)
+                answer = await self.dense.answer(served, adapter, ids, body, True, body_allowed=False)
+            finally:
+                if key is not None:
+                    self.access.leave(key)
+            status = 200
+            return 200, answer.server_timing, b"".join(answer.parts)
+        except Exception as exc:
+            status, content = error_frame(exc)
+            return status, "", content
+        except asyncio.CancelledError:
+            status = 499  # the client closed the connection first (nginx's code, as over HTTP)
+            raise
+        finally:
+            if reserved:
+                self.access.release_answer_bytes(reserved)
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(ROUTE, "LOCAL", model, adapter_label, str(status)).inc()
+            self.metrics.request_duration.labels(ROUTE, model).observe(time.perf_counter() - started)
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, server: LocalSocketServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.key: str | None = None
+        self.greeted = False
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.reading = True
+        self.hello_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server._connections.add(self)
+        loop = asyncio.get_running_loop()
+        self.hello_timer = loop.call_later(self.server.limits.header_timeout_s, self.close)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server._connections.discard(self)
+        if self.hello_timer is not None:
+            self.hello_timer.cancel()
+        for task in self.tasks:
+            task.cancel()
+        self.writable.set()
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+        self._update_reading()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        self._frames()
+
+    def _frames(self) -> None:
+        limit = self.server.limits.max_body_bytes + 64  # a body and its frame
+        while self.reading and len(self.buffer) >= 4:
+            (length,) = _LENGTH.unpack_from(self.buffer)
+            if length > limit:
+                self._fail(PayloadTooLargeError(f"a frame of {length} bytes; the limit is {limit}"))
+                return
+            if len(self.buffer) < 4 + length:
+                return
+            frame = bytes(self.buffer[4 : 4 + length])
+            del self.buffer[: 4 + length]
+            self._frame(frame)
+
+    def _frame(self, frame: bytes) -> None:
+        try:
+            message = msgspec.msgpack.decode(frame)
+            tag, value = message
+        except (msgspec.DecodeError, TypeError, ValueError):
+            self._fail(InvalidRequestError("a frame that is not a MessagePack [id, body] array"))
+            return
+        if not self.greeted:
+            self._hello(tag, value)
+        elif isinstance(tag, int) and tag > 0 and isinstance(value, bytes):
+            task = asyncio.create_task(self._answer(tag, value))
+            self.tasks.add(task)
+            self.server.shutdown.requests.add(task)
+            task.add_done_callback(self._done)
+            self._update_reading()
+        else:
+            self._fail(InvalidRequestError("a request frame is [id > 0, MessagePack body as bin]"))
+
+    def _hello(self, tag: Any, value: Any) -> None:
+        if tag != "hello" or not (value is None or isinstance(value, str)):
+            self._fail(InvalidRequestError('the first frame is ["hello", api_key or nil]'))
+            return
+        keyring = self.server.access.keyring
+        if keyring.enabled:
+            key = keyring.identify(value) if value else None
+            if key is None:
+                reason = "a wrong API key" if value else "no API key"
+                self._fail(AuthenticationError(f"this connection has {reason}"))
+                return
+            self.key = key
+        self.greeted = True
+        if self.hello_timer is not None:
+            self.hello_timer.cancel()
+        self._send(0, 200, "", b"")
+
+    def _fail(self, exc: Exception) -> None:
+        """An answer to the connection itself (id 0), and its end."""
+        status, content = error_frame(exc)
+        self._send(0, status, "", content)
+        self.close()
+
+    async def _answer(self, request_id: int, payload: bytes) -> None:
+        status, timing, content = await self.server.answer(self.key, payload)
+        self._send(request_id, status, timing, content)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self.server.shutdown.requests.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("local socket request failed", exc_info=task.exception())
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        """Read on only while few requests run and the client reads its answers."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        reading = len(self.tasks) < MAX_IN_FLIGHT and self.writable.is_set()
+        if reading and not self.reading:
+            self.reading = True
+            self.transport.resume_reading()
+            self._frames()
+        elif not reading and self.reading:
+            self.reading = False
+            self.transport.pause_reading()
+
+    def _send(self, request_id: int, status: int, timing: str, content: bytes) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        frame = msgspec.msgpack.encode([request_id, status, timing, content])
+        self.transport.write(_LENGTH.pack(len(frame)) + frame)
