@@ -16,7 +16,10 @@ way runs the same algorithm:
   vllm      our vLLM engine (AsyncLLM) in-process, the same way: one vLLM request per distinct row
   gateway   a real gateway process (tests.launcher), through logprob_gateway_client.AsyncGatewayLM's
             batch_next_token_logprobs (one request per step); on one host the gateway writes the
-            answers into the client's memory (shared memory, the client's default)
+            answers into the client's memory (shared memory, the client's default) and the client
+            sends its calls over the gateway's Unix socket once an answer names it
+  gateway-http     `gateway` with every call over HTTP (local_socket=False): the answers still in
+            the client's memory, without the gateway's Unix socket
   gateway-socket   `gateway` with the answers in the HTTP body (shared_memory=False): what a
             client on another host gets
   gateway-particles   the same, each particle asking for its own row concurrently (genlm's
@@ -86,6 +89,7 @@ SHAPES = {
 }
 GATEWAY_MODES = (
     "gateway",
+    "gateway-http",
     "gateway-socket",
     "gateway-particles",
     "gateway-nocache",

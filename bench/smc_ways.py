@@ -140,7 +140,12 @@ async def gateway_way(
     # One client for every run, as a user keeps one: its connection and shared memory segments
     # are set up in the warm-up run, as the engine's memory is. Each run has its own prompt, so
     # no row of its cache is asked again.
-    lm = AsyncGatewayLM(gateway.base_url, "smc", shared_memory=False if mode == "gateway-socket" else None)
+    lm = AsyncGatewayLM(
+        gateway.base_url,
+        "smc",
+        shared_memory=False if mode == "gateway-socket" else None,
+        local_socket=mode != "gateway-http",
+    )
     stack.push_async_callback(lm.aclose)
     timings: dict[int, list[tuple[float, float]]] = {}
     calls = particle_rows if mode == "gateway-particles" else batch_rows

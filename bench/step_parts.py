@@ -1,14 +1,17 @@
 """Where one SMC step's next-token call spends its time: in process, and through the gateway.
 
     python bench/step_parts.py                                  # SmolLM2-135M, CPU, P=16
-    python bench/step_parts.py --random-model llama-1b --device cuda --dtype bfloat16 --particles 256
+    python bench/step_parts.py --random-model llama-1b --device cuda --dtype bfloat16 --particles 16 64 256
 
-Runs bench/smc.py's loop with our engine in process and through a gateway on this machine, in turns
-(default configuration, shared memory; --no-cache: its output cache off), and prints the median
-ms per step of each part: the engine's own call, the gateway call end to end, the server's parts
-from its Server-Timing header (parse, rows, encode: the copy into the client's memory), what is
-left of the HTTP exchange, and the client's own work around it. Each part is the median over the
-steps whose rows are distinct: those right after a resampling repeat rows and pay a gather of them.
+Runs bench/smc.py's loop with our engine in process and through one gateway on this machine, in
+turns: `gateway` is AsyncGatewayLM as it comes (shared memory, then the gateway's local socket),
+`gateway-http` the same client with the local socket off (shared memory over HTTP). Default
+configuration (--no-cache: the output cache off). Prints the median ms per step of each part: the
+step's call end to end, the engine call (in process; in the gateway from its Server-Timing), the
+server's parse, cache and batcher, encode (the copy into the client's memory), what is left of
+the exchange (transport and the rest of the server), and the client's own work around it. Each
+part is the median over the steps that extend every row by a token: not the first (the prompt)
+nor those right after a resampling, which repeat rows and pay a gather of them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,6 +38,8 @@ from backends.builtin_models import resolve_model_dir  # noqa: E402
 from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
 from backends.types import EngineConfig  # noqa: E402
 from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
+
+RESAMPLE_EVERY = 4
 
 
 class Stopwatch:
@@ -51,8 +57,8 @@ class Stopwatch:
             self.last = time.perf_counter() - started
 
 
-async def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, float], int]:
-    """The median ms of each part, and over how many steps of the gateway way."""
+async def run(args: argparse.Namespace, tmp: Path) -> dict[int, dict[str, dict[str, float]]]:
+    """Per P, per way, the median ms of each part."""
     device = resolve_device(args.device)
     if args.random_model:
         model_dir = bench.random_model_dir(
@@ -63,6 +69,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, float], in
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    results: dict[int, dict[str, dict[str, float]]] = {}
     async with contextlib.AsyncExitStack() as stack:
         engine = TransformersEngine.load(
             EngineConfig(model=str(model_dir), dtype=args.dtype, device=args.device)
@@ -71,59 +78,73 @@ async def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, float], in
         engine.next_token_logprobs = inner_engine = Stopwatch(engine.next_token_logprobs)
         mode = "gateway-nocache" if args.no_cache else "gateway"
         gateway = smc_ways.start_bench_gateway(mode, model_dir, args, tmp, stack, args.cache_bytes)
-        lm = AsyncGatewayLM(gateway.base_url, "smc")
-        stack.push_async_callback(lm.aclose)
-        # The HTTP exchange alone: the client's private transport call, timed from outside.
-        lm._post_dense = exchange = Stopwatch(lm._post_dense)  # type: ignore[method-assign]
-        parts: dict[str, list[float]] = {}  # ms of each part, per step
-
-        def engine_parts(call: float) -> dict[str, float]:
-            return {"engine: next_token_logprobs": inner_engine.last, "engine: the step's call": call}
-
-        def gateway_parts(call: float) -> dict[str, float]:
-            server = smc_ways.server_timing(lm)
-            server = {f"server: {name}": server[name] / 1e3 for name in ("parse", "rows", "encode")}
-            return {
-                "gateway: the step's call": call,
-                **server,
-                "HTTP and the rest of the server": exchange.last - sum(server.values()),
-                "client": call - exchange.last,
-            }
-
         ways = {
-            "engine": (smc_ways.engine_rows(engine), engine_parts),
-            "gateway": (smc_ways.batch_rows(lm), gateway_parts),
+            "engine": (smc_ways.engine_rows(engine), lambda call: {"call": call, "engine": inner_engine.last})
         }
-        for next_rows, _ in ways.values():
-            await bench.smc(next_rows, tokenizer("warm up").input_ids, args.particles, 4, 2, 0)
+        for way, local_socket in (("gateway", True), ("gateway-http", False)):
+            lm = AsyncGatewayLM(gateway.base_url, "smc", local_socket=local_socket)
+            stack.push_async_callback(lm.aclose)
+            # The exchange alone (the local socket or HTTP): the client's private call, timed from outside.
+            lm._post_dense = exchange = Stopwatch(lm._post_dense)  # type: ignore[method-assign]
+            ways[way] = (smc_ways.batch_rows(lm), partial(gateway_parts, lm, exchange))
+        for next_rows, _ in ways.values():  # connections, segments, kernels
+            await bench.smc(next_rows, tokenizer("warm up").input_ids, max(args.particles), 4, 2, 0)
+        for p in args.particles:
+            parts: dict[str, dict[str, list[float]]] = {way: {} for way in ways}
 
-        def timed_step(next_rows, parts_of):
-            async def step(rows: list[list[int]]) -> object:
-                started = time.perf_counter()
-                out = await next_rows(rows)
-                call = time.perf_counter() - started
-                # Steps right after a resampling repeat rows and pay a gather: timed apart, not here.
-                if len(set(map(tuple, rows))) == len(rows):
-                    for name, seconds in parts_of(call).items():
-                        parts.setdefault(name, []).append(seconds * 1e3)
-                return out
+            def timed_step(way, next_rows, parts_of, parts=parts):
+                taken = 0
 
-            return step
+                async def step(rows: list[list[int]]) -> object:
+                    nonlocal taken
+                    started = time.perf_counter()
+                    out = await next_rows(rows)
+                    call = time.perf_counter() - started
+                    # The first step (the prompt) and those right after a resampling (every 4)
+                    # repeat rows and pay a gather of them: not timed here.
+                    if taken % RESAMPLE_EVERY:
+                        for name, seconds in parts_of(call).items():
+                            parts[way].setdefault(name, []).append(seconds * 1e3)
+                    taken += 1
+                    return out
 
-        # The ways take turns, so a slow spell of the machine falls on both alike.
-        for r in range(args.repeats):
-            for way, (next_rows, parts_of) in ways.items():
-                prompt = tokenizer(f"{way} run {r}").input_ids
-                await bench.smc(timed_step(next_rows, parts_of), prompt, args.particles, args.steps, 4, r)
-    medians = {name: statistics.median(values) for name, values in parts.items()}
-    return medians, len(parts.get("client", []))
+                return step
+
+            # The ways take turns, so a slow spell of the machine falls on all alike.
+            for r in range(args.repeats):
+                for way, (next_rows, parts_of) in ways.items():
+                    prompt = tokenizer(f"{way} run {p}.{r}").input_ids
+                    await bench.smc(
+                        timed_step(way, next_rows, parts_of), prompt, p, args.steps, RESAMPLE_EVERY, r
+                    )
+            results[p] = {
+                way: {name: statistics.median(values) for name, values in named.items()}
+                for way, named in parts.items()
+            }
+    return results
+
+
+def gateway_parts(lm: AsyncGatewayLM, exchange: Stopwatch, call: float) -> dict[str, float]:
+    server = {name: ms / 1e3 for name, ms in smc_ways.server_timing(lm).items()}
+    return {
+        "call": call,
+        "engine": server["engine"],
+        "parse": server["parse"],
+        "cache and batcher": server["rows"] - server["engine"],
+        "encode": server["encode"],
+        "transport and the rest of the server": exchange.last
+        - server["parse"]
+        - server["rows"]
+        - server["encode"],
+        "client": call - exchange.last,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--particles", type=int, default=16)
+    parser.add_argument("--particles", type=int, nargs="+", default=[16])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=4)
     bench.add_model_arguments(parser)
@@ -131,12 +152,27 @@ def main() -> None:
     parser.add_argument("--cache-bytes", type=int, help="the size of the gateway's in-process output cache")
     args = parser.parse_args()
     args.gateway_arg = []  # smc_ways.start_bench_gateway's extra `serve` flags: none
+    args.engine_option = []  # nor engine options
     with tempfile.TemporaryDirectory() as tmp:
-        result, steps = asyncio.run(run(args, Path(tmp)))
-    print(f"\n### One {args.particles}-row step of distinct rows, median ms per part over {steps} steps\n")
-    print("| part | ms |\n| --- | ---: |")
-    for name, ms in result.items():
-        print(f"| {name} | {ms:.2f} |")
+        results = asyncio.run(run(args, Path(tmp)))
+    print(f"\n### One step of distinct rows, median ms per part ({args.repeats} x {args.steps} steps)\n")
+    columns = [(p, way) for p in results for way in results[p]]
+    print("| part | " + " | ".join(f"P={p} {way}" for p, way in columns) + " |")
+    print("| --- |" + " ---: |" * len(columns))
+    names = list(dict.fromkeys(name for p, way in columns for name in results[p][way]))
+    for name in names:
+        cells = (results[p][way].get(name) for p, way in columns)
+        print(f"| {name} | " + " | ".join("" if c is None else f"{c:.2f}" for c in cells) + " |")
+    # What the issue of a call's cost measures: the call through the gateway less the same
+    # engine's call in process, and less the engine call inside the gateway.
+    for p in results:
+        engine_call = results[p]["engine"]["call"]
+        for way in ("gateway", "gateway-http"):
+            own = results[p][way]
+            print(
+                f"P={p} {way}: {own['call'] - engine_call:.2f} ms over the engine's call in process, "
+                f"{own['call'] - own['engine']:.2f} ms over its own engine call"
+            )
 
 
 if __name__ == "__main__":
