@@ -72,6 +72,7 @@ from bench.smc_ways import (  # noqa: E402
     engine_rows,
     gateway_way,
 )
+from gateway.settings import CacheSettings  # noqa: E402
 
 PROMPT = "The old lighthouse keeper climbed the stairs every evening, and tonight, as the storm rolled in, he"
 _LLAMA = dict(  # Llama-3.2's common settings, with SmolLM2's vocabulary
@@ -97,6 +98,12 @@ GATEWAY_MODES = (
     "gateway-vllm",
 )
 MODES = ["engine", "sglang", "vllm", *GATEWAY_MODES, "genlm", "decode"]
+
+
+def cache_fill_steps(particles: int, vocab_size: int) -> int:
+    """Steps of `particles` distinct rows that fill a gateway's default output cache (256 MiB of
+    float32 rows), and two that evict."""
+    return -(-CacheSettings().memory_bytes // (particles * vocab_size * 4)) + 2
 
 
 def random_model_dir(
@@ -277,7 +284,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
                     make(p, args.repeats),
                     prompt(p, args.repeats),
                     p,
-                    args.warmup_steps,
+                    max(args.warmup_steps, cache_fill_steps(p, model.config.vocab_size)),
                     args.resample_every,
                     args.seed,
                 )

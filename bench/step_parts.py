@@ -91,6 +91,10 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[int, dict[str, dict[s
             await bench.smc(next_rows, tokenizer("warm up").input_ids, max(args.particles), 4, 2, 0)
         for p in args.particles:
             parts: dict[str, dict[str, list[float]]] = {way: {} for way in ways}
+            # The output cache filled with blocks of this step's size: a served gateway's steady state
+            for next_rows, _ in ways.values():
+                warm = tokenizer(f"warm up {p}").input_ids
+                await bench.smc(next_rows, warm, p, bench.cache_fill_steps(p, engine.vocab_size), 4, 1)
 
             def timed_step(way, next_rows, parts_of, parts=parts):
                 taken = 0

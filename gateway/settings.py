@@ -41,6 +41,7 @@
     max_answer_bytes = 2147483648  # dense answers not yet read by their clients, server-wide; 429 beyond
     write_stall_timeout_s = 30     # a client that reads none of its answer this long is disconnected
     header_timeout_s = 15          # a request head not complete this long: 408, connection closed
+    max_local_in_flight = 64       # a local socket connection's requests at once; it reads no more beyond
 
 Environment: LOGPROB_GATEWAY_CONFIG, _HOST, _PORT, _MODEL, _BACKEND, _SERVED_MODEL_NAME, _DTYPE,
 _DEVICE, _MAX_MODEL_LEN, _LOG_LEVEL, _REDIS_URL, _CACHE (false: no cache), _ADMIN_KEY,
@@ -125,6 +126,8 @@ class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_answer_bytes: Annotated[int, msgspec.Meta(gt=0)] = 2 * 2**30
     write_stall_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # a client reading nothing: cut
     header_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 15.0  # request line + headers (408 beyond)
+    # requests of one local socket connection running at once; it reads no more frames until one ends
+    max_local_in_flight: Annotated[int, msgspec.Meta(gt=0)] = 64
 
 
 class CacheSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

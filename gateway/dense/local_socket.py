@@ -17,8 +17,9 @@ body. The same API keys (once per connection), per-key limits, answer-byte budge
 (method "LOCAL") and errors apply; a request whose answer would not go into shared memory is a
 400, so no frame carries rows and a client that reads nothing holds a few hundred bytes.
 Bounds: a frame is at most `max_body_bytes`; the hello must come within `header_timeout_s`; a
-connection reads no further requests while `MAX_IN_FLIGHT` of its own are running or its unread
-answers pass the transport's high-water mark; requests in flight are cancelled when it closes.
+connection reads no further requests while `max_local_in_flight` of its own are running or its
+unread answers pass the transport's high-water mark; requests in flight are cancelled when it
+closes.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ from gateway.settings import Limits
 log = logging.getLogger(__name__)
 
 ROUTE = "/v1/next_token_logprobs"
-MAX_IN_FLIGHT = 64  # a connection's requests running at once before it reads no more
 _LENGTH = struct.Struct("<I")
 
 
@@ -267,7 +267,7 @@ class _Connection(asyncio.Protocol):
         """Read on only while few requests run and the client reads its answers."""
         if self.transport is None or self.transport.is_closing():
             return
-        reading = len(self.tasks) < MAX_IN_FLIGHT and self.writable.is_set()
+        reading = len(self.tasks) < self.server.limits.max_local_in_flight and self.writable.is_set()
         if reading and not self.reading:
             self.reading = True
             self.transport.resume_reading()

@@ -45,7 +45,8 @@ def _dense(request: Request) -> DenseService:
     "name a sealed memfd of its own in `shared_memory`, with the key it keeps in the segment's last 16 "
     "bytes: the matrix is written there and the answer says where (`next_token_logprobs.shared_memory`); "
     "a segment the gateway cannot open, or whose key differs, is ignored and the matrix comes in the "
-    "body. Request bodies may be MessagePack too (`Content-Type: application/msgpack`). Concurrent "
+    "body. An answer written into shared memory names, in its `Logprob-Gateway-Socket` header, a Unix "
+    "socket of the gateway's host where later calls may go without HTTP (docs/api.md). Request bodies may be MessagePack too (`Content-Type: application/msgpack`). Concurrent "
     "requests share engine batches; rows may come from the output cache (`usage.cache_hits`), "
     "bit-identical to computing them.",
     tags=["Dense logprobs"],

@@ -123,6 +123,7 @@ api_keys = ["{hash_key(KEY, "alice")}", "{hash_key(THRIFTY, "thrifty")}"]
 max_body_bytes = 65536
 header_timeout_s = 1
 rows_per_minute_per_key = 200
+max_local_in_flight = 2
 
 [[models]]
 name = "mock"
@@ -341,6 +342,25 @@ def test_requests_on_one_connection_may_overlap(raw, segment):
         assert [raw.receive()[:2], raw.receive()[:2]] == [[2, 200], [1, 200]]
     finally:
         other.close()
+
+
+def test_a_connection_runs_at_most_max_local_in_flight_requests(raw, segment):
+    """Two run at once (the limit); the third is read once one has ended."""
+    raw.hello()
+    segments = [Segment(6) for _ in range(2)]
+    try:
+        sent = time.monotonic()
+        for i, target_segment in enumerate([segment, *segments]):
+            raw.send([i + 1, request("slow", prefixes(6, 10 + i), target_segment)])
+        arrived = {}
+        for _ in range(3):
+            frame = raw.receive()
+            assert frame[1] == 200
+            arrived[frame[0]] = time.monotonic() - sent
+        assert max(arrived[1], arrived[2]) < arrived[3] and arrived[3] >= 0.9  # two delays of 0.5 s
+    finally:
+        for made in segments:
+            made.close()
 
 
 def test_the_client_raises_the_gateways_errors_over_the_socket(secured):
