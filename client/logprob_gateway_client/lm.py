@@ -270,21 +270,22 @@ class AsyncGatewayLM(LoraManagement, Sampling):
             body, segment = self._request(model, chunk)
             try:
                 try:
-                    content = await self._post_dense(body)
+                    content = await self._post_dense(body, segment is not None)
                 except LocalSocketLost:  # the gateway restarted, say: this call goes over HTTP
                     self._retire(segment)
                     body, segment = self._request(model, chunk)
-                    content = await self._post_dense(body)
+                    content = await self._post_dense(body, segment is not None)
                 parts.append(self._matrix(content, len(chunk), segment))
             except BaseException:
                 self._retire(segment)
                 raise
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    async def _post_dense(self, body: bytes) -> bytes | bytearray | memoryview:
+    async def _post_dense(self, body: bytes, shared: bool) -> bytes | bytearray | memoryview:
         """The body of a successful dense answer, in one buffer (the transport's own where it
-        read the socket): over the gateway's local socket once it named one, else over HTTP."""
-        if self._local is not None:
+        read the socket): over the gateway's local socket once it named one, for a request whose
+        answer goes into shared memory (`shared`), else over HTTP."""
+        if self._local is not None and shared:
             try:
                 content, self.server_timing = await self._local.call(body)
             except LocalSocketLost:
