@@ -101,6 +101,16 @@ async def dense_inputs(
     served: ServedModel, body: NextTokenLogprobsRequest, limits: Limits
 ) -> list[list[int]]:
     """The request's rows as checked token ids (text tokenized), within the limits."""
+    rows = body.input
+    # Token-id rows (every SMC step) checked in a few passes in C; anything else, or any row that
+    # fails, goes the general way, which says what is wrong.
+    if (
+        isinstance(rows, list)
+        and 0 < len(rows) <= limits.max_rows
+        and all(type(row) is list and row for row in rows)
+        and max(map(max, rows)) < served.require_engine().vocab_size
+    ):
+        return rows  # type: ignore[return-value]
     prepare = partial(
         token_inputs,
         served,
@@ -110,7 +120,7 @@ async def dense_inputs(
         max_items=limits.max_rows,
         param="input",
     )
-    # Token-id rows are checked in one C pass; only text is worth a thread.
+    # Only text is worth a thread.
     inputs = await asyncio.to_thread(prepare) if has_text(body.input) else prepare()
     return [i.ids for i in inputs]
 
