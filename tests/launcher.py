@@ -33,6 +33,18 @@ class GatewayProcess:
             self.process.wait()
 
 
+def start_mock_gateway(workdir: Path, settings: str, slow_delay_s: float) -> GatewayProcess:
+    """A gateway with the config file's top-level `settings` (TOML) and two models on the mock
+    engine: "mock", and "slow", whose calls each take `slow_delay_s`."""
+    config = workdir / "gateway.toml"
+    config.write_text(
+        f"{settings}\n"
+        '[[models]]\nname = "mock"\nmodel = "smollm2-135m"\nbackend = "mock"\n\n'
+        f'[[models]]\nname = "slow"\nmodel = "smollm2-135m"\nbackend = "mock"\noptions = {{delay_s = {slow_delay_s}}}\n'
+    )
+    return start_gateway(["--config", str(config)], workdir / "gateway.log")
+
+
 def start_gateway(args: list[str], log_path: Path, timeout: float = 600.0) -> GatewayProcess:
     """Serve on a free loopback port and wait until /health answers 200, or fail with the log tail
     (a gateway whose model fails to load exits)."""

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from gateway.access import hash_key
-from tests.launcher import start_gateway
+from tests.launcher import start_mock_gateway
 
 ALICE, BOB, ADMIN = "sk-alice-0123456789", "sk-bob-9876543210", "admin-secret-42"
 WRONG = "sk-wrong-key-555"
@@ -23,8 +23,7 @@ def secured(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("access")
     keys = workdir / "api-keys"
     keys.write_text(f"# lab members\n{hash_key(ALICE, 'alice')}\n\n{hash_key(BOB, 'bob')}\n")
-    config = workdir / "gateway.toml"
-    config.write_text(f"""
+    settings = f"""
 api_keys_file = "{keys}"
 admin_key = "{hash_key(ADMIN)}"
 metrics_public = false
@@ -35,18 +34,8 @@ max_streams = 2
 max_in_flight_per_key = 2
 rows_per_minute_per_key = 100
 
-[[models]]
-name = "mock"
-model = "smollm2-135m"
-backend = "mock"
-
-[[models]]
-name = "slow"
-model = "smollm2-135m"
-backend = "mock"
-options = {{delay_s = 0.2}}
-""")
-    gateway = start_gateway(["--config", str(config)], workdir / "gateway.log")
+"""
+    gateway = start_mock_gateway(workdir, settings, slow_delay_s=0.2)
     yield gateway
     gateway.stop()
 

@@ -24,7 +24,7 @@ from logprob_gateway_client import shared_memory as client_memory
 from logprob_gateway_client.local_socket import HEADER
 from tests.conftest import MODEL
 from tests.gateway.test_shared_memory import memfd, prefixes, target
-from tests.launcher import start_gateway
+from tests.launcher import start_gateway, start_mock_gateway
 
 pytestmark = [
     pytest.mark.slow,
@@ -115,8 +115,7 @@ def test_a_gateway_without_the_socket_keeps_clients_on_http(model_dir, tmp_path)
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("local")
-    config = workdir / "gateway.toml"
-    config.write_text(f"""
+    settings = f"""
 api_keys = ["{hash_key(KEY, "alice")}", "{hash_key(THRIFTY, "thrifty")}"]
 
 [limits]
@@ -125,18 +124,8 @@ header_timeout_s = 1
 rows_per_minute_per_key = 200
 max_local_in_flight = 2
 
-[[models]]
-name = "mock"
-model = "smollm2-135m"
-backend = "mock"
-
-[[models]]
-name = "slow"
-model = "smollm2-135m"
-backend = "mock"
-options = {{delay_s = 0.5}}
-""")
-    gateway = start_gateway(["--config", str(config)], workdir / "gateway.log")
+"""
+    gateway = start_mock_gateway(workdir, settings, slow_delay_s=0.5)
     yield gateway
     gateway.stop()
 
