@@ -48,11 +48,14 @@ class LocalSocket:
         """The answer's body and Server-Timing; the gateway's error as over HTTP."""
         sock = self._idle.pop() if self._idle else await self._connect()
         try:
-            status, timing, content = await _exchange(sock, [_CALL_ID, body])
+            answered, status, timing, content = await _exchange(sock, [_CALL_ID, body])
         except BaseException:  # cut short (cancelled, say): what the gateway sends next is unknown
             sock.close()
             raise
-        self._idle.append(sock)
+        if answered == _CALL_ID:
+            self._idle.append(sock)
+        else:  # an answer to the connection itself (id 0): the gateway closes it
+            sock.close()
         if status >= 400:
             raise error_from(status, content)
         return content, timing
@@ -67,7 +70,7 @@ class LocalSocket:
         try:
             await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, self.path), self._timeout)
             hello = _exchange(sock, ["hello", self._api_key])
-            status, _, content = await asyncio.wait_for(hello, self._timeout)
+            _, status, _, content = await asyncio.wait_for(hello, self._timeout)
         except BaseException:
             sock.close()
             raise
@@ -77,8 +80,8 @@ class LocalSocket:
         return sock
 
 
-async def _exchange(sock: socket.socket, message: list) -> tuple[int, str, bytes]:
-    """Send one frame and read the one that answers it: (status, Server-Timing, body)."""
+async def _exchange(sock: socket.socket, message: list) -> tuple[int, int, str, bytes]:
+    """Send one frame and read the one that answers it: (id, status, Server-Timing, body)."""
     loop = asyncio.get_running_loop()
     frame = _ENCODER.encode(message)
     received = bytearray()
@@ -91,5 +94,4 @@ async def _exchange(sock: socket.socket, message: list) -> tuple[int, str, bytes
             received += chunk
     except ConnectionError as exc:  # reset, broken pipe: the gateway went away
         raise LocalSocketLost(f"the gateway's local socket: {exc}") from exc
-    _, status, timing, content = _DECODER.decode(received[4:])
-    return status, timing, content
+    return _DECODER.decode(received[4:])

@@ -37,6 +37,7 @@ import msgspec
 
 from gateway import requests
 from gateway.access import Access
+from gateway.dense.delivery import answer_nbytes
 from gateway.dense.routes import dense_inputs
 from gateway.dense.service import DenseService
 from gateway.errors import (
@@ -133,7 +134,7 @@ class LocalSocketServer:
                 model, adapter_label = served.name, adapter or ""
                 ids = await dense_inputs(served, body, self.limits)
                 self.access.take_rows(key, len(ids))
-                reserved = len(ids) * served.require_engine().vocab_size * 4  # the float32 rows
+                reserved = answer_nbytes(len(ids), served.require_engine().vocab_size, body, True, True)
                 self.access.reserve_answer_bytes(reserved)
                 answer = await self.dense.answer(served, adapter, ids, body, True, body_allowed=False)
             finally:
@@ -200,7 +201,7 @@ class _Connection(asyncio.Protocol):
 
     def _frames(self) -> None:
         limit = self.server.limits.max_body_bytes + 64  # a body and its frame
-        while self.reading and len(self.buffer) >= 4:
+        while self.reading and len(self.buffer) >= 4 and not self.transport.is_closing():
             (length,) = _LENGTH.unpack_from(self.buffer)
             if length > limit:
                 self._fail(PayloadTooLargeError(f"a frame of {length} bytes; the limit is {limit}"))
