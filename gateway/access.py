@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.errors import InvalidRequestError, RateLimitError
+from gateway.errors import AuthenticationError, InvalidRequestError, RateLimitError
 from gateway.settings import ConfigError, Limits, Settings
 
 _ENTRY = re.compile(r"(?:(?P<name>[A-Za-z0-9_.@-]{1,64}):)?sha256:(?P<digest>[0-9a-f]{64})")
@@ -89,6 +89,15 @@ class KeyRing:
         if self._admin is not None and hmac.compare_digest(digest, self._admin):
             found = ADMIN
         return found
+
+    def require(self, presented: str | None, asker: str, hint: str = "") -> str:
+        """The name of the key presented by `asker` ("request", "connection"), else an
+        AuthenticationError saying whether it was missing or wrong (and `hint`)."""
+        key = self.identify(presented) if presented else None
+        if key is None:
+            reason = "a wrong API key" if presented else "no API key"
+            raise AuthenticationError(f"this {asker} has {reason}{hint}")
+        return key
 
     def is_admin(self, presented: str) -> bool:
         return self._admin is not None and self.identify(presented) == ADMIN

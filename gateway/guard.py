@@ -64,16 +64,12 @@ def guard(app: ASGIApp, access: Access, shutdown: Shutdown, *, metrics_public: b
             await _send_error(send, _shutting_down())
             return
         key = None
-        if access.keyring.enabled and scope["path"] not in unguarded:
-            presented = _bearer(scope)
-            key = access.keyring.identify(presented) if presented else None
-            if key is None:
-                reason = "a wrong API key" if presented else "no API key"
-                message = f"this request has {reason}; send 'Authorization: Bearer <key>'"
-                await _send_error(send, AuthenticationError(message))
-                return
-        scope[KEY_NAME] = key  # type: ignore[literal-required]
         try:
+            if access.keyring.enabled and scope["path"] not in unguarded:
+                key = access.keyring.require(
+                    _bearer(scope), "request", "; send 'Authorization: Bearer <key>'"
+                )
+            scope[KEY_NAME] = key  # type: ignore[literal-required]
             if key is not None:
                 access.enter(key)
         except GatewayError as exc:

@@ -21,7 +21,7 @@ import msgspec
 
 from logprob_gateway_client.wire import error_from
 
-HEADER = "logprob-gateway-socket"
+HEADER = "Logprob-Gateway-Socket"  # on an answer in shared memory: where the socket is
 _LENGTH = struct.Struct("<I")
 _DECODER = msgspec.msgpack.Decoder(tuple[int, int, str, bytes])
 _ENCODER = msgspec.msgpack.Encoder()

@@ -164,8 +164,7 @@ class _Connection(asyncio.Protocol):
         self.key: str | None = None
         self.greeted = False
         self.tasks: set[asyncio.Task[None]] = set()
-        self.writable = asyncio.Event()
-        self.writable.set()
+        self.writable = True  # the client reads its answers (the transport's buffer is under its mark)
         self.reading = True
         self.hello_timer: asyncio.TimerHandle | None = None
 
@@ -181,14 +180,13 @@ class _Connection(asyncio.Protocol):
             self.hello_timer.cancel()
         for task in self.tasks:
             task.cancel()
-        self.writable.set()
 
     def pause_writing(self) -> None:
-        self.writable.clear()
+        self.writable = False
         self._update_reading()
 
     def resume_writing(self) -> None:
-        self.writable.set()
+        self.writable = True
         self._update_reading()
 
     def close(self) -> None:
@@ -236,12 +234,11 @@ class _Connection(asyncio.Protocol):
             return
         keyring = self.server.access.keyring
         if keyring.enabled:
-            key = keyring.identify(value) if value else None
-            if key is None:
-                reason = "a wrong API key" if value else "no API key"
-                self._fail(AuthenticationError(f"this connection has {reason}"))
+            try:
+                self.key = keyring.require(value, "connection")
+            except AuthenticationError as exc:
+                self._fail(exc)
                 return
-            self.key = key
         self.greeted = True
         if self.hello_timer is not None:
             self.hello_timer.cancel()
@@ -268,7 +265,7 @@ class _Connection(asyncio.Protocol):
         """Read on only while few requests run and the client reads its answers."""
         if self.transport is None or self.transport.is_closing():
             return
-        reading = len(self.tasks) < self.server.limits.max_local_in_flight and self.writable.is_set()
+        reading = len(self.tasks) < self.server.limits.max_local_in_flight and self.writable
         if reading and not self.reading:
             self.reading = True
             self.transport.resume_reading()

@@ -23,8 +23,7 @@ from gateway.schemas.logprobs import (
     NextTokenLogprobsSharedMemoryResponse,
 )
 from gateway.settings import Limits
-
-LOCAL_SOCKET_HEADER = "Logprob-Gateway-Socket"  # gateway/dense/local_socket.py
+from logprob_gateway_client.local_socket import HEADER as LOCAL_SOCKET_HEADER
 
 
 def _dense(request: Request) -> DenseService:
@@ -101,16 +100,6 @@ async def dense_inputs(
     served: ServedModel, body: NextTokenLogprobsRequest, limits: Limits
 ) -> list[list[int]]:
     """The request's rows as checked token ids (text tokenized), within the limits."""
-    rows = body.input
-    # Token-id rows (every SMC step) checked in a few passes in C; anything else, or any row that
-    # fails, goes the general way, which says what is wrong.
-    if (
-        isinstance(rows, list)
-        and 0 < len(rows) <= limits.max_rows
-        and all(type(row) is list and row for row in rows)
-        and max(map(max, rows)) < served.require_engine().vocab_size
-    ):
-        return rows  # type: ignore[return-value]
     prepare = partial(
         token_inputs,
         served,
@@ -120,7 +109,7 @@ async def dense_inputs(
         max_items=limits.max_rows,
         param="input",
     )
-    # Only text is worth a thread.
+    # Token-id rows are checked in one C pass each; only text is worth a thread.
     inputs = await asyncio.to_thread(prepare) if has_text(body.input) else prepare()
     return [i.ids for i in inputs]
 
