@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import uuid
 
 import jsonschema
@@ -111,18 +112,29 @@ async def test_constrained_streams_share_passes_and_leave_others_unchanged(engin
         assert text_of(engine, steps).startswith("{")
 
 
-async def test_grammars_compile_once_and_within_the_bound(engine):
+async def test_grammars_compile_once_and_within_the_bound(engine, monkeypatch):
     grammars = engine.structured_outputs
     schema = Grammar("json_schema", json.dumps(SCHEMAS[-1]))
     await asyncio.gather(*(grammars.check(schema, 10.0) for _ in range(4)))
     compiled = grammars._compiled[schema]
     await grammars.check(schema, 1e-9)  # kept: no compile, so no time needed
     assert grammars._compiled[schema] is compiled
-    # a grammar no other test compiled, so the compile is not already kept
+    # a grammar no other test compiled, held in its compile until the bound has passed: a compile
+    # that finishes before the timer fires would be answered, whatever the bound
     unseen = Grammar("json_schema", json.dumps({**SCHEMAS[-2], "title": f"unseen {uuid.uuid4()}"}))
-    with pytest.raises(GrammarError, match="did not compile within"):
-        await grammars.check(unseen, 1e-9)
-    await grammars.check(unseen, 10.0)  # the same compile, kept
+    release = threading.Event()
+    compile_now = grammars._compile
+
+    def held_compile(grammar):
+        release.wait(10.0)
+        return compile_now(grammar)
+
+    monkeypatch.setattr(grammars, "_compile", held_compile)
+    with pytest.raises(GrammarError, match="did not compile within 0.01 s"):
+        await grammars.check(unseen, 0.01)
+    release.set()
+    await grammars.check(unseen, 10.0)  # the same compile, finished and kept
+    assert unseen in grammars._compiled
 
 
 @pytest.mark.parametrize(
