@@ -4,7 +4,8 @@ From a GPU, rows go into page-locked memory (pageable memory goes through a stag
 fraction of the speed), or straight into a caller's memory registered with the driver
 (`cudaHostRegister`: a client's shared memory segment, as the gateway maps it, is ordinary
 memory, and registering it makes a copy into it as fast as into page-locked memory). torch keeps
-page-locked blocks for reuse; past a bound, the unused ones are given back.
+page-locked blocks for reuse; past a bound, the unused ones are given back. A greedy generation
+step needs no row on the host at all: its token and alternatives are chosen on the device.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from backends.engine import HostMemory
+from backends.sampling import Pick
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,29 @@ def rows_to_host(rows: torch.Tensor) -> np.ndarray:
     if rows.device.type == "cpu":
         return rows.numpy()
     return _page_locked_like(rows).copy_(rows).numpy()
+
+
+def greedy_picks(logprobs: torch.Tensor, alternatives: Sequence[int]) -> list[Pick]:
+    """A Pick per row of `logprobs` (float32 [rows, vocab]) with the given number of best entries
+    (at least one): one small copy to the host instead of the rows."""
+    k = max(alternatives)
+    tokens = logprobs.argmax(dim=-1, keepdim=True)  # the first of equal maxima, as np.argmax
+    if k == 1:  # many times faster than topk, on the CPU most of all
+        values, ids = logprobs.gather(1, tokens), tokens
+    else:
+        values, ids = torch.topk(logprobs, k, dim=-1)
+    # float64 holds every id exactly: one copy for all three
+    host = torch.cat([tokens.double(), ids.double(), values.double()], dim=1).cpu().numpy()
+    picks = []
+    for row, wanted in zip(host, alternatives, strict=True):
+        token, top_ids, top_vals = int(row[0]), row[1 : k + 1].astype(np.int64), row[k + 1 :]
+        if wanted == 1:
+            top_ids = np.array([token], np.int64)
+        else:  # equal values in id order, as the host's top_k
+            order = np.lexsort((top_ids, -top_vals))[:wanted]
+            top_ids, top_vals = top_ids[order], top_vals[order]
+        picks.append(Pick(token, float(top_vals[0]), top_ids, top_vals[:wanted].astype(np.float32)))
+    return picks
 
 
 def register_host_memory(address: int, size: int) -> bool:

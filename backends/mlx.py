@@ -45,7 +45,7 @@ from backends.errors import WeightsError
 from backends.grammar import LLGuidanceGrammars
 from backends.mlx_lora import AdapterSet
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
-from backends.step_scheduler import StepScheduler
+from backends.step_scheduler import StepScheduler, split_rows
 from backends.types import EngineConfig, PromptLogprobs, SamplingParams, TokenStep, resolve_auto_dtype
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,9 @@ class MlxEngine(Engine):
         self._adapters = AdapterSet(model)
         self._prompt_cache = LRUPromptCache(max_size=64, max_bytes=prompt_cache_bytes)
         self.prompt_tokens_computed = 0  # prompt tokens prefilled (not served from the prompt cache)
-        self.steps: StepScheduler[Step] = StepScheduler(lambda steps: self._run(self._step_pass, steps))
+        self.steps: StepScheduler[Step, np.ndarray] = StepScheduler(
+            lambda groups: self._run(self._step_pass, groups)
+        )
         self.adapters = MlxAdapters(self)
         self.weights = MlxWeights(self)
         self.prefix_cache = MlxPrefixCache(self)
@@ -273,10 +275,11 @@ class MlxEngine(Engine):
         ):
             yield step
 
-    def _step_pass(self, steps: list[Step]) -> np.ndarray:
-        """Logits after each step: prompts prefilled one by one, the streams' next tokens in one
-        forward pass over their merged K/V (alone when a cache is not plain KVCache, e.g. a
-        sliding window's)."""
+    def _step_pass(self, groups: list[Sequence[Step]]) -> list[np.ndarray]:
+        """Logits after each step, a view per group: prompts prefilled one by one, the streams'
+        next tokens in one forward pass over their merged K/V (alone when a cache is not plain
+        KVCache, e.g. a sliding window's)."""
+        steps = [step for group in groups for step in group]
         out = np.empty((len(steps), self.vocab_size), dtype=np.float32)
         decoding = []
         for i, (stream, ids) in enumerate(steps):
@@ -300,7 +303,7 @@ class MlxEngine(Engine):
             out[decoding] = np.array(logits.astype(mx.float32))
             for row, s in enumerate(streams):
                 s.cache = [layer.extract(row) for layer in batch]
-        return out
+        return split_rows(out, groups)
 
     def _prefill(self, ids: list[int], adapter: str | None) -> tuple[list[Any], np.ndarray]:
         """Start from the cached KV state of the longest known prefix (of the same adapter), run

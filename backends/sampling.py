@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,12 +28,36 @@ def top_k(logprobs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     if k <= 0:
         shape = logprobs.shape[:-1] + (0,)
         return np.zeros(shape, np.int64), np.zeros(shape, np.float32)
+    if k == 1:  # the common case (logprobs=1), and argmax is many times faster than a partition
+        ids = np.argmax(logprobs, axis=-1)[..., None]  # the first of equal maxima: the lower id
+        return ids.astype(np.int64), np.take_along_axis(logprobs, ids, axis=-1).astype(np.float32)
     k = min(k, logprobs.shape[-1])
     part = np.argpartition(-logprobs, k - 1, axis=-1)[..., :k]
     vals = np.take_along_axis(logprobs, part, axis=-1)
     order = np.lexsort((part, -vals), axis=-1)
     ids = np.take_along_axis(part, order, axis=-1).astype(np.int64)
     return ids, np.take_along_axis(logprobs, ids, axis=-1).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Pick:
+    """A greedy step chosen where its row was computed (the row itself never crosses to the
+    host): the row's most likely token (the lowest id of equal maxima) and its k best entries."""
+
+    token: int
+    logprob: float
+    top_ids: np.ndarray  # int64 [k], most likely first
+    top_logprobs: np.ndarray  # float32 [k]
+
+
+def greedy_alternatives(params: SamplingParams) -> int | None:
+    """For a stream whose every token is its row's most likely one (greedy: no bias, penalty or
+    grammar), how many of the row's best entries a Pick needs (at least the token's own);
+    None where the sampler needs the whole row."""
+    plain = not (params.logit_bias or params.presence_penalty or params.frequency_penalty)
+    if params.temperature < GREEDY_BELOW and plain and params.grammar is None:
+        return max(1, params.top_logprobs)
+    return None
 
 
 class Sampler:
@@ -49,11 +74,14 @@ class Sampler:
         self.counts: Counter[int] = Counter()
         self.generated = 0
 
-    def step(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> TokenStep:
+    def step(self, logits: np.ndarray | Pick, allowed: np.ndarray | None = None) -> TokenStep:
         """Pick a token from a [vocab] float32 row of logits (or of log-probabilities, when
         `normalized`), among the `allowed` ones (bool [vocab]) if given, and report it with the
-        row's own log-probabilities, before the mask."""
+        row's own log-probabilities, before the mask; or take the Pick the engine made."""
         p = self.params
+        if isinstance(logits, Pick):
+            k = p.top_logprobs
+            return self._report(logits.token, logits.logprob, logits.top_ids[:k], logits.top_logprobs[:k])
         logprobs = logits if self.normalized else log_softmax(logits)
         if allowed is not None:
             logits = np.where(allowed, logits, np.float32(-np.inf))
@@ -70,16 +98,18 @@ class Sampler:
                 counts = np.fromiter(self.counts.values(), np.float64)
                 scores[ids] -= p.presence_penalty + p.frequency_penalty * counts
             token = int(np.argmax(scores)) if p.temperature < GREEDY_BELOW else self._sample(scores)
+        return self._report(token, float(logprobs[token]), *top_k(logprobs, p.top_logprobs))
+
+    def _report(self, token: int, logprob: float, top_ids: np.ndarray, top_vals: np.ndarray) -> TokenStep:
         self.counts[token] += 1
         self.generated += 1
-        top_ids, top_vals = top_k(logprobs, p.top_logprobs)
         if token in self.eos_token_ids:
             finish = "stop"
-        elif self.generated >= p.max_tokens:
+        elif self.generated >= self.params.max_tokens:
             finish = "length"
         else:
             finish = None
-        return TokenStep(token, float(logprobs[token]), top_ids, top_vals, finish)
+        return TokenStep(token, logprob, top_ids, top_vals, finish)
 
     def _sample(self, scores: np.ndarray) -> int:
         probs = np.exp(log_softmax(scores / self.params.temperature).astype(np.float64))
@@ -98,7 +128,7 @@ class Sampler:
 async def sample_tokens(
     params: SamplingParams,
     eos_token_ids: frozenset[int],
-    next_logits: Callable[[int | None], Awaitable[np.ndarray]],
+    next_logits: Callable[[int | None], Awaitable[np.ndarray | Pick]],
     normalized: bool = False,
     grammars: LLGuidanceGrammars | None = None,
 ) -> AsyncIterator[TokenStep]:
@@ -106,8 +136,8 @@ async def sample_tokens(
 
     `next_logits(None)` runs the prompt and returns its last logits row; `next_logits(token)`
     appends the sampled token and returns the next row (rows of log-probabilities if
-    `normalized`). Nothing runs ahead of the consumer, so a caller that stops iterating (stop
-    string, disconnect) wastes no forward pass. Under `params.grammar` (compiled by `grammars`)
+    `normalized`), or the engine's Pick of it. Nothing runs ahead of the consumer, so a caller
+    that stops iterating (stop string, disconnect) wastes no forward pass. Under `params.grammar` (compiled by `grammars`)
     each token's mask is computed while its row is.
     """
     if params.max_tokens <= 0:

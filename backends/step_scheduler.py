@@ -1,8 +1,9 @@
 """One forward pass for whatever concurrent requests need next: continuous batching.
 
-Every dense-row call and every generation step of an engine is a list of items (for the
-transformers engine a token-id prefix and its adapter; for MLX a stream's state and its next
-token) whose next-token rows it needs. Submissions queue while the
+Every dense-row call and every generation step of an engine is a submission: a list of items
+(for the transformers engine a token-id prefix, its adapter and what the caller needs of its
+row; for MLX a stream's state and its next token) whose next-token rows it needs, answered with
+one result (rows, or a token chosen from them). Submissions queue while the
 engine computes; each pass takes everything queued, so a stream that starts joins the running
 batch at its next step, and one that stops (its caller gone, its future cancelled) is dropped
 before the pass. The engine makes a pass cheap for rows that extend earlier ones (prefix K/V
@@ -31,38 +32,45 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+
+def split_rows(rows: np.ndarray, groups: Sequence[Sequence[object]]) -> list[np.ndarray]:
+    """Rows of all groups' items, in order, as one view per group."""
+    ends = np.cumsum([len(group) for group in groups])
+    return [rows] if len(groups) == 1 else np.split(rows, ends[:-1])
 
 
 @dataclass
-class _Submission(Generic[Item]):
+class _Submission(Generic[Item, Result]):
     items: Sequence[Item]
-    future: asyncio.Future[np.ndarray]
+    future: asyncio.Future[Result]
 
 
-class StepScheduler(Generic[Item]):
+class StepScheduler(Generic[Item, Result]):
     def __init__(
         self,
-        run_pass: Callable[[list[Item]], Awaitable[np.ndarray]],
+        run_pass: Callable[[list[Sequence[Item]]], Awaitable[Sequence[Result]]],
         *,
         max_rows: int = 1024,
         max_wait_s: float = 0.05,
     ) -> None:
-        self._run_pass = run_pass  # float32 [items, vocab], in item order, on the engine's thread
+        # one pass over every submission's items: a result per submission, in order
+        self._run_pass = run_pass
         self.max_rows = max_rows  # items per pass, beyond one submission's own
         self.max_wait_s = max_wait_s
-        self._queue: asyncio.Queue[_Submission[Item]] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Submission[Item, Result]] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None
         self._last_callers = 0  # submissions served by the last pass
         self._last_pass_s = 0.0
         self.passes = 0  # forward passes run, for tests and benches
         self.largest = 0  # most submissions merged into one pass
 
-    async def submit(self, items: Sequence[Item]) -> np.ndarray:
-        """float32 [len(items), vocab], a row per item, computed in a pass shared with whatever
-        else is waiting."""
+    async def submit(self, items: Sequence[Item]) -> Result:
+        """The items' result, computed in a pass shared with whatever else is waiting."""
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run(), name="step-scheduler")
-        submission = _Submission(items, asyncio.get_running_loop().create_future())
+        submission: _Submission[Item, Result] = _Submission(items, asyncio.get_running_loop().create_future())
         await self._queue.put(submission)
         return await submission.future
 
@@ -76,7 +84,7 @@ class StepScheduler(Generic[Item]):
                 await self._serve(batch)
                 self._last_callers, self._last_pass_s = len(batch), loop.time() - started
 
-    async def _gather(self, loop: asyncio.AbstractEventLoop) -> list[_Submission[Item]]:
+    async def _gather(self, loop: asyncio.AbstractEventLoop) -> list[_Submission[Item, Result]]:
         batch = [await self._queue.get()]
         count = len(batch[0].items)
         deadline = loop.time() + min(self.max_wait_s, self._last_pass_s / 4)
@@ -95,12 +103,11 @@ class StepScheduler(Generic[Item]):
             count += len(submission.items)
         return batch
 
-    async def _serve(self, batch: list[_Submission[Item]]) -> None:
-        items = [item for s in batch for item in s.items]
+    async def _serve(self, batch: list[_Submission[Item, Result]]) -> None:
         self.passes += 1
         self.largest = max(self.largest, len(batch))
         try:
-            out = await self._run_pass(items)
+            results = await self._run_pass([s.items for s in batch])
         except Exception as exc:
             if len(batch) > 1:
                 log.warning("a pass of %d submissions failed; retrying them one by one", len(batch))
@@ -111,12 +118,9 @@ class StepScheduler(Generic[Item]):
             if not batch[0].future.done():
                 batch[0].future.set_exception(exc)
             return
-        start = 0
-        for submission in batch:
-            end = start + len(submission.items)
+        for submission, result in zip(batch, results, strict=True):
             if not submission.future.done():
-                submission.future.set_result(out if len(batch) == 1 else out[start:end])
-            start = end
+                submission.future.set_result(result)
 
     async def aclose(self) -> None:
         if self._worker is not None:

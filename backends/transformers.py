@@ -40,10 +40,16 @@ from backends.engine import Engine, Out
 from backends.errors import AdapterError
 from backends.grammar import LLGuidanceGrammars
 from backends.grouped_attention import use_grouped_attention
-from backends.host_copy import CudaHostMemory, release_pinned_memory, rows_to_host, write_rows_into
+from backends.host_copy import (
+    CudaHostMemory,
+    greedy_picks,
+    release_pinned_memory,
+    rows_to_host,
+    write_rows_into,
+)
 from backends.prefix_cache import PrefixCache as PrefixKeysValues
-from backends.sampling import sample_tokens
-from backends.step_scheduler import StepScheduler
+from backends.sampling import Pick, greedy_alternatives, sample_tokens
+from backends.step_scheduler import StepScheduler, split_rows
 from backends.transformers_capabilities import (
     TransformersAdapters,
     TransformersPrefixCache,
@@ -67,6 +73,9 @@ T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PROMPT_CHUNK = 512  # positions whose full-vocabulary log_softmax is held at once
+# A row to compute, its adapter, and for a greedy stream's step the alternatives its Pick needs
+# (None: the whole row, to the host).
+StepItem = tuple[Sequence[int], str | None, int | None]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -154,7 +163,7 @@ class TransformersEngine(Engine):
         self.adapters = TransformersAdapters(self)
         self.weights = TransformersWeights(self)
         # Dense rows and generation steps of concurrent requests share forward passes.
-        self.steps: StepScheduler[tuple[Sequence[int], str | None]] = StepScheduler(self._pass)
+        self.steps: StepScheduler[StepItem, np.ndarray | Pick] = StepScheduler(self._pass)
         self.prefix_kv: PrefixKeysValues | None = None  # prefixes' keys/values, reused by dense rows
         if prefix_cache_bytes and supports_prefix_cache(model):
             self.prefix_kv = PrefixKeysValues(prefix_cache_bytes)
@@ -249,20 +258,32 @@ class TransformersEngine(Engine):
         if out is not None and self.host_memory is not None:
             # Outside the scheduler's shared passes: the copies are this call's alone.
             return await self._run(self._write_rows, distinct, outputs(out))
-        computed = await self.steps.submit(list(zip(distinct.rows, distinct.adapters, strict=True)))
+        computed = await self.steps.submit(
+            [(r, a, None) for r, a in zip(distinct.rows, distinct.adapters, strict=True)]
+        )
+        assert isinstance(computed, np.ndarray)
         if out is None:
             return distinct.spread(computed)
         return await asyncio.to_thread(write_out, distinct, computed, out)
 
-    async def _pass(self, items: list[tuple[Sequence[int], str | None]]) -> np.ndarray:
-        return await self._run(self._next_token_logprobs, [r for r, _ in items], [a for _, a in items])
+    async def _pass(self, groups: list[Sequence[StepItem]]) -> list[np.ndarray | Pick]:
+        return await self._run(self._step_results, groups)
 
-    def _next_token_logprobs(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]
-    ) -> np.ndarray:
-        host = rows_to_host(self.dense(rows, adapters, use_lane=self._peft is None))
+    def _step_results(self, groups: list[Sequence[StepItem]]) -> list[np.ndarray | Pick]:
+        """Each group's rows, or its greedy stream's Pick: only rows a caller reads cross to the host."""
+        items = [item for group in groups for item in group]
+        dense = self.dense([r for r, _, _ in items], [a for _, a, _ in items], use_lane=self._peft is None)
+        picked = [i for i, (_, _, k) in enumerate(items) if k is not None]
+        if not picked:
+            results: list[np.ndarray | Pick] = list(split_rows(rows_to_host(dense), groups))
+        else:
+            picks = iter(greedy_picks(dense[picked], [items[i][2] for i in picked]))  # type: ignore[misc]
+            wanted = [group for group in groups if group[0][2] is None]
+            kept = [i for i, (_, _, k) in enumerate(items) if k is None]
+            rows = iter(split_rows(rows_to_host(dense[kept]), wanted) if wanted else [])
+            results = [next(rows) if group[0][2] is None else next(picks) for group in groups]
         self._release_pinned_memory()
-        return host
+        return results
 
     def _write_rows(self, distinct: DistinctRows, arrays: tuple[np.ndarray, ...]) -> np.ndarray:
         dense = self.dense(distinct.rows, distinct.adapters, use_lane=self._peft is None)
@@ -311,13 +332,17 @@ class TransformersEngine(Engine):
         sequence = list(ids)
         state = _DecodeState()
 
-        async def next_logits(token: int | None) -> np.ndarray:
+        alternatives = greedy_alternatives(params)
+
+        async def next_logits(token: int | None) -> np.ndarray | Pick:
             # Through the scheduler, rows of log-probabilities: the sampler's choices are those
-            # of the logits (a constant shift of every logit changes none), its scores the rows.
+            # of the logits (a constant shift of every logit changes none), its scores the rows;
+            # a greedy stream's token is chosen on the device.
             if token is not None:
                 sequence.append(token)
             if self.prefix_kv is not None:
-                return (await self.steps.submit([(tuple(sequence), adapter)]))[0]
+                result = await self.steps.submit([(tuple(sequence), adapter, alternatives)])
+                return result if isinstance(result, Pick) else result[0]
             return await self._run(self._forward, state, sequence if token is None else [token], adapter)
 
         normalized = self.prefix_kv is not None

@@ -163,9 +163,9 @@ async def test_concurrent_streams_decode_together_each_as_if_alone(model_dir, lo
     sizes = []
     run_pass = engine.steps._run_pass
 
-    async def recording(steps):
-        sizes.append(sum(1 for stream, _ in steps if stream.cache))  # streams decoding in it
-        return await run_pass(steps)
+    async def recording(groups):
+        sizes.append(sum(1 for steps in groups for stream, _ in steps if stream.cache))  # decoding in it
+        return await run_pass(groups)
 
     monkeypatch.setattr(engine.steps, "_run_pass", recording)
     together = await asyncio.gather(

@@ -38,9 +38,9 @@ def passes(engine, monkeypatch):
     recorded: list[list[tuple[int, ...]]] = []
     run = engine.steps._run_pass
 
-    async def recording(items):
-        recorded.append([tuple(r) for r, _ in items])
-        return await run(items)
+    async def recording(groups):
+        recorded.append([tuple(r) for group in groups for r, _, _ in group])
+        return await run(groups)
 
     monkeypatch.setattr(engine.steps, "_run_pass", recording)
     return recorded
@@ -53,10 +53,10 @@ class FakePass:
         self.seconds = seconds
         self.sizes: list[int] = []
 
-    async def __call__(self, rows):
-        self.sizes.append(len(rows))
+    async def __call__(self, groups):
+        self.sizes.append(sum(map(len, groups)))
         await asyncio.sleep(self.seconds)
-        return np.array([[float(sum(r))] for r in rows], np.float32)
+        return [np.array([[float(sum(r))] for r in rows], np.float32) for rows in groups]
 
 
 async def test_callers_of_a_pass_that_come_back_one_by_one_share_the_next_one():
@@ -82,10 +82,10 @@ async def test_callers_of_a_pass_that_come_back_one_by_one_share_the_next_one():
 
 
 async def test_a_failing_submission_fails_alone():
-    async def run(rows):
-        if any(r[0] < 0 for r in rows):
+    async def run(groups):
+        if any(r[0] < 0 for rows in groups for r in rows):
             raise ValueError("a negative token")
-        return np.array([[float(r[0])] for r in rows], np.float32)
+        return [np.array([[float(r[0])] for r in rows], np.float32) for rows in groups]
 
     scheduler = StepScheduler(run)
     good, bad = await asyncio.gather(
