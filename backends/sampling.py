@@ -137,8 +137,8 @@ async def sample_tokens(
     `next_logits(None)` runs the prompt and returns its last logits row; `next_logits(token)`
     appends the sampled token and returns the next row (rows of log-probabilities if
     `normalized`), or the engine's Pick of it. Nothing runs ahead of the consumer, so a caller
-    that stops iterating (stop string, disconnect) wastes no forward pass. Under `params.grammar` (compiled by `grammars`)
-    each token's mask is computed while its row is.
+    that stops iterating (stop string, disconnect) wastes no forward pass. Under `params.grammar`
+    (compiled by `grammars`) each token's mask is computed while its row is.
     """
     if params.max_tokens <= 0:
         return
