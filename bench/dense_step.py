@@ -2,11 +2,15 @@
 
 P particles extend their rows by a random token per step and are resampled every 4 steps; no
 sampler runs in between, so the table is the engine's own time per call (rows in host memory
-included) as it ships, without compiling the decode lane, and without the lane, beside a plain
-transformers decode. `--profile`
-prints torch's profile of a few steps of the first way.
+included) as it ships, without compiling the decode lane, and without the lane, beside two
+references in the same process: `static`, transformers' own static-shape decode (StaticCache,
+the step compiled with CUDA graphs: the limit a fixed-shape step reaches) and `decode`, a plain
+transformers decode (DynamicCache). Each way's column `÷ static` is its median over the static
+reference's. `--ways` picks some; `--profile` prints torch's profile of a few steps of the engine
+as it ships.
 
     python bench/dense_step.py --random-model llama-1b --device cuda --dtype bfloat16 --particles 16 64 256
+    python bench/dense_step.py ... --ways "as shipped" static      # the engine beside its limit
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ from backends.builtin_models import resolve_model_dir  # noqa: E402
 from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
 from backends.types import EngineConfig  # noqa: E402
 from bench.smc import add_model_arguments, random_model_dir  # noqa: E402
-from bench.smc_ways import PlainDecode  # noqa: E402
+from bench.smc_ways import PlainDecode, StaticDecode  # noqa: E402
 
-WAYS = {  # engine options: the defaults (on CUDA: the decode lane, compiled), then without each
+ENGINE_WAYS = {  # engine options: the defaults (on CUDA: the decode lane, compiled), then without each
     "as shipped": {},
     "lane not compiled": {"decode_lane_compile": False},
     "no lane": {"decode_lane_rows": 0},
 }
+WAYS = ["static", *ENGINE_WAYS, "decode"]  # the static reference first: the others' ratios need it
 
 
 async def steps(call, prompt: list[int], particles: int, count: int, vocab: int, seed: int) -> list[float]:
@@ -65,29 +70,40 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
         name: TransformersEngine.load(
             EngineConfig(model=str(model_dir), dtype=args.dtype, device=args.device, options=options)
         )
-        for name, options in WAYS.items()
+        for name, options in ENGINE_WAYS.items()
+        if name in args.ways
     }
-    calls = {name: engine.next_token_logprobs for name, engine in engines.items()}
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    vocab = next(iter(engines.values())).vocab_size
-    print("| P | way | call ms median | p90 | min |\n| ---: | --- | ---: | ---: | ---: |")
+    vocab = model.get_output_embeddings().weight.shape[0]
+    max_len = args.prompt_tokens + args.steps + 8
+    print("| P | way | call ms median | p90 | min | ÷ static |\n| ---: | --- | ---: | ---: | ---: | ---: |")
     for p in args.particles:
-        for name in [*calls, "decode"]:
+        static = StaticDecode(model, p, max_len) if "static" in args.ways else None
+        medians = {}
+        for name in [w for w in WAYS if w in args.ways]:
             times = []
             for r in range(args.repeats + 1):
-                call = PlainDecode(model) if name == "decode" else calls[name]
+                if name == "static":
+                    assert static is not None
+                    static.restart()
+                    call = static
+                else:
+                    call = PlainDecode(model) if name == "decode" else engines[name].next_token_logprobs
                 prompt = [1 + (p * 7 + r * 13 + i) % 1000 for i in range(args.prompt_tokens)]
                 got = await steps(call, prompt, p, args.steps, vocab, seed=r)
-                if r:  # the first run warms up (shapes captured, blocks allocated)
+                if r:  # the first run warms up (shapes captured and compiled, blocks allocated)
                     times += got[1:]
             ms = sorted(t * 1e3 for t in times)
+            medians[name] = statistics.median(ms)
+            ratio = f"{medians[name] / medians['static']:.2f}" if "static" in medians else "–"
             print(
-                f"| {p} | {name} | {statistics.median(ms):.2f} | {ms[int(0.9 * len(ms))]:.2f} | {ms[0]:.2f} |"
+                f"| {p} | {name} | {medians[name]:.2f} | {ms[int(0.9 * len(ms))]:.2f} | {ms[0]:.2f} | {ratio} |",
+                flush=True,
             )
-    if args.profile:
+    if args.profile and "as shipped" in engines:
         from torch.profiler import ProfilerActivity, profile
 
-        name, engine = next(iter(engines.items()))
+        name, engine = "as shipped", engines["as shipped"]
         prompt = list(range(1, args.prompt_tokens + 1))
         await steps(engine.next_token_logprobs, prompt, args.particles[-1], 8, vocab, seed=99)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -109,6 +125,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=24)
+    parser.add_argument("--ways", nargs="+", default=WAYS, choices=WAYS)
     add_model_arguments(parser)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--sort", default="self_cuda_time_total", help="the profile table's order")

@@ -94,6 +94,51 @@ class PlainDecode:
         return rows_to_host(torch.log_softmax(logits.float(), dim=-1))  # as the engine copies them
 
 
+class StaticDecode:
+    """transformers' own static-shape decode: one `StaticCache` of `slots` rows, the one-token
+    step compiled by torch.compile with CUDA graphs ("reduce-overhead"), rows in page-locked host
+    memory as the engine copies them. The reference a dense step is held to: the same rows, but
+    no scheduling, no prefix lookups and a fixed batch (fewer rows fill the rest with a copy).
+    Rows must all extend the previous step's rows, all of one length."""
+
+    def __init__(self, model: object, slots: int, max_len: int) -> None:
+        from transformers import StaticCache
+
+        self.model = model
+        self.slots = slots
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)  # type: ignore[attr-defined]
+        self.step_forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)  # type: ignore[attr-defined]
+        self.previous: dict[tuple[int, ...], int] = {}
+
+    async def __call__(self, rows: list[list[int]]) -> np.ndarray:
+        with torch.inference_mode():
+            return self._step(rows)
+
+    def _step(self, rows: list[list[int]]) -> np.ndarray:
+        device = next(self.model.parameters()).device  # type: ignore[attr-defined]
+        pad = self.slots - len(rows)
+        if not self.previous:  # a new run: the prompt, prefilled eagerly into every slot
+            self.cache.reset()
+            ids = torch.tensor([rows[0]] * self.slots, device=device)
+            out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)  # type: ignore[operator]
+        else:
+            parents = [self.previous[tuple(r[:-1])] for r in rows] + [0] * pad
+            if parents != list(range(self.slots)):
+                index = torch.tensor(parents, device=device)
+                for layer in self.cache.layers:
+                    layer.keys.copy_(layer.keys[index])
+                    layer.values.copy_(layer.values[index])
+            ids = torch.tensor([[r[-1]] for r in rows] + [[0]] * pad, device=device)
+            out = self.step_forward(
+                input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1
+            )
+        self.previous = {tuple(r): i for i, r in enumerate(rows)}
+        return rows_to_host(torch.log_softmax(out.logits[: len(rows), -1].float(), dim=-1))
+
+    def restart(self) -> None:
+        self.previous = {}
+
+
 def start_bench_gateway(
     mode: str,
     model_dir: Path,
