@@ -100,10 +100,10 @@ GATEWAY_MODES = (
 MODES = ["engine", "sglang", "vllm", *GATEWAY_MODES, "genlm", "decode"]
 
 
-def cache_fill_steps(particles: int, vocab_size: int) -> int:
-    """Steps of `particles` distinct rows that fill a gateway's default output cache (256 MiB of
-    float32 rows), and two that evict."""
-    return -(-CacheSettings().memory_bytes // (particles * vocab_size * 4)) + 2
+def cache_fill_steps(particles: int, vocab_size: int, cache_bytes: int | None = None) -> int:
+    """Steps of `particles` distinct rows that fill a gateway's output cache of `cache_bytes`
+    (default: the default, 256 MiB of float32 rows), and two that evict."""
+    return -(-(cache_bytes or CacheSettings().memory_bytes) // (particles * vocab_size * 4)) + 2
 
 
 def random_model_dir(

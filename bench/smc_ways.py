@@ -146,22 +146,23 @@ def start_bench_gateway(
     tmp: Path,
     stack: contextlib.ExitStack | contextlib.AsyncExitStack,
     cache_bytes: int | None = None,
+    backend: str | None = None,
 ) -> GatewayProcess:
     """A gateway process serving `model_dir` as "smc" for `mode` (its output cache off for
-    gateway-nocache, else of `cache_bytes` when given), stopped with `stack`."""
+    gateway-nocache, else of `cache_bytes` when given) on `backend` (default: the mode's, else
+    transformers), stopped with `stack`."""
     toml = tmp / f"{mode}.toml"
     cache = (
         "enabled = false" if mode == "gateway-nocache" else cache_bytes and f"memory_bytes = {cache_bytes}"
     )
     options = ", ".join(f"{key} = {value}" for key, value in args.engine_option)
-    backend = ""
     engine = mode.removeprefix("gateway-")
     if engine in ENGINE_ARGS:
-        backend = f'backend = "{engine}"\n'
+        backend = engine
         options = ", ".join(f"{key} = {json.dumps(value)}" for key, value in ENGINE_ARGS[engine].items())
     toml.write_text(
         f'[[models]]\nname = "smc"\nmodel = "{model_dir}"\ndtype = "{args.dtype}"\ndevice = "{args.device}"\n'
-        + backend
+        + (f'backend = "{backend}"\n' if backend else "")
         + f"options = {{{options}}}\n"
         + (f"[cache]\n{cache}\n" if cache else "")
     )

@@ -2,6 +2,7 @@
 
     python bench/step_parts.py                                  # SmolLM2-135M, CPU, P=16
     python bench/step_parts.py --random-model llama-1b --device cuda --dtype bfloat16 --particles 16 64 256
+    python bench/step_parts.py --mock-vocab 16384 --particles 16 64 256  # the gateway's own part alone
 
 Runs bench/smc.py's loop with our engine in process and through one gateway on this machine, in
 turns: `gateway` is AsyncGatewayLM as it comes (shared memory, then the gateway's local socket),
@@ -12,6 +13,13 @@ server's parse, cache and batcher, encode (the copy into the client's memory), w
 the exchange (transport and the rest of the server), and the client's own work around it. Each
 part is the median over the steps that extend every row by a token: not the first (the prompt)
 nor those right after a resampling, which repeat rows and pay a gather of them.
+
+`--mock-vocab N` runs the mock engine (backends/mock.py) with a vocabulary of N instead of a model,
+offering host memory as a GPU engine does: rows written into the client's memory by the engine,
+the cache's own copy beside them. With a small N the rows cost little to compute or copy, so
+what is left is the gateway's own per-call and per-row work, on any machine. (The client asks
+answers under 1 MiB in the body, not in its memory: 16384 is the smallest N that keeps P = 16 on
+shared memory and the local socket.)
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import smc as bench  # noqa: E402
 import smc_ways  # noqa: E402
 
 from backends.builtin_models import resolve_model_dir  # noqa: E402
+from backends.mock import MockEngine  # noqa: E402
 from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
 from backends.types import EngineConfig  # noqa: E402
 from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
@@ -69,15 +78,26 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[int, dict[str, dict[s
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def prompt_ids(text: str) -> list[int]:  # within the mock's vocabulary too
+        return [i % (args.mock_vocab or len(tokenizer)) for i in tokenizer(text).input_ids]
+
     results: dict[int, dict[str, dict[str, float]]] = {}
     async with contextlib.AsyncExitStack() as stack:
-        engine = TransformersEngine.load(
-            EngineConfig(model=str(model_dir), dtype=args.dtype, device=args.device)
-        )
+        if args.mock_vocab:
+            # a cache that a few dozen steps fill, as 256 MiB of a real vocabulary's rows do
+            args.cache_bytes = args.cache_bytes or 48 * max(args.particles) * args.mock_vocab * 4
+            args.engine_option = [("vocab_size", args.mock_vocab), ("host_memory", "true")]
+            engine = MockEngine.load(EngineConfig(model=str(model_dir), options=dict(args.engine_option)))
+        else:
+            engine = TransformersEngine.load(
+                EngineConfig(model=str(model_dir), dtype=args.dtype, device=args.device)
+            )
         stack.push_async_callback(engine.aclose)
         engine.next_token_logprobs = inner_engine = Stopwatch(engine.next_token_logprobs)
         mode = "gateway-nocache" if args.no_cache else "gateway"
-        gateway = smc_ways.start_bench_gateway(mode, model_dir, args, tmp, stack, args.cache_bytes)
+        backend = "mock" if args.mock_vocab else None
+        gateway = smc_ways.start_bench_gateway(mode, model_dir, args, tmp, stack, args.cache_bytes, backend)
         ways = {
             "engine": (smc_ways.engine_rows(engine), lambda call: {"call": call, "engine": inner_engine.last})
         }
@@ -88,13 +108,14 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[int, dict[str, dict[s
             lm._post_dense = exchange = Stopwatch(lm._post_dense)  # type: ignore[method-assign]
             ways[way] = (smc_ways.batch_rows(lm), partial(gateway_parts, lm, exchange))
         for next_rows, _ in ways.values():  # connections, segments, kernels
-            await bench.smc(next_rows, tokenizer("warm up").input_ids, max(args.particles), 4, 2, 0)
+            await bench.smc(next_rows, prompt_ids("warm up"), max(args.particles), 4, 2, 0)
         for p in args.particles:
             parts: dict[str, dict[str, list[float]]] = {way: {} for way in ways}
             # The output cache filled with blocks of this step's size: a served gateway's steady state
             for next_rows, _ in ways.values():
-                warm = tokenizer(f"warm up {p}").input_ids
-                await bench.smc(next_rows, warm, p, bench.cache_fill_steps(p, engine.vocab_size), 4, 1)
+                warm = prompt_ids(f"warm up {p}")
+                fill = bench.cache_fill_steps(p, engine.vocab_size, args.cache_bytes)
+                await bench.smc(next_rows, warm, p, fill, 4, 1)
 
             def timed_step(way, next_rows, parts_of, parts=parts):
                 taken = 0
@@ -117,7 +138,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[int, dict[str, dict[s
             # The ways take turns, so a slow spell of the machine falls on all alike.
             for r in range(args.repeats):
                 for way, (next_rows, parts_of) in ways.items():
-                    prompt = tokenizer(f"{way} run {p}.{r}").input_ids
+                    prompt = prompt_ids(f"{way} run {p}.{r}")
                     await bench.smc(
                         timed_step(way, next_rows, parts_of), prompt, p, args.steps, RESAMPLE_EVERY, r
                     )
@@ -154,6 +175,7 @@ def main() -> None:
     bench.add_model_arguments(parser)
     parser.add_argument("--no-cache", action="store_true", help="the gateway's output cache off")
     parser.add_argument("--cache-bytes", type=int, help="the size of the gateway's in-process output cache")
+    parser.add_argument("--mock-vocab", type=int, help="the mock engine with this vocabulary, not a model")
     args = parser.parse_args()
     args.gateway_arg = []  # smc_ways.start_bench_gateway's extra `serve` flags: none
     args.engine_option = []  # nor engine options

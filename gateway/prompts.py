@@ -94,6 +94,10 @@ def token_inputs(
         )
     if len(items) > max_items:
         raise InvalidRequestError(f"at most {max_items} inputs per request in {param}", param=param)
+    if items is value and isinstance(items[0], list):  # token-id lists: every id checked in one pass
+        vocab = served.require_engine().vocab_size
+        if all(items) and max(map(max, items)) < vocab:
+            return [TokenInput(ids, None) for ids in items]
     check_text_chars(served, limits, max((len(i) for i in items if isinstance(i, str)), default=0), param)
     inputs = []
     for item in items:
