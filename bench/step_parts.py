@@ -79,8 +79,11 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[int, dict[str, dict[s
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
-    def prompt_ids(text: str) -> list[int]:  # within the mock's vocabulary too
-        return [i % (args.mock_vocab or len(tokenizer)) for i in tokenizer(text).input_ids]
+    def prompt_ids(text: str) -> list[int]:  # within the mock's vocabulary too, --prompt-tokens long
+        ids = tokenizer(text).input_ids
+        if args.prompt_tokens:
+            ids = (ids * -(-args.prompt_tokens // len(ids)))[-args.prompt_tokens :]  # the text last
+        return [i % (args.mock_vocab or len(tokenizer)) for i in ids]
 
     results: dict[int, dict[str, dict[str, float]]] = {}
     async with contextlib.AsyncExitStack() as stack:
@@ -176,6 +179,9 @@ def main() -> None:
     parser.add_argument("--no-cache", action="store_true", help="the gateway's output cache off")
     parser.add_argument("--cache-bytes", type=int, help="the size of the gateway's in-process output cache")
     parser.add_argument("--mock-vocab", type=int, help="the mock engine with this vocabulary, not a model")
+    parser.add_argument(
+        "--prompt-tokens", type=int, help="prompts of this many tokens (the text repeated), not a few"
+    )
     args = parser.parse_args()
     args.gateway_arg = []  # smc_ways.start_bench_gateway's extra `serve` flags: none
     args.engine_option = []  # nor engine options
