@@ -63,80 +63,88 @@ def particle_rows(lm: object) -> NextRows:
     return next_rows
 
 
-class PlainDecode:
-    """One DynamicCache for all particles: prefill the prompt once, then one token per row per
-    step; resampling reorders the cache rows. Rows must all extend the previous step's rows."""
+class _Decode:
+    """A decode in this process, the bench's reference: rows must all extend the previous step's
+    rows (a resampling repeats or drops some)."""
 
     def __init__(self, model: object) -> None:
         self.model = model
-        self.cache = None
-        self.previous: dict[tuple[int, ...], int] = {}
+        self.device = next(model.parameters()).device  # type: ignore[attr-defined]
+        self.previous: dict[tuple[int, ...], int] = {}  # the last step's rows, by position
 
     async def __call__(self, rows: list[list[int]]) -> np.ndarray:
         with torch.inference_mode():
-            return self._step(rows)
-
-    def _step(self, rows: list[list[int]]) -> np.ndarray:
-        device = next(self.model.parameters()).device  # type: ignore[attr-defined]
-        if self.cache is None:
-            out = self.model(torch.tensor([rows[0]], device=device), use_cache=True, logits_to_keep=1)  # type: ignore[operator]
-            out.past_key_values.batch_repeat_interleave(len(rows))
-            logits = out.logits[:, -1].expand(len(rows), -1)
-        else:
-            parents = [self.previous[tuple(r[:-1])] for r in rows]
-            if parents != list(range(len(self.previous))):
-                self.cache.batch_select_indices(torch.tensor(parents, device=device))
-            ids = torch.tensor([[r[-1]] for r in rows], device=device)
-            out = self.model(ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)  # type: ignore[operator]
-            logits = out.logits[:, -1]
-        self.cache = out.past_key_values
+            logits = self._step(rows)
         self.previous = {tuple(r): i for i, r in enumerate(rows)}
         return rows_to_host(torch.log_softmax(logits.float(), dim=-1))  # as the engine copies them
 
+    def parents(self, rows: list[list[int]]) -> list[int]:
+        return [self.previous[tuple(r[:-1])] for r in rows]
 
-class StaticDecode:
+    def restart(self) -> None:
+        """The next call is a new run's prompt."""
+        self.previous = {}
+
+    def _step(self, rows: list[list[int]]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PlainDecode(_Decode):
+    """One DynamicCache for all particles: prefill the prompt once, then one token per row per
+    step; resampling reorders the cache rows."""
+
+    def __init__(self, model: object) -> None:
+        super().__init__(model)
+        self.cache = None
+
+    def _step(self, rows: list[list[int]]) -> torch.Tensor:
+        if not self.previous:
+            out = self.model(torch.tensor([rows[0]], device=self.device), use_cache=True, logits_to_keep=1)  # type: ignore[operator]
+            out.past_key_values.batch_repeat_interleave(len(rows))
+            logits = out.logits[:, -1].expand(len(rows), -1)
+        else:
+            parents = self.parents(rows)
+            if parents != list(range(len(self.previous))):
+                self.cache.batch_select_indices(torch.tensor(parents, device=self.device))
+            ids = torch.tensor([[r[-1]] for r in rows], device=self.device)
+            out = self.model(ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)  # type: ignore[operator]
+            logits = out.logits[:, -1]
+        self.cache = out.past_key_values
+        return logits
+
+
+class StaticDecode(_Decode):
     """transformers' own static-shape decode: one `StaticCache` of `slots` rows, the one-token
-    step compiled by torch.compile with CUDA graphs ("reduce-overhead"), rows in page-locked host
-    memory as the engine copies them. The reference a dense step is held to: the same rows, but
-    no scheduling, no prefix lookups and a fixed batch (fewer rows fill the rest with a copy).
-    Rows must all extend the previous step's rows, all of one length."""
+    step compiled by torch.compile with CUDA graphs ("reduce-overhead"). The reference a dense
+    step is held to: the same rows, but no scheduling, no prefix lookups and a fixed batch (fewer
+    rows fill the rest with a copy). Rows are all of one length."""
 
     def __init__(self, model: object, slots: int, max_len: int) -> None:
         from transformers import StaticCache
 
-        self.model = model
+        super().__init__(model)
         self.slots = slots
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)  # type: ignore[attr-defined]
         self.step_forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)  # type: ignore[attr-defined]
-        self.previous: dict[tuple[int, ...], int] = {}
 
-    async def __call__(self, rows: list[list[int]]) -> np.ndarray:
-        with torch.inference_mode():
-            return self._step(rows)
-
-    def _step(self, rows: list[list[int]]) -> np.ndarray:
-        device = next(self.model.parameters()).device  # type: ignore[attr-defined]
+    def _step(self, rows: list[list[int]]) -> torch.Tensor:
         pad = self.slots - len(rows)
-        if not self.previous:  # a new run: the prompt, prefilled eagerly into every slot
+        if not self.previous:  # the prompt, prefilled eagerly into every slot
             self.cache.reset()
-            ids = torch.tensor([rows[0]] * self.slots, device=device)
+            ids = torch.tensor([rows[0]] * self.slots, device=self.device)
             out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)  # type: ignore[operator]
         else:
-            parents = [self.previous[tuple(r[:-1])] for r in rows] + [0] * pad
+            parents = self.parents(rows) + [0] * pad
             if parents != list(range(self.slots)):
-                index = torch.tensor(parents, device=device)
+                index = torch.tensor(parents, device=self.device)
                 for layer in self.cache.layers:
                     layer.keys.copy_(layer.keys[index])
                     layer.values.copy_(layer.values[index])
-            ids = torch.tensor([[r[-1]] for r in rows] + [[0]] * pad, device=device)
+            ids = torch.tensor([[r[-1]] for r in rows] + [[0]] * pad, device=self.device)
             out = self.step_forward(
                 input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1
             )
-        self.previous = {tuple(r): i for i, r in enumerate(rows)}
-        return rows_to_host(torch.log_softmax(out.logits[: len(rows), -1].float(), dim=-1))
-
-    def restart(self) -> None:
-        self.previous = {}
+        return out.logits[: len(rows), -1]
 
 
 def start_bench_gateway(
