@@ -31,13 +31,10 @@ from typing import Protocol
 import numpy as np
 
 from backends.engine import Out
-from logprob_gateway_client.row_key import RowKey
 
 log = logging.getLogger(__name__)
 
-# A row's adapter and token ids as a key that hashes once: a step's rows pass through a set and a
-# dict here, and a tuple hashes all of its ids at every turn.
-Row = RowKey
+Row = tuple[str | None, tuple[int, ...]]  # (adapter, token ids)
 
 
 class EngineCall(Protocol):
@@ -109,7 +106,7 @@ class RowBatcher:
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run(), name="row-batcher")
         request = _Request(
-            [RowKey(adapter, tuple(r)) for r in rows], asyncio.get_running_loop().create_future(), out, times
+            [(adapter, tuple(r)) for r in rows], asyncio.get_running_loop().create_future(), out, times
         )
         self.stats.requests += 1
         self.stats.rows += len(rows)
@@ -179,18 +176,14 @@ class RowBatcher:
                     # (the engine computes each distinct row once).
                     rows = batch[0].rows
                     began = time.perf_counter()
-                    written = await self._engine_call(
-                        [row.ids for row in rows], [row.scope for row in rows], out=out
-                    )
+                    written = await self._engine_call([ids for _, ids in rows], [a for a, _ in rows], out=out)
                     _timed(batch, began)
                     self.stats.engine_rows += len(unique)
                     if not batch[0].future.done():
                         batch[0].future.set_result(written)
                     return
                 began = time.perf_counter()
-                parts.append(
-                    await self._engine_call([row.ids for row in chunk], [row.scope for row in chunk])
-                )
+                parts.append(await self._engine_call([ids for _, ids in chunk], [a for a, _ in chunk]))
                 _timed(batch, began)
             self.stats.engine_rows += len(unique)
             results = parts[0] if len(parts) == 1 else np.concatenate(parts)
