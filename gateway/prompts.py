@@ -57,17 +57,24 @@ def tokenize(
 
 
 def check_token_ids(served: ServedModel, ids: list[int], param: str) -> list[int]:
-    """`ids` as they are, once each is known to the model: they come decoded as the schemas'
-    TokenId, never negative, so only the largest is compared (one pass in C, not one in Python)."""
+    """`ids` as they are, once each is known to the model (check_token_rows)."""
+    return check_token_rows(served, [ids], param)[0]
+
+
+def check_token_rows(served: ServedModel, rows: list[list[int]], param: str) -> list[list[int]]:
+    """`rows` as they are, once every id is known to the model: they come decoded as the schemas'
+    TokenId, never negative, so only the largest is compared (one pass in C over every row, not
+    one in Python); the first row at fault is named."""
     vocab = served.require_engine().vocab_size
-    if not ids:
-        raise InvalidRequestError(f"{param} must not contain an empty token list", param=param)
-    if max(ids) >= vocab:
-        bad = next(i for i in ids if i >= vocab)
+    if not all(rows) or max(map(max, rows)) >= vocab:
+        fault = next(ids for ids in rows if not ids or max(ids) >= vocab)
+        if not fault:
+            raise InvalidRequestError(f"{param} must not contain an empty token list", param=param)
+        bad = next(i for i in fault if i >= vocab)
         raise InvalidRequestError(
             f"token id {bad} in {param} is outside the vocabulary [0, {vocab})", param=param
         )
-    return ids
+    return rows
 
 
 def token_inputs(
@@ -94,19 +101,14 @@ def token_inputs(
         )
     if len(items) > max_items:
         raise InvalidRequestError(f"at most {max_items} inputs per request in {param}", param=param)
-    if items is value and isinstance(items[0], list):  # token-id lists: every id checked in one pass
-        vocab = served.require_engine().vocab_size
-        if all(items) and max(map(max, items)) < vocab:
-            return [TokenInput(ids, None) for ids in items]
-    check_text_chars(served, limits, max((len(i) for i in items if isinstance(i, str)), default=0), param)
+    if not isinstance(items[0], str):  # token-id lists (all of them, as checked above)
+        return [TokenInput(ids, None) for ids in check_token_rows(served, items, param)]
+    check_text_chars(served, limits, max(map(len, items)), param)
     inputs = []
     for item in items:
-        if isinstance(item, str):
-            if not item:
-                raise InvalidRequestError(f"{param} must not contain an empty string", param=param)
-            inputs.append(
-                TokenInput(tokenize(served, item, add_special_tokens=add_special_tokens, param=param), item)
-            )
-        else:
-            inputs.append(TokenInput(check_token_ids(served, item, param), None))
+        if not item:
+            raise InvalidRequestError(f"{param} must not contain an empty string", param=param)
+        inputs.append(
+            TokenInput(tokenize(served, item, add_special_tokens=add_special_tokens, param=param), item)
+        )
     return inputs

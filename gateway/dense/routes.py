@@ -45,7 +45,8 @@ def _dense(request: Request) -> DenseService:
     "bytes: the matrix is written there and the answer says where (`next_token_logprobs.shared_memory`); "
     "a segment the gateway cannot open, or whose key differs, is ignored and the matrix comes in the "
     "body. An answer written into shared memory names, in its `Logprob-Gateway-Socket` header, a Unix "
-    "socket of the gateway's host where later calls may go without HTTP (docs/api.md). Request bodies may be MessagePack too (`Content-Type: application/msgpack`). Concurrent "
+    "socket of the gateway's host where later calls may go without HTTP (docs/api.md). Request bodies "
+    "may be MessagePack too (`Content-Type: application/msgpack`). Concurrent "
     "requests share engine batches; rows may come from the output cache (`usage.cache_hits`), "
     "bit-identical to computing them.",
     tags=["Dense logprobs"],
@@ -109,7 +110,7 @@ async def dense_inputs(
         max_items=limits.max_rows,
         param="input",
     )
-    # Token-id rows are checked in one C pass each; only text is worth a thread.
+    # Token-id rows are checked in one C pass; only text is worth a thread.
     inputs = await asyncio.to_thread(prepare) if has_text(body.input) else prepare()
     return [i.ids for i in inputs]
 
