@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 import httpx
 import msgspec
@@ -67,7 +68,12 @@ def test_sigterm_ends_streams_with_an_error_event_and_done(model_dir, tmp_path):
         for _, first in threads:
             assert first.wait(120), "a stream sent nothing"
         gateway.process.send_signal(signal.SIGTERM)
-        health = httpx.get(gateway.base_url + "/health", timeout=10)
+        # uvicorn acts on the signal at its next tick (every 0.1 s): until then /health is 200
+        deadline = time.monotonic() + 5
+        while (health := httpx.get(gateway.base_url + "/health", timeout=10)).status_code == 200:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
         refused = httpx.post(gateway.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi"})
         while_draining = [s["body"].count(b"data: ") for s in results]
         for thread, _ in threads:
