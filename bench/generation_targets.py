@@ -5,6 +5,9 @@
                           the gateway) or `server` (a `sglang.launch_server` child the gateway manages)
   gateway-vllm-logprobs   the vLLM engine with `dense_rows = "logprobs"`: no logits processor, so on
                           a GPU vLLM runs its default model runner
+  gateway-replicas        one transformers gateway per GPU (two on a machine without), sharing one
+                          Redis output cache, streams spread over them in turn as a Kubernetes
+                          Service spreads connections: data parallelism as the Helm chart deploys it
   sglang-server           `python -m sglang.launch_server` started here, at its /v1/completions
   vllm-server             `vllm serve` started here, the same way
   vllm-server-v1          the same on vLLM's older model runner (VLLM_USE_V2_MODEL_RUNNER=0), the
@@ -26,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import re
 import sys
 import time
@@ -39,7 +43,7 @@ import torch
 
 from backends.sglang_transport import ManagedServer, SglangError, free_port
 from bench.sglang_check import engine_options, launch_args, toml_value
-from tests.launcher import start_gateway
+from tests.launcher import GatewayProcess, RedisServer, start_gateway
 
 SERVED_NAME = "bench"
 STARTUP_TIMEOUT_S = 900.0  # SGLang compiles kernels and captures CUDA graphs while starting
@@ -50,6 +54,7 @@ GATEWAY_TARGETS = [
     "gateway-mlx",
     "gateway-sglang-engine",
     "gateway-sglang-server",
+    "gateway-replicas",
 ]
 SERVER_TARGETS = ["sglang-server", "vllm-server", "vllm-server-v1"]
 TARGETS = [*GATEWAY_TARGETS, *SERVER_TARGETS, "transformers-generate"]
@@ -153,9 +158,32 @@ class OpenAICompletions:
         )
 
 
-def gateway_toml(name: str, setup: Setup) -> Path:
-    """A one-model config for gateway target `name`: the backend and, for SGLang, its mode and args."""
+class Spread:
+    """Replicas behind one address: a round's stream i goes to replica i mod N."""
+
+    takes_grammars = True
+
+    def __init__(self, replicas: Sequence[OpenAICompletions]) -> None:
+        self.replicas = replicas
+
+    async def round(
+        self, prompts: Sequence[str], max_tokens: int, grammars: Sequence[OutputGrammar | None] = ()
+    ) -> list[Completion]:
+        chosen = [*grammars, *[None] * (len(prompts) - len(grammars))]
+        n = len(self.replicas)
+        return list(
+            await asyncio.gather(
+                *(self.replicas[i % n].one(p, max_tokens, g) for i, (p, g) in enumerate(zip(prompts, chosen)))
+            )
+        )
+
+
+def gateway_toml(name: str, setup: Setup, redis_url: str | None = None) -> Path:
+    """A one-model config for gateway target `name`: the backend and, for SGLang, its mode and args;
+    the output cache in Redis at `redis_url` when given."""
     backend, _, mode = name.removeprefix("gateway-").partition("-")
+    if backend == "replicas":
+        backend, mode = "transformers", ""
     fields = {"name": SERVED_NAME, "model": str(setup.model_dir), "backend": backend, "dtype": setup.dtype}
     if backend != "sglang":  # SGLang picks its GPU itself
         fields["device"] = setup.device
@@ -171,9 +199,43 @@ def gateway_toml(name: str, setup: Setup) -> Path:
             }
     lines = [f"{key} = {toml_value(value)}" for key, value in fields.items()]
     lines.append("options = {" + ", ".join(f"{k} = {toml_value(v)}" for k, v in options.items()) + "}")
+    cache = f"[cache]\nredis_url = {toml_value(redis_url)}\n" if redis_url else ""
     path = setup.logs / f"{name}.toml"
-    path.write_text("[[models]]\n" + "\n".join(lines) + "\n")
+    path.write_text(cache + "[[models]]\n" + "\n".join(lines) + "\n")
     return path
+
+
+async def start_replicas(name: str, setup: Setup, stack: contextlib.AsyncExitStack) -> Spread:
+    """One gateway per GPU (each sees only its own), or two on the CPU, and their Redis."""
+    redis = RedisServer(setup.logs)
+    redis.start()
+    stack.callback(redis.stop)
+    config = gateway_toml(name, setup, redis.url)
+    gpus = torch.cuda.device_count() if setup.device.startswith("cuda") else 0
+
+    def start(i: int) -> GatewayProcess:
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(i)} if gpus else None
+        log_path = setup.logs / f"{name}-{i}.log"
+        try:
+            return start_gateway(["--config", str(config)], log_path, timeout=STARTUP_TIMEOUT_S, env=env)
+        except RuntimeError:
+            raise TargetUnavailable(
+                f"replica {i} did not start:\n    {start_failure(log_path, setup.logs_kept)}"
+            ) from None
+
+    started = await asyncio.gather(
+        *(asyncio.to_thread(start, i) for i in range(gpus or 2)), return_exceptions=True
+    )
+    for process in started:
+        if isinstance(process, GatewayProcess):
+            stack.callback(process.stop)
+    for process in started:
+        if isinstance(process, BaseException):
+            raise process
+    replicas = [OpenAICompletions(process.base_url, "gateway") for process in started]
+    for replica in replicas:
+        stack.push_async_callback(replica.client.close)
+    return Spread(replicas)
 
 
 def server_command(name: str, setup: Setup) -> tuple[list[str], dict[str, str]]:
@@ -252,6 +314,8 @@ async def start_target(name: str, setup: Setup, stack: contextlib.AsyncExitStack
         target = TransformersGenerate(setup)
         stack.callback(target.release)
         return target
+    if name == "gateway-replicas":
+        return await start_replicas(name, setup, stack)
     if name in GATEWAY_TARGETS:
         log_path = setup.logs / f"{name}.log"
         try:

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,16 +46,18 @@ def start_mock_gateway(workdir: Path, settings: str, slow_delay_s: float) -> Gat
     return start_gateway(["--config", str(config)], workdir / "gateway.log")
 
 
-def start_gateway(args: list[str], log_path: Path, timeout: float = 600.0) -> GatewayProcess:
+def start_gateway(
+    args: list[str], log_path: Path, timeout: float = 600.0, env: Mapping[str, str] | None = None
+) -> GatewayProcess:
     """Serve on a free loopback port and wait until /health answers 200, or fail with the log tail
-    (a gateway whose model fails to load exits)."""
+    (a gateway whose model fails to load exits). `env`: its environment (default: this process's)."""
     port = free_port()
     with log_path.open("w") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
             stdout=log_file,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "TQDM_DISABLE": "1"},
+            env={**(os.environ if env is None else env), "TQDM_DISABLE": "1"},
         )
     gateway = GatewayProcess(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + timeout

@@ -124,7 +124,8 @@ def load(models: Iterable[ServedModel]) -> Load:
 
 
 async def until_stopped(models: list[ServedModel], timeout_s: float) -> None:
-    """Wait (at most `timeout_s`) until no request reads weights: after a pause in abort mode,
-    generated choices end at their next step, and dense requests finish."""
+    """Wait (at most `timeout_s`) until no request runs on the weights: after a pause, generated
+    choices end (abort) or are held (retract, in_place) at their next step, and dense requests
+    finish."""
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(asyncio.gather(*(served.weights.until_idle() for served in models)), timeout_s)

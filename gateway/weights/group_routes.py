@@ -163,8 +163,10 @@ async def destroy_weights_update_group(request: Request) -> Response:
     status_code=200,
     summary="Pause generation (SGLang's)",
     description=ACCESS + "Every model: `abort` ends the generations in flight at their next step (finish "
-    "reason `abort`) and answers once they have ended; `retract` and `in_place` hold them there until "
-    "`/continue_generation`, and an update may go ahead meanwhile. New requests wait until then.",
+    "reason `abort`); `retract` and `in_place` hold them there until `/continue_generation`, and an "
+    "update may go ahead meanwhile. Answers once nothing runs (generations ended or held, dense calls "
+    "done), at most `weight_sync_timeout_s`, so a trainer's first `/get_load` finds nothing running. "
+    "New requests wait until `/continue_generation`.",
     tags=TAGS,
     opt={
         OPENAPI: Operation(
@@ -177,13 +179,14 @@ async def destroy_weights_update_group(request: Request) -> Response:
 )
 async def pause_generation(request: Request) -> Response:
     """abort: requests in flight end at their next step; retract, in_place: they are held there
-    until /continue_generation. New requests wait either way."""
+    until /continue_generation. New requests wait either way. Answered once nothing runs: SGLang
+    answers a retract before its running step drains, and TorchRL then sleeps a poll interval
+    before its next /get_load."""
     require_weight_sync_access(request)
     body = await decode_json(request, PauseGenerationRequest)
     models = list(registry(request).models.values())
     weight_sync.pause(models, body.mode)
-    if body.mode == "abort":  # as SGLang, once what was in flight has ended
-        await weight_sync.until_stopped(models, settings(request).weight_sync_timeout_s)
+    await weight_sync.until_stopped(models, settings(request).weight_sync_timeout_s)
     return json_response(GenerationStatus(message="Generation paused successfully."))
 
 
