@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -51,6 +52,10 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _MIN_SCRATCH_BYTES = 1 << 20
+# What TorchRL's trainer sets in its own process before it forms the group. NCCL picks each
+# rank's transport from that rank's environment, so a receiver that may use P2P or shared memory
+# while the trainer may not fails the group's first broadcast ("ring 0 does not contain rank 1").
+TRAINER_NCCL_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 _POLL_S = 0.2  # between tries to reach a trainer's store
 
 
@@ -70,6 +75,17 @@ def _until_accepting(host: str, port: int, deadline: float) -> None:
             time.sleep(_POLL_S)
 
 
+def match_trainer_nccl_env() -> dict[str, str]:
+    """Set each of TRAINER_NCCL_ENV that this process's environment leaves unset (an operator's
+    value, 0 included, is kept), before NCCL first reads them; answers what it set."""
+    added = {key: value for key, value in TRAINER_NCCL_ENV.items() if key not in os.environ}
+    os.environ.update(added)
+    if added:
+        settings = ", ".join(f"{key}={value}" for key, value in added.items())
+        log.info("weight sync over NCCL: %s, as TorchRL's trainer sets them", settings)
+    return added
+
+
 def join_group(group: WeightsGroup, backend: str, device: torch.device) -> Any:
     """A process group of `group.world_size` ranks with this process as `group.rank`, formed as
     SGLang's `init_custom_process_group` forms it (and TorchRL's trainer, its mirror): a TCP
@@ -86,6 +102,8 @@ def join_group(group: WeightsGroup, backend: str, device: torch.device) -> Any:
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if backend == "nccl":
+        match_trainer_nccl_env()
     deadline = time.monotonic() + group.timeout_s
     host = f"[{group.master_address}]" if ":" in group.master_address else group.master_address
     url = f"tcp://{host}:{group.master_port}"

@@ -159,23 +159,26 @@ class OpenAICompletions:
 
 
 class Spread:
-    """Replicas behind one address: a round's stream i goes to replica i mod N."""
+    """Replicas behind one address: requests go to them in turn, across rounds too (a round of one
+    request, as the requests sent alone, goes to each replica in turn), as a Kubernetes Service
+    spreads connections."""
 
     takes_grammars = True
 
     def __init__(self, replicas: Sequence[OpenAICompletions]) -> None:
         self.replicas = replicas
+        self.sent = 0
+
+    def _next(self) -> OpenAICompletions:
+        self.sent += 1
+        return self.replicas[self.sent % len(self.replicas)]
 
     async def round(
         self, prompts: Sequence[str], max_tokens: int, grammars: Sequence[OutputGrammar | None] = ()
     ) -> list[Completion]:
         chosen = [*grammars, *[None] * (len(prompts) - len(grammars))]
-        n = len(self.replicas)
-        return list(
-            await asyncio.gather(
-                *(self.replicas[i % n].one(p, max_tokens, g) for i, (p, g) in enumerate(zip(prompts, chosen)))
-            )
-        )
+        calls = [self._next().one(p, max_tokens, g) for p, g in zip(prompts, chosen, strict=True)]
+        return list(await asyncio.gather(*calls))
 
 
 def gateway_toml(name: str, setup: Setup, redis_url: str | None = None) -> Path:

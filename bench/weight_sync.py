@@ -7,15 +7,16 @@ trainer's forward pass, and a generation held across a sync and resumed.
 Needs two GPUs. The trainer is this process on --trainer-gpu, with TorchRL's
 `SGLangWeightSyncScheme` as its docs use it (strategy `state_dict`: the `tensordict` strategy
 nests a Hugging Face model's names, which `send_weights` then cannot find). The gateway serves
-the same weights on --gateway-gpu (its CUDA_VISIBLE_DEVICES). TorchRL sets NCCL_P2P_DISABLE=1 and
-NCCL_SHM_DISABLE=1 in the trainer; the gateway gets the same unless --gateway-env says otherwise
-(NCCL picks a transport per rank from its own environment).
+the same weights on --gateway-gpu (its CUDA_VISIBLE_DEVICES), in this process's environment
+otherwise, changed by --gateway-env. TorchRL sets NCCL_P2P_DISABLE=1 and NCCL_SHM_DISABLE=1 in the
+trainer; the gateway sets the same in itself where its environment leaves them unset (NCCL picks a
+transport per rank from that rank's environment).
 
 Each sync adds noise to every weight, then `sender.update_weights()`: pause, poll /get_load,
 announce and broadcast every tensor, continue; each phase is timed. Before each sync a greedy
 stream is started and the sync waits for its first tokens: its tokens are counted before the
 pause, between the pause and the continue (held: none expected) and after. The reference: a
-plain process on the gateway's GPU, in the gateway's environment, that forms the same kind of
+plain process on the gateway's GPU, with the gateway's NCCL settings, that forms the same kind of
 group (TorchRL's `_init_custom_process_group`) and receives the same tensors in the same order
 into buffers allocated once, --syncs times.
 """
@@ -43,12 +44,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.builtin_models import resolve_model_dir  # noqa: E402
-from backends.weights_collective import DTYPES  # noqa: E402
+from backends.weights_collective import DTYPES, TRAINER_NCCL_ENV  # noqa: E402
 from bench.smc import add_model_arguments, random_model_dir  # noqa: E402
 from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
 from tests.launcher import free_port, start_gateway  # noqa: E402
-
-TORCHRL_NCCL_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}  # what init_all_workers_group sets
 
 
 def receive(args: argparse.Namespace) -> None:
@@ -88,8 +87,21 @@ def broadcast_alone(
     )
     port, name = free_port(), f"reference_{uuid.uuid4().hex[:8]}"
     receiver = subprocess.Popen(
-        [sys.executable, __file__, "--device", device, "receive", "--port", str(port), "--group", name,
-         "--announced", str(announced), "--syncs", str(syncs)],
+        [
+            sys.executable,
+            __file__,
+            "--device",
+            device,
+            "receive",
+            "--port",
+            str(port),
+            "--group",
+            name,
+            "--announced",
+            str(announced),
+            "--syncs",
+            str(syncs),
+        ],
         env=env,
     )
     try:
@@ -163,7 +175,10 @@ def trainer_rows(policy: torch.nn.Module, rows: list[list[int]]) -> torch.Tensor
     device = next(policy.parameters()).device
     with torch.no_grad():
         return torch.stack(
-            [policy(torch.tensor([r], device=device)).logits[0, -1].float().log_softmax(-1).cpu() for r in rows]
+            [
+                policy(torch.tensor([r], device=device)).logits[0, -1].float().log_softmax(-1).cpu()
+                for r in rows
+            ]
         )
 
 
@@ -178,7 +193,7 @@ def run(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    gateway_env = {**os.environ, **TORCHRL_NCCL_ENV, "CUDA_VISIBLE_DEVICES": str(args.gateway_gpu)}
+    gateway_env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(args.gateway_gpu)}
     gateway_env.update(kv.split("=", 1) for kv in args.gateway_env)
     gateway_env = {k: v for k, v in gateway_env.items() if v != ""}  # KEY= unsets
     dtype = getattr(torch, args.dtype)
@@ -204,16 +219,22 @@ def run(args: argparse.Namespace) -> None:
         lm = stack.enter_context(AsyncGatewayLM(gateway.base_url, "policy"))
 
         scheme = SGLangWeightSyncScheme(
-            server_url=gateway.base_url, master_address="127.0.0.1", num_gpus=1, strategy="state_dict",
+            server_url=gateway.base_url,
+            master_address="127.0.0.1",
+            num_gpus=1,
+            strategy="state_dict",
             device=args.trainer_gpu,
         )
         sender = scheme.create_sender()
         sender.register_model(policy)
         started = time.perf_counter()
         sender.init_all_workers_group(get_model_metadata(policy))
-        print(f"group formed in {time.perf_counter() - started:.2f} s (trainer GPU {args.trainer_gpu}, "
-              f"gateway GPU {args.gateway_gpu}); gateway NCCL env: "
-              + ", ".join(f"{k}={gateway_env.get(k, '-')}" for k in TORCHRL_NCCL_ENV), flush=True)
+        print(
+            f"group formed in {time.perf_counter() - started:.2f} s (trainer GPU {args.trainer_gpu}, "
+            f"gateway GPU {args.gateway_gpu}); gateway NCCL env: "
+            + ", ".join(f"{k}={gateway_env.get(k, '-')}" for k in TRAINER_NCCL_ENV),
+            flush=True,
+        )
         phases = Phases(sender._transport)
 
         lines = []
@@ -251,18 +272,24 @@ def run(args: argparse.Namespace) -> None:
                     versions=f"{first.get('weight_version')} → {last.get('weight_version')}",
                 )
             )
-            print(json.dumps({k: v for k, v in lines[-1].items() if k not in ("paused_at", "continued_at")}), flush=True)
+            print(
+                json.dumps({k: v for k, v in lines[-1].items() if k not in ("paused_at", "continued_at")}),
+                flush=True,
+            )
         sender.shutdown()
 
         weights = dict(policy.state_dict())
-        alone = broadcast_alone(weights, gateway_env, args.syncs, tmp, device.type)
+        # the receiver's NCCL settings as the gateway's own: its environment's, else the trainer's
+        alone = broadcast_alone(weights, {**TRAINER_NCCL_ENV, **gateway_env}, args.syncs, tmp, device.type)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     print(f"\n{len(weights)} tensors, {nbytes / 2**30:.2f} GiB ({args.dtype}); noise {args.noise} per sync\n")
-    print("| sync | pause ms | announce + broadcast + load ms | continue ms | sync ms | broadcast alone ms "
-          "| sync ÷ broadcast | max \\|gateway − trainer\\| nat | max \\|gateway − before\\| nat "
-          "| stream chunks before / held / after | finish (tokens) | weight version first → last chunk |")
+    print(
+        "| sync | pause ms | announce + broadcast + load ms | continue ms | sync ms | broadcast alone ms "
+        "| sync ÷ broadcast | max \\|gateway − trainer\\| nat | max \\|gateway − before\\| nat "
+        "| stream chunks before / held / after | finish (tokens) | weight version first → last chunk |"
+    )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: | --- | --- |")
-    for line, reference in zip(lines, alone):
+    for line, reference in zip(lines, alone, strict=True):
         print(
             f"| {line['sync']} | {line['pause'] * 1e3:.1f} | {line['update'] * 1e3:.1f} | "
             f"{line['continue'] * 1e3:.1f} | {line['total'] * 1e3:.1f} | {reference * 1e3:.1f} | "
@@ -272,12 +299,16 @@ def run(args: argparse.Namespace) -> None:
     later = lines[1:] or lines
     sync_ms = statistics.median(x["total"] for x in later) * 1e3
     alone_ms = statistics.median(alone[1:] or alone) * 1e3
-    print(f"\nmedian of syncs 2..{len(lines)}: {sync_ms:.1f} ms per sync, {alone_ms:.1f} ms broadcast alone: "
-          f"the gateway adds {100 * (sync_ms / alone_ms - 1):.0f}%")
+    print(
+        f"\nmedian of syncs 2..{len(lines)}: {sync_ms:.1f} ms per sync, {alone_ms:.1f} ms broadcast alone: "
+        f"the gateway adds {100 * (sync_ms / alone_ms - 1):.0f}%"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command")
     receiver = sub.add_parser("receive", help="the reference receiver (started by the bench)")
     for name in ("--port", "--syncs"):
@@ -294,7 +325,10 @@ def main() -> None:
     parser.add_argument("--gateway-gpu", type=int, default=1)
     parser.add_argument("--timeout-s", type=int, default=120, help="the gateway's weight_sync_timeout_s")
     parser.add_argument(
-        "--gateway-env", action="append", default=[], help="KEY=VALUE for the gateway's environment (KEY= unsets)"
+        "--gateway-env",
+        action="append",
+        default=[],
+        help="KEY=VALUE for the gateway's environment (KEY= unsets)",
     )
     args = parser.parse_args()
     if args.command == "receive":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -19,7 +20,13 @@ from backends.engine import Collective, Engine
 from backends.errors import WeightsError
 from backends.registry import engine_class
 from backends.types import AnnouncedTensor, WeightsGroup
-from backends.weights_collective import DTYPES, CollectiveGroups, mismatch
+from backends.weights_collective import (
+    DTYPES,
+    TRAINER_NCCL_ENV,
+    CollectiveGroups,
+    match_trainer_nccl_env,
+    mismatch,
+)
 from gateway.errors import NotSupportedError
 from gateway.registry import ServedModel
 from gateway.schemas.weight_sync import TensorDtype
@@ -58,6 +65,18 @@ def test_engines_without_collectives_keep_the_base_classs_answer(backend, librar
 
 def test_the_dtypes_announced_are_the_ones_the_api_takes():
     assert set(DTYPES) == set(typing.get_args(TensorDtype))
+
+
+def test_nccl_settings_match_torchrls_trainer_unless_the_operator_set_them(monkeypatch):
+    """TorchRL disables NCCL's P2P and shared-memory transports in its trainer; a receiver that
+    kept them fails the first broadcast, so a join over NCCL sets the same where unset."""
+    assert TRAINER_NCCL_ENV == {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "")  # restored (to unset, where it was) at the end
+    monkeypatch.delenv("NCCL_P2P_DISABLE")
+    monkeypatch.setenv("NCCL_SHM_DISABLE", "0")  # an operator's choice
+    assert match_trainer_nccl_env() == {"NCCL_P2P_DISABLE": "1"}
+    assert os.environ["NCCL_P2P_DISABLE"] == "1" and os.environ["NCCL_SHM_DISABLE"] == "0"
+    assert match_trainer_nccl_env() == {}
 
 
 def test_an_announcement_that_does_not_fit_says_why():
