@@ -165,8 +165,9 @@ async def destroy_weights_update_group(request: Request) -> Response:
     description=ACCESS + "Every model: `abort` ends the generations in flight at their next step (finish "
     "reason `abort`); `retract` and `in_place` hold them there until `/continue_generation`, and an "
     "update may go ahead meanwhile. Answers once nothing runs (generations ended or held, dense calls "
-    "done), at most `weight_sync_timeout_s`, so a trainer's first `/get_load` finds nothing running. "
-    "New requests wait until `/continue_generation`.",
+    "done), at most `weight_sync_timeout_s`, so a trainer's first `/get_load` finds nothing running; "
+    "in `retract` and `in_place` mode at once where an engine's streams are not held (vLLM, SGLang: "
+    "they run to their end). New requests wait until `/continue_generation`.",
     tags=TAGS,
     opt={
         OPENAPI: Operation(
@@ -179,14 +180,17 @@ async def destroy_weights_update_group(request: Request) -> Response:
 )
 async def pause_generation(request: Request) -> Response:
     """abort: requests in flight end at their next step; retract, in_place: they are held there
-    until /continue_generation. New requests wait either way. Answered once nothing runs: SGLang
-    answers a retract before its running step drains, and TorchRL then sleeps a poll interval
-    before its next /get_load."""
+    until /continue_generation. New requests wait either way. Answered once nothing runs where
+    streams are held: SGLang answers a retract before its running step drains, and TorchRL then
+    sleeps a poll interval before its next /get_load."""
     require_weight_sync_access(request)
     body = await decode_json(request, PauseGenerationRequest)
     models = list(registry(request).models.values())
     weight_sync.pause(models, body.mode)
-    await weight_sync.until_stopped(models, settings(request).weight_sync_timeout_s)
+    # Held streams stop at their next step; an engine that generates ahead (vLLM, SGLang) holds
+    # none, and waiting for its streams to end is the trainer's to do, by /get_load.
+    if body.mode == "abort" or all(served.weights.hold_at_steps for served in models):
+        await weight_sync.until_stopped(models, settings(request).weight_sync_timeout_s)
     return json_response(GenerationStatus(message="Generation paused successfully."))
 
 

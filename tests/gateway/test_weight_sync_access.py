@@ -229,6 +229,35 @@ def test_paused_new_requests_wait_and_an_abort_ends_generation_cleanly(model_dir
         assert np.array_equal(results["rows"], app.state.registry.models["mock"].engine.logits([5, 6, 7]))
 
 
+@pytest.mark.parametrize("held", [True, False])
+def test_a_retract_answers_once_streams_are_held_or_at_once_where_none_are(model_dir, held):
+    """Held at its next step, a stream no longer runs, and the pause answers then: a trainer's first
+    /get_load finds nothing running. An engine whose streams run ahead (vLLM, SGLang) holds none:
+    the pause answers at once, and /get_load counts the stream until it ends."""
+    with gateway(model_dir, delay_s=0.05, trusted_weight_sync=True) as (app, client):
+        app.state.registry.models["mock"].weights.hold_at_steps = held
+        results: dict[str, Any] = {}
+
+        def generate() -> None:
+            body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 40, "temperature": 0}}
+            results["meta"] = client.post("/generate", json=body).json()["meta_info"]
+
+        stream = threading.Thread(target=generate)
+        stream.start()
+        deadline = time.monotonic() + 30
+        while load(client) != (1, 0):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        try:
+            assert client.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+            assert load(client) == ((0, 1) if held else (1, 0))  # (running, waiting)
+        finally:
+            assert client.post("/continue_generation", json={}).status_code == 200
+        stream.join(timeout=30)
+        assert results["meta"]["finish_reason"]["type"] == "length"
+        assert results["meta"]["completion_tokens"] == 40
+
+
 def test_a_dense_request_in_flight_is_not_held_and_an_update_waits_for_it(model_dir):
     """Paused or not, one dense answer comes from one set of weights; a pause answers once it is
     done."""
