@@ -33,7 +33,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -122,6 +122,18 @@ def start_failure(path: Path, kept: bool) -> str:
     return "\n    ".join([*dict.fromkeys([*first_error, *lines[-2:]]), where])
 
 
+async def send_round(
+    one: Callable[[str, int, OutputGrammar | None], Awaitable[Completion]],
+    prompts: Sequence[str],
+    max_tokens: int,
+    grammars: Sequence[OutputGrammar | None],
+) -> list[Completion]:
+    """Each prompt its own request through `one`, with its grammar (none past the given ones), all
+    sent at once."""
+    chosen = [*grammars, *[None] * (len(prompts) - len(grammars))]
+    return list(await asyncio.gather(*(one(p, max_tokens, g) for p, g in zip(prompts, chosen, strict=True))))
+
+
 class OpenAICompletions:
     """An OpenAI-compatible /v1/completions: each prompt its own request, a round's sent at once."""
 
@@ -152,10 +164,7 @@ class OpenAICompletions:
     async def round(
         self, prompts: Sequence[str], max_tokens: int, grammars: Sequence[OutputGrammar | None] = ()
     ) -> list[Completion]:
-        chosen = [*grammars, *[None] * (len(prompts) - len(grammars))]
-        return list(
-            await asyncio.gather(*(self.one(p, max_tokens, g) for p, g in zip(prompts, chosen, strict=True)))
-        )
+        return await send_round(self.one, prompts, max_tokens, grammars)
 
 
 class Spread:
@@ -169,16 +178,14 @@ class Spread:
         self.replicas = replicas
         self.sent = 0
 
-    def _next(self) -> OpenAICompletions:
+    def one(self, prompt: str, max_tokens: int, grammar: OutputGrammar | None) -> Awaitable[Completion]:
         self.sent += 1
-        return self.replicas[self.sent % len(self.replicas)]
+        return self.replicas[self.sent % len(self.replicas)].one(prompt, max_tokens, grammar)
 
     async def round(
         self, prompts: Sequence[str], max_tokens: int, grammars: Sequence[OutputGrammar | None] = ()
     ) -> list[Completion]:
-        chosen = [*grammars, *[None] * (len(prompts) - len(grammars))]
-        calls = [self._next().one(p, max_tokens, g) for p, g in zip(prompts, chosen, strict=True)]
-        return list(await asyncio.gather(*calls))
+        return await send_round(self.one, prompts, max_tokens, grammars)
 
 
 def gateway_toml(name: str, setup: Setup, redis_url: str | None = None) -> Path:
@@ -208,6 +215,18 @@ def gateway_toml(name: str, setup: Setup, redis_url: str | None = None) -> Path:
     return path
 
 
+def launch_gateway(
+    config: Path, log_path: Path, setup: Setup, what: str, env: dict[str, str] | None = None
+) -> GatewayProcess:
+    """A gateway serving `config`, or TargetUnavailable saying why `what` did not start."""
+    try:
+        return start_gateway(["--config", str(config)], log_path, timeout=STARTUP_TIMEOUT_S, env=env)
+    except RuntimeError:
+        raise TargetUnavailable(
+            f"{what} did not start:\n    {start_failure(log_path, setup.logs_kept)}"
+        ) from None
+
+
 async def start_replicas(name: str, setup: Setup, stack: contextlib.AsyncExitStack) -> Spread:
     """One gateway per GPU (each sees only its own), or two on the CPU, and their Redis."""
     redis = RedisServer(setup.logs)
@@ -218,13 +237,7 @@ async def start_replicas(name: str, setup: Setup, stack: contextlib.AsyncExitSta
 
     def start(i: int) -> GatewayProcess:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(i)} if gpus else None
-        log_path = setup.logs / f"{name}-{i}.log"
-        try:
-            return start_gateway(["--config", str(config)], log_path, timeout=STARTUP_TIMEOUT_S, env=env)
-        except RuntimeError:
-            raise TargetUnavailable(
-                f"replica {i} did not start:\n    {start_failure(log_path, setup.logs_kept)}"
-            ) from None
+        return launch_gateway(config, setup.logs / f"{name}-{i}.log", setup, f"replica {i}", env)
 
     started = await asyncio.gather(
         *(asyncio.to_thread(start, i) for i in range(gpus or 2)), return_exceptions=True
@@ -320,15 +333,7 @@ async def start_target(name: str, setup: Setup, stack: contextlib.AsyncExitStack
     if name == "gateway-replicas":
         return await start_replicas(name, setup, stack)
     if name in GATEWAY_TARGETS:
-        log_path = setup.logs / f"{name}.log"
-        try:
-            process = start_gateway(
-                ["--config", str(gateway_toml(name, setup))], log_path, timeout=STARTUP_TIMEOUT_S
-            )
-        except RuntimeError:
-            raise TargetUnavailable(
-                f"the gateway did not start:\n    {start_failure(log_path, setup.logs_kept)}"
-            ) from None
+        process = launch_gateway(gateway_toml(name, setup), setup.logs / f"{name}.log", setup, "the gateway")
         stack.callback(process.stop)
         base_url = process.base_url
     else:
