@@ -101,6 +101,11 @@ class HostMemory(ABC):
         """float32 [rows, vocab] of the engine's own page-locked memory, uninitialised; it lives
         as long as the array does."""
 
+    @abstractmethod
+    def wait_landed(self, array: np.ndarray) -> None:
+        """Block until every row written into `array` (from `empty`, given to a call as a later
+        array of `out`) has landed."""
+
 
 class PrefixCache(ABC):
     """Keys/values of prefixes kept for reuse by later requests."""
@@ -155,7 +160,9 @@ class Engine(ABC):
         backends/distinct_rows.py). With `out` (an array, or a tuple of arrays, each float32
         [len(rows), vocab_size]) the rows are in every array of it when the call returns, which
         returns `out` (its first array); with `host_memory`, arrays in memory registered with it
-        or from its `empty` are written from the device in one copy.
+        or from its `empty` are written from the device in one copy, and a later array of `out`
+        from its `empty` may still be landing when the call returns (`host_memory.wait_landed`):
+        the caller's answer does not wait for the copies it does not read at once.
         """
 
     @abstractmethod

@@ -11,6 +11,7 @@ step needs no row on the host at all: its token and alternatives are chosen on t
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -75,17 +76,32 @@ def unregister_host_memory(address: int) -> None:
 
 
 def write_rows_into(
-    rows: torch.Tensor, arrays: Sequence[np.ndarray], positions: Sequence[int] | None
+    rows: torch.Tensor,
+    arrays: Sequence[np.ndarray],
+    positions: Sequence[int] | None,
+    host_memory: CudaHostMemory | None = None,
 ) -> None:
     """Rows from the GPU into each of `arrays` (row positions[i] into array[i], gathered on the
-    device, when given), returning once all have landed. An array in registered or page-locked
-    memory takes one copy; into pageable memory the driver stages it (correct, slower)."""
+    device, when given). Returns once the first array's rows have landed; with `host_memory`, the
+    later arrays may still be landing then (its `wait_landed` waits for them), else all have.
+    An array in registered or page-locked memory takes one copy; into pageable memory the
+    driver stages it (correct, slower)."""
     answer = rows if positions is None else rows[torch.tensor(positions, device=rows.device)]
-    for array in arrays:
+    stream = torch.cuda.current_stream(rows.device)
+    first, *later = arrays
+    torch.from_numpy(first).copy_(answer, non_blocking=True)
+    first_landed = torch.cuda.Event()
+    first_landed.record(stream)
+    for array in later:  # queued behind the first copy: the answer does not wait for them
         torch.from_numpy(array).copy_(answer, non_blocking=True)
-    landed = torch.cuda.Event()
-    landed.record(torch.cuda.current_stream(rows.device))
-    landed.synchronize()
+    if later:
+        all_landed = torch.cuda.Event()
+        all_landed.record(stream)
+        if host_memory is None:
+            all_landed.synchronize()
+        else:
+            host_memory.landing(later, all_landed)
+    first_landed.synchronize()
 
 
 class CudaHostMemory(HostMemory):
@@ -93,6 +109,10 @@ class CudaHostMemory(HostMemory):
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
+        # Copies still under way, by the address of the array they land in. An address that
+        # torch's host allocator hands out again replaces its entry, so this stays small.
+        self._landing: dict[int, torch.cuda.Event] = {}
+        self._lock = threading.Lock()  # the engine's thread records, the cache's threads wait
 
     def register(self, address: int, size: int) -> bool:
         return register_host_memory(address, size)
@@ -102,6 +122,18 @@ class CudaHostMemory(HostMemory):
 
     def empty(self, rows: int) -> np.ndarray:
         return torch.empty((rows, self.vocab_size), dtype=torch.float32, pin_memory=True).numpy()
+
+    def landing(self, arrays: Sequence[np.ndarray], landed: torch.cuda.Event) -> None:
+        """`arrays` are written once `landed` has happened."""
+        with self._lock:
+            for array in arrays:
+                self._landing[array.ctypes.data] = landed
+
+    def wait_landed(self, array: np.ndarray) -> None:
+        with self._lock:
+            landed = self._landing.pop(array.ctypes.data, None)
+        if landed is not None:
+            landed.synchronize()
 
 
 # Looked up once (the check runs after every dense call): empty_host_cache is public from torch

@@ -49,6 +49,7 @@ class MockHostMemory(engine_contract.HostMemory):
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.calls: list[tuple[str, int]] = []
+        self._landing: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def register(self, address: int, size: int) -> bool:
         self.calls.append(("register", address))
@@ -59,6 +60,16 @@ class MockHostMemory(engine_contract.HostMemory):
 
     def empty(self, rows: int) -> np.ndarray:
         return np.empty((rows, self.vocab_size), np.float32)
+
+    def land_later(self, array: np.ndarray, rows: np.ndarray) -> None:
+        """`rows` land in `array` once waited for, as a device's copy may land after the call."""
+        self._landing[array.ctypes.data] = (array, rows)
+
+    def wait_landed(self, array: np.ndarray) -> None:
+        self.calls.append(("wait_landed", array.ctypes.data))
+        landing = self._landing.pop(array.ctypes.data, None)
+        if landing is not None:
+            landing[0][...] = landing[1]
 
 
 class MockAdapters(engine_contract.Adapters):
@@ -195,9 +206,16 @@ class MockEngine(Engine):
         adapters: Sequence[str | None] | None = None,
         out: Out | None = None,
     ) -> np.ndarray:
-        if out is not None:
-            self.writes.append(len(outputs(out)))
-        return await computed_rows(self._distinct_rows, rows, adapters, out)
+        if out is None:
+            return await computed_rows(self._distinct_rows, rows, adapters, out)
+        first, *later = outputs(out)
+        self.writes.append(1 + len(later))
+        if self.host_memory is None:
+            return await computed_rows(self._distinct_rows, rows, adapters, out)
+        answer = await computed_rows(self._distinct_rows, rows, adapters, first)
+        for array in later:  # the engine's own memory lands when waited for, as from a device
+            self.host_memory.land_later(array, answer.copy())
+        return answer
 
     async def _distinct_rows(self, rows: list[Sequence[int]], adapters: list[str | None]) -> np.ndarray:
         self.calls += 1

@@ -287,7 +287,7 @@ class TransformersEngine(Engine):
 
     def _write_rows(self, distinct: DistinctRows, arrays: tuple[np.ndarray, ...]) -> np.ndarray:
         dense = self.dense(distinct.rows, distinct.adapters, use_lane=self._peft is None)
-        write_rows_into(dense, arrays, distinct.positions)  # repeats copied on the device
+        write_rows_into(dense, arrays, distinct.positions, self.host_memory)  # repeats copied on the device
         self._release_pinned_memory()
         return arrays[0]
 

@@ -40,7 +40,7 @@ import threading
 import time
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -108,16 +108,23 @@ class RowCache(ABC):
         self.metrics.cache_lookups.labels("miss").inc(len(rows) - hits)
         return rows
 
-    def store_later(self, keys: Sequence[Key], rows: np.ndarray) -> None:
-        """Store `rows` once the next engine call begins (or the quiet time's timeout passes);
-        `lookup` of these keys waits for it."""
-        task = asyncio.create_task(self._store_when_quiet(keys, rows))
+    def store_later(
+        self, keys: Sequence[Key], rows: np.ndarray, landed: Callable[[], None] | None = None
+    ) -> None:
+        """Store `rows` once the next engine call begins (or the quiet time's timeout passes) and
+        `landed` (blocking, run in a thread) has returned: rows a device may still be copying into
+        them; `lookup` of these keys waits for it."""
+        task = asyncio.create_task(self._store_when_quiet(keys, rows, landed))
         for key in keys:
             self._storing[key] = task
         task.add_done_callback(lambda done: self._stored(keys, done))
 
-    async def _store_when_quiet(self, keys: Sequence[Key], rows: np.ndarray) -> None:
+    async def _store_when_quiet(
+        self, keys: Sequence[Key], rows: np.ndarray, landed: Callable[[], None] | None
+    ) -> None:
         await self.quiet.wait()
+        if landed is not None:
+            await asyncio.to_thread(landed)
         started = time.perf_counter()
         await self.store_rows(keys, rows)
         self.metrics.cache_duration.labels("set").observe(time.perf_counter() - started)

@@ -9,7 +9,8 @@ An engine that can write rows into host memory itself (backends.engine.HostMemor
 gets the client's segment, registered with it, as `out` for a request alone in its engine call
 with none of its rows cached and a float32 answer: its rows then reach the client in one copy
 from the device. With an output cache, `out` also names page-locked rows of the engine's own
-(`host_memory.empty`), which the cache keeps once the client's segment has been handed on.
+(`host_memory.empty`), which the cache keeps once the client's segment has been handed on: the
+answer goes once the client's rows have landed, and the cache's copy is stored once it has too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -189,7 +191,10 @@ class DenseService:
             assert host_memory is not None
             own = host_memory.empty(len(rows))
             computed = await batcher.submit(rows, adapter, (into, own), times)
-            cache.store_later(keys, own if computed is into else computed)
+            if computed is into:  # `own` may still be landing: the answer did not wait for it
+                cache.store_later(keys, own, partial(host_memory.wait_landed, own))
+            else:
+                cache.store_later(keys, computed)
             return computed, 0
         out = np.empty((len(rows), vocab_size), dtype=np.float32)
         for i, row in enumerate(cached):

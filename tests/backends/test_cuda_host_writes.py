@@ -140,6 +140,26 @@ def test_rows_land_in_every_array_before_the_write_returns(model_dir):
 
 
 @cuda
+def test_the_answer_lands_first_and_the_engine_memory_when_waited_for(model_dir):
+    from backends.host_copy import CudaHostMemory, write_rows_into
+
+    memory = CudaHostMemory(1000)
+    rows = torch.randn(64, 1000, device="cuda")
+    into = np.zeros((64, 1000), np.float32)
+    assert memory.register(into.ctypes.data, into.nbytes)
+    try:
+        own = memory.empty(64)
+        write_rows_into(rows, (into, own), None, memory)
+        expected = rows.cpu().numpy()
+        assert np.array_equal(into, expected)
+        memory.wait_landed(own)
+        assert np.array_equal(own, expected)
+        memory.wait_landed(own)  # waited for once: nothing left to wait for
+    finally:
+        memory.unregister(into.ctypes.data)
+
+
+@cuda
 def test_rows_that_repeat_are_copied_on_the_device(model_dir):
     from backends.host_copy import CudaHostMemory, write_rows_into
 

@@ -143,7 +143,7 @@ def test_the_engine_writes_a_registered_segment_itself_and_the_gateway_does_not_
         expected = np.stack([engine.logits(r) for r in rows])
         assert np.array_equal(got, expected)
         os.pwrite(fd, bytes(len(rows) * VOCAB * 4), 0)
-        # From the output cache this time (the engine's own copy, whole when the engine returned):
+        # From the output cache this time (the engine's own copy, stored once it had landed):
         # the engine is not asked, and the route copies the cached rows.
         monkeypatch.undo()
         again = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
