@@ -90,18 +90,18 @@ def write_rows_into(
     stream = torch.cuda.current_stream(rows.device)
     first, *later = arrays
     torch.from_numpy(first).copy_(answer, non_blocking=True)
-    first_landed = torch.cuda.Event()
-    first_landed.record(stream)
+    landed = torch.cuda.Event()
+    landed.record(stream)
     for array in later:  # queued behind the first copy: the answer does not wait for them
         torch.from_numpy(array).copy_(answer, non_blocking=True)
     if later:
         all_landed = torch.cuda.Event()
         all_landed.record(stream)
         if host_memory is None:
-            all_landed.synchronize()
+            landed = all_landed
         else:
             host_memory.landing(later, all_landed)
-    first_landed.synchronize()
+    landed.synchronize()
 
 
 class CudaHostMemory(HostMemory):
