@@ -41,19 +41,20 @@ from logprob_gateway_client.encoding import ITEMSIZE, Dtype
 from logprob_gateway_client.local_socket import HEADER as LOCAL_SOCKET_HEADER
 from logprob_gateway_client.local_socket import LocalSocket, LocalSocketLost
 from logprob_gateway_client.lora import LoraManagement
-from logprob_gateway_client.row_key import RowKey
 from logprob_gateway_client.sampling import HAS_TORCH, Sampling
 from logprob_gateway_client.schemas import NextTokenLogprobsSharedMemoryResponse
 from logprob_gateway_client.shared_memory import Segment, SharedSegments, memfd_supported
 from logprob_gateway_client.socket_transport import SocketTransport, usable_for
 from logprob_gateway_client.wire import (
     GatewayClientError,
+    RowKey,
     body_matrix,
     decode_dense_answer,
     encode_request,
+    pack_ids,
+    packed_rows,
     raise_for_error,
     read_into_buffer,
-    token_tuple,
 )
 
 __all__ = ["AsyncGatewayLM", "GatewayClientError"]
@@ -194,18 +195,19 @@ class AsyncGatewayLM(LoraManagement, Sampling):
 
     # -- dense rows ------------------------------------------------------------------------------
 
-    def _chunks(self, rows: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+    def _chunks(self, rows: list[bytes]) -> list[list[bytes]]:
         step = self.max_rows_per_request
         return [rows[start : start + step] for start in range(0, len(rows), step)]
 
     def _answer_bytes(self, rows: int) -> int:
         return rows * self.vocab_size * ITEMSIZE[self.dtype]
 
-    def _request(self, model: str, rows: list[tuple[int, ...]]) -> tuple[bytes, Segment | None]:
-        """The request's body, and the segment it asks the gateway to write the answer into."""
+    def _request(self, model: str, rows: list[bytes]) -> tuple[bytes, Segment | None]:
+        """The request's body for rows of packed ids (`pack_ids`), and the segment it asks the
+        gateway to write the answer into."""
         body: dict[str, Any] = {
             "model": model,
-            "input": rows,  # tuples: MessagePack arrays, as lists would be
+            "input": packed_rows(rows),
             "dtype": self.dtype,
             "layout": "matrix",
         }
@@ -214,14 +216,8 @@ class AsyncGatewayLM(LoraManagement, Sampling):
             segment = self._segments.lease(self._answer_bytes(len(rows)))
             if segment is not None:
                 body["shared_memory"] = segment.target()
-        try:
-            encoded = encode_request(body)
-        except BaseException:  # ids that are no integers: nothing was sent, the segment is free
-            if segment is not None and self._segments is not None:
-                self._segments.release(segment)
-            raise
         self.requests_sent += 1
-        return encoded, segment
+        return encode_request(body), segment
 
     def _matrix(
         self, content: bytes | bytearray | memoryview, count: int, segment: Segment | None
@@ -251,7 +247,7 @@ class AsyncGatewayLM(LoraManagement, Sampling):
         if segment is not None and self._segments is not None:
             self._segments.retire(segment)
 
-    def _fetch_sync(self, model: str, rows: list[tuple[int, ...]]) -> np.ndarray:
+    def _fetch_sync(self, model: str, rows: list[bytes]) -> np.ndarray:
         parts = []
         for chunk in self._chunks(rows):
             body, segment = self._request(model, chunk)
@@ -264,7 +260,7 @@ class AsyncGatewayLM(LoraManagement, Sampling):
                 raise
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    async def _fetch(self, model: str, rows: list[tuple[int, ...]]) -> np.ndarray:
+    async def _fetch(self, model: str, rows: list[bytes]) -> np.ndarray:
         parts = []
         for chunk in self._chunks(rows):
             body, segment = self._request(model, chunk)
@@ -349,7 +345,7 @@ class AsyncGatewayLM(LoraManagement, Sampling):
 
     async def next_token_logprobs(self, token_ids: Sequence[int], lora_name: str | None = None) -> Any:
         """log_softmax over the whole vocabulary after `token_ids`; concurrent calls share one request."""
-        return _as_output(await self._row(RowKey(self._model_for(lora_name), token_tuple(token_ids))))
+        return _as_output(await self._row((self._model_for(lora_name), pack_ids(token_ids))))
 
     async def _row(self, key: RowKey) -> np.ndarray:
         cached = self._cache.get(key)
@@ -371,14 +367,14 @@ class AsyncGatewayLM(LoraManagement, Sampling):
             pending, self._pending = self._pending, {}
             by_model: dict[str, list[RowKey]] = {}
             for key in pending:
-                by_model.setdefault(key.scope, []).append(key)
+                by_model.setdefault(key[0], []).append(key)
             await asyncio.gather(*(self._fetch_into(keys, pending) for keys in by_model.values()))
 
     async def _fetch_into(
         self, keys: list[RowKey], futures: dict[RowKey, asyncio.Future[np.ndarray]]
     ) -> None:
         try:
-            values = await self._fetch(keys[0].scope, [key.ids for key in keys])
+            values = await self._fetch(keys[0][0], [packed for _, packed in keys])
         except Exception as exc:
             for key in keys:
                 if not futures[key].done():
@@ -396,13 +392,13 @@ class AsyncGatewayLM(LoraManagement, Sampling):
         """The row for `token_ids` asked of the gateway now: the client's row cache is neither read
         nor filled (genlm's uncached call). The gateway's own output cache may still answer it,
         with the same numbers, as a row does not depend on when it is computed."""
-        return _as_output(self._fetch_sync(self._model_for(lora_name), [token_tuple(token_ids)])[0])
+        return _as_output(self._fetch_sync(self._model_for(lora_name), [pack_ids(token_ids)])[0])
 
     async def batch_next_token_logprobs(
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> Any:
         model = self._model_for(lora_name)
-        keys = [RowKey(model, token_tuple(t)) for t in token_ids_list]
+        keys = [(model, pack_ids(t)) for t in token_ids_list]
         positions: dict[RowKey, int] = {}
         for key in keys:
             positions.setdefault(key, len(positions))
@@ -412,10 +408,10 @@ class AsyncGatewayLM(LoraManagement, Sampling):
             # writes into this process's memory: it copies them on its side (a GPU engine on its
             # device); over a socket the distinct rows travel once and are gathered here.
             if len(positions) == len(keys) or self._ask_shared_memory:
-                matrix = await self._fetch(model, [key.ids for key in keys])
+                matrix = await self._fetch(model, [packed for _, packed in keys])
                 self._cache.put_rows(keys, matrix)
                 return _as_output(matrix)
-            matrix = await self._fetch(model, [key.ids for key in positions])
+            matrix = await self._fetch(model, [packed for _, packed in positions])
             self._cache.put_rows(list(positions), matrix)
             return _as_output(matrix[[positions[k] for k in keys]])
         rows = await asyncio.gather(*(self._row(key) for key in keys))
@@ -425,16 +421,16 @@ class AsyncGatewayLM(LoraManagement, Sampling):
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> Any:
         model = self._model_for(lora_name)
-        keys = [RowKey(model, token_tuple(t)) for t in token_ids_list]
+        keys = [(model, pack_ids(t)) for t in token_ids_list]
         # Rows taken from the cache before fetching: storing the fetched ones may evict them.
         found = {k: row for k in dict.fromkeys(keys) if (row := self._cache.get(k)) is not None}
         missing = [k for k in dict.fromkeys(keys) if k not in found]
         if not found and self._ask_shared_memory:  # all new, repeats copied by the gateway
-            matrix = self._fetch_sync(model, [key.ids for key in keys])
+            matrix = self._fetch_sync(model, [packed for _, packed in keys])
             self._cache.put_rows(keys, matrix)
             return _as_output(matrix)
         if missing:
-            matrix = self._fetch_sync(model, [key.ids for key in missing])
+            matrix = self._fetch_sync(model, [packed for _, packed in missing])
             self._cache.put_rows(missing, matrix)
             if missing == keys:
                 return _as_output(matrix)

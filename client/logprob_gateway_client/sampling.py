@@ -12,8 +12,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import numpy as np
 
-from logprob_gateway_client.row_key import RowKey
-from logprob_gateway_client.wire import token_tuple
+from logprob_gateway_client.wire import RowKey, pack_ids
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
@@ -67,12 +66,14 @@ class Sampling:
         eos = set(eos_token_ids)
         model = self._model_for(lora_name)
         generated: list[int] = []
+        row = pack_ids(prompt_token_ids)
         for _ in range(max_tokens):
-            logprobs = await self._row(RowKey(model, token_tuple(prompt_token_ids) + tuple(generated)))
+            logprobs = await self._row((model, row))
             token = draw(logprobs, temperature)
             if token in eos:
                 break
             generated.append(token)
+            row += pack_ids([token])
         return generated
 
     async def batch_sample(

@@ -6,7 +6,8 @@ Needs only msgspec, numpy and httpx.
 
 from __future__ import annotations
 
-import operator
+import array
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,27 +23,36 @@ from logprob_gateway_client.schemas import (
     NextTokenLogprobsSharedMemoryResponse,
 )
 
+_ENCODER = msgspec.msgpack.Encoder()
 
-def _as_int(value: Any) -> int:
-    """Integers of other libraries (numpy's, a 0-d torch tensor) in a token-id list, as ints."""
-    if hasattr(value, "__index__"):
-        return operator.index(value)
-    raise TypeError(f"token ids must be integers, not {type(value).__name__}")
-
-
-_ENCODER = msgspec.msgpack.Encoder(enc_hook=_as_int)
+RowKey = tuple[str, bytes]  # (model, the row's packed ids): hashes and compares in C
 
 
 def encode_request(body: dict[str, Any]) -> bytes:
     return _ENCODER.encode(body)
 
 
-def token_tuple(token_ids: Sequence[int]) -> tuple[int, ...]:
-    """The ids as a tuple: lists and tuples as they are; numpy arrays and torch tensors through
-    `tolist()`, whose ints hash and compare like the list's (a tensor's elements would not)."""
+def pack_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int32 bytes: the gateway's packed rows, and this client's row
+    keys. Lists and tuples of ints (or of numpy's, or 0-d tensors) as they are; numpy arrays and
+    torch tensors through `tolist()`."""
     if not isinstance(token_ids, list | tuple) and hasattr(token_ids, "tolist"):
         token_ids = token_ids.tolist()
-    return tuple(token_ids)
+    try:
+        packed = array.array("i", token_ids)
+    except OverflowError:
+        raise ValueError("token ids must be below 2**31") from None
+    except TypeError:
+        wrong = next((v for v in token_ids if not hasattr(v, "__index__")), token_ids)
+        raise TypeError(f"token ids must be integers, not {type(wrong).__name__}") from None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def packed_rows(rows: Sequence[bytes]) -> dict[str, Any]:
+    """A request's `input` in the packed form, from rows made by `pack_ids`."""
+    return {"ids": b"".join(rows), "lengths": [len(row) >> 2 for row in rows]}
 
 
 class GatewayClientError(RuntimeError):

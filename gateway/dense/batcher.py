@@ -31,10 +31,11 @@ from typing import Protocol
 import numpy as np
 
 from backends.engine import Out
+from gateway.dense.token_rows import TokenRows
 
 log = logging.getLogger(__name__)
 
-Row = tuple[str | None, tuple[int, ...]]  # (adapter, token ids)
+Row = tuple[str | None, bytes]  # (adapter, the row's packed ids: TokenRows.packed)
 
 
 class EngineCall(Protocol):
@@ -56,7 +57,9 @@ class EngineTimes:
 
 @dataclass
 class _Request:
-    rows: list[Row]
+    rows: TokenRows
+    adapter: str | None
+    keys: list[Row]
     future: asyncio.Future[np.ndarray]
     out: Out | None = None
     times: EngineTimes | None = None
@@ -94,7 +97,7 @@ class RowBatcher:
 
     async def submit(
         self,
-        rows: Sequence[Sequence[int]],
+        rows: TokenRows,
         adapter: str | None = None,
         out: Out | None = None,
         times: EngineTimes | None = None,
@@ -105,9 +108,8 @@ class RowBatcher:
         given, is filled in with when the engine call began and ended."""
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run(), name="row-batcher")
-        request = _Request(
-            [(adapter, tuple(r)) for r in rows], asyncio.get_running_loop().create_future(), out, times
-        )
+        keys = [(adapter, packed) for packed in rows.packed]
+        request = _Request(rows, adapter, keys, asyncio.get_running_loop().create_future(), out, times)
         self.stats.requests += 1
         self.stats.rows += len(rows)
         await self._queue.put(request)
@@ -125,7 +127,7 @@ class RowBatcher:
 
     async def _gather(self) -> list[_Request]:
         batch = [await self._queue.get()]
-        unique = set(batch[0].rows)
+        unique = set(batch[0].keys)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.window_s if self._concurrent else 0.0)
         while len(unique) < self.max_batch_rows:
@@ -140,7 +142,7 @@ class RowBatcher:
                 except TimeoutError:
                     break
             batch.append(request)
-            unique.update(request.rows)
+            unique.update(request.keys)
         return batch
 
     async def _run(self) -> None:
@@ -155,35 +157,37 @@ class RowBatcher:
             await self._serve(batch)
 
     async def _serve(self, batch: list[_Request]) -> None:
-        index: dict[Row, int] = {}
+        ids: dict[Row, list[int]] = {}  # the distinct rows, in the order first asked
         for request in batch:
-            for row in request.rows:
-                index.setdefault(row, len(index))
-        unique = list(index)
+            ids.update(zip(request.keys, request.rows.ids, strict=True))
+        unique = list(ids)
+        unique_ids = list(ids.values())
         try:
             # A request larger than max_batch_rows is split over several engine calls.
             parts: list[np.ndarray] = []
             for start in range(0, len(unique), self.max_batch_rows):
                 if all(request.future.done() for request in batch):
                     return  # every client waiting for these rows has gone
-                chunk = unique[start : start + self.max_batch_rows]
+                chunk = slice(start, start + self.max_batch_rows)
+                chunk_ids = unique_ids[chunk]
                 self.stats.batches += 1
-                self.stats.largest_batch = max(self.stats.largest_batch, len(chunk))
-                self._on_batch(len(chunk))
+                self.stats.largest_batch = max(self.stats.largest_batch, len(chunk_ids))
+                self._on_batch(len(chunk_ids))
                 out = batch[0].out if len(batch) == 1 else None
                 if out is not None and len(unique) <= self.max_batch_rows:
                     # The engine's rows are the answer: written where it goes, repeats included
                     # (the engine computes each distinct row once).
-                    rows = batch[0].rows
+                    alone = batch[0]
+                    adapters = [alone.adapter] * len(alone.rows)
                     began = time.perf_counter()
-                    written = await self._engine_call([ids for _, ids in rows], [a for a, _ in rows], out=out)
+                    written = await self._engine_call(alone.rows.ids, adapters, out=out)
                     _timed(batch, began)
                     self.stats.engine_rows += len(unique)
                     if not batch[0].future.done():
                         batch[0].future.set_result(written)
                     return
                 began = time.perf_counter()
-                parts.append(await self._engine_call([ids for _, ids in chunk], [a for a, _ in chunk]))
+                parts.append(await self._engine_call(chunk_ids, [a for a, _ in unique[chunk]]))
                 _timed(batch, began)
             self.stats.engine_rows += len(unique)
             results = parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -198,9 +202,14 @@ class RowBatcher:
             if not batch[0].future.done():
                 batch[0].future.set_exception(exc)
             return
+        if len(batch) == 1 and len(unique) == len(batch[0].keys):  # one request, rows distinct
+            if not batch[0].future.done():
+                batch[0].future.set_result(results)
+            return
+        index = dict(zip(unique, range(len(unique)), strict=True))
         for request in batch:
             if not request.future.done():
-                request.future.set_result(_take(results, [index[row] for row in request.rows]))
+                request.future.set_result(_take(results, [index[key] for key in request.keys]))
 
 
 def _timed(batch: list[_Request], began: float) -> None:

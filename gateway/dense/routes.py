@@ -10,6 +10,8 @@ from litestar import Request, Response, get, post
 from gateway import requests, responses
 from gateway.dense.delivery import answer_nbytes
 from gateway.dense.service import DenseService
+from gateway.dense.token_rows import TokenRows
+from gateway.errors import InvalidRequestError
 from gateway.openapi.operation import OPENAPI, Operation
 from gateway.prompts import has_text, token_inputs
 from gateway.registry import ServedModel
@@ -21,6 +23,7 @@ from gateway.schemas.logprobs import (
     NextTokenLogprobsRequest,
     NextTokenLogprobsResponse,
     NextTokenLogprobsSharedMemoryResponse,
+    PackedTokenIds,
 )
 from gateway.settings import Limits
 from logprob_gateway_client.local_socket import HEADER as LOCAL_SOCKET_HEADER
@@ -97,22 +100,27 @@ async def next_token_logprobs(request: Request) -> Response:
     return responses.PartsResponse(answer.parts, media_type=media_type, headers=headers)
 
 
-async def dense_inputs(
-    served: ServedModel, body: NextTokenLogprobsRequest, limits: Limits
-) -> list[list[int]]:
+async def dense_inputs(served: ServedModel, body: NextTokenLogprobsRequest, limits: Limits) -> TokenRows:
     """The request's rows as checked token ids (text tokenized), within the limits."""
+    value = body.input
+    if isinstance(value, PackedTokenIds):
+        if not value.lengths:
+            raise InvalidRequestError("input.lengths must name at least one row", param="input")
+        if len(value.lengths) > limits.max_rows:
+            raise InvalidRequestError(f"at most {limits.max_rows} inputs per request in input", param="input")
+        return TokenRows.unpack(value.ids, value.lengths, served.require_engine().vocab_size, "input")
     prepare = partial(
         token_inputs,
         served,
-        body.input,
+        value,
         add_special_tokens=body.add_special_tokens,
         limits=limits,
         max_items=limits.max_rows,
         param="input",
     )
     # Token-id rows are checked in one C pass; only text is worth a thread.
-    inputs = await asyncio.to_thread(prepare) if has_text(body.input) else prepare()
-    return [i.ids for i in inputs]
+    inputs = await asyncio.to_thread(prepare) if has_text(value) else prepare()
+    return TokenRows.of([i.ids for i in inputs])
 
 
 @get(

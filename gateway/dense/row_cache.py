@@ -12,13 +12,13 @@ next engine call begins, when the clients that asked wait, not while a client on
 computes on the answer it just got. A lookup of a key still waiting to be stored runs the store
 at once and waits for it; shutdown lets stores finish.
 
-In process, a key is a `RowKey` of (model fingerprint, adapter) and the token ids, which hashes
-once; the value is a read-only view of the matrix the engine returned: no copy, no framing
+In process, a key is bytes: (model fingerprint, adapter) in MessagePack, then the row's ids as
+little-endian int32 (TokenRows.packed), which hashes once and compares in C; the value is a read-only view of the matrix the engine returned: no copy, no framing
 (engines return a fresh matrix per call and nothing on the response path writes to it). A
 matrix's rows go in together, and the least recently used matrix goes whole, as its memory does.
 
 In Redis, a key is `{namespace}:v{FORMAT}:row:{sha256(model fingerprint, adapter, dtype, token
-ids)}`; a value is a 16-byte header (magic + version, row length, CRC-32 of the payload) and the
+ids as little-endian int32)}`; a value is a 16-byte header (magic + version, row length, CRC-32 of the payload) and the
 raw little-endian float32 row. A value whose header, length or checksum is off is a miss and is
 deleted. The values of one engine step are views of one buffer, filled by one copy outside the
 interpreter lock, on one thread of lower priority.
@@ -26,7 +26,6 @@ interpreter lock, on one thread of lower priority.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import functools
@@ -43,20 +42,21 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import numpy as np
 
 from gateway.dense.quiet_time import QuietTime
 from gateway.dense.redis_store import CacheStats, RedisStore
+from gateway.dense.token_rows import TokenRows
 from gateway.metrics import Metrics
 from gateway.settings import CacheSettings
 from logprob_gateway_client.buffer_lru import BufferLRU
-from logprob_gateway_client.row_key import RowKey
 
 log = logging.getLogger(__name__)
 
-Key = Hashable  # a RowKey in process, a string in Redis
+Key = Hashable  # bytes in process, a string in Redis
 
-FORMAT = 2  # 2: CRC-32 instead of blake2b-64
+FORMAT = 3  # 2: CRC-32 instead of blake2b-64; 3: keys of int32 ids, not int64
 _MAGIC = b"LGR" + bytes([FORMAT])
 _HEADER = struct.Struct("<4sIQ")  # magic+version, float32 count, CRC-32 of the payload
 
@@ -75,7 +75,7 @@ class RowCache(ABC):
         self._storing: dict[Key, asyncio.Task[None]] = {}  # key -> its store still under way
 
     @abstractmethod
-    def keys(self, fingerprint: str, adapter: str | None, rows: Sequence[Sequence[int]]) -> list[Key]:
+    def keys(self, fingerprint: str, adapter: str | None, rows: TokenRows) -> list[Key]:
         """The keys of `rows` of a model (`fingerprint`) and adapter (name and fingerprint)."""
 
     @abstractmethod
@@ -155,9 +155,9 @@ class MemoryRowCache(RowCache):
     def size(self) -> int:
         return self._items.nbytes
 
-    def keys(self, fingerprint: str, adapter: str | None, rows: Sequence[Sequence[int]]) -> list[Key]:
-        scope = (fingerprint, adapter)
-        return [RowKey(scope, tuple(ids)) for ids in rows]
+    def keys(self, fingerprint: str, adapter: str | None, rows: TokenRows) -> list[Key]:
+        scope = _scope(fingerprint, adapter)
+        return [scope + packed for packed in rows.packed]
 
     async def _values(self, keys: Sequence[Key], width: int) -> tuple[list[np.ndarray | None], list[Key]]:
         rows = [self._items.get(key) for key in keys]
@@ -184,12 +184,10 @@ def _framer() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-store", initializer=_lower_priority)
 
 
-def _int64_le(ids: Sequence[int]) -> array.array:
-    """Token ids as little-endian int64 bytes (faster than through numpy for short lists)."""
-    packed = array.array("q", ids)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed
+@functools.lru_cache(maxsize=1024)
+def _scope(fingerprint: str, adapter: str | None) -> bytes:
+    """What an in-process key starts with: self-delimiting, so no two scopes' keys meet."""
+    return msgspec.msgpack.encode((fingerprint, adapter))
 
 
 def frame(row: np.ndarray) -> bytes:
@@ -228,16 +226,17 @@ class RedisRowCache(RowCache):
         self.namespace = namespace
         self._prefixes: dict[tuple[str, str | None], hashlib._Hash] = {}  # key hashes, model part done
 
-    def keys(self, fingerprint: str, adapter: str | None, rows: Sequence[Sequence[int]]) -> list[Key]:
-        return [self.key(fingerprint, adapter, ids) for ids in rows]
+    def keys(self, fingerprint: str, adapter: str | None, rows: TokenRows) -> list[Key]:
+        return [self.key(fingerprint, adapter, packed) for packed in rows.packed]
 
-    def key(self, fingerprint: str, adapter: str | None, ids: Sequence[int]) -> str:
+    def key(self, fingerprint: str, adapter: str | None, packed: bytes) -> str:
+        """The key of a row whose ids are `packed` (little-endian int32)."""
         prefix = self._prefixes.get((fingerprint, adapter))
         if prefix is None:
             prefix = hashlib.sha256(json.dumps([fingerprint, adapter, "float32"]).encode())
             self._prefixes[fingerprint, adapter] = prefix
         digest = prefix.copy()
-        digest.update(_int64_le(ids))
+        digest.update(packed)
         return f"{self.namespace}:v{FORMAT}:row:{digest.hexdigest()}"
 
     async def _values(self, keys: Sequence[Key], width: int) -> tuple[list[np.ndarray | None], list[Key]]:

@@ -29,6 +29,7 @@ from gateway.dense.batcher import EngineTimes, RowBatcher
 from gateway.dense.quiet_time import QuietTime
 from gateway.dense.row_cache import RowCache
 from gateway.dense.shared_memory import Destination, SharedMemoryWriter
+from gateway.dense.token_rows import TokenRows
 from gateway.errors import ContextLengthError, EngineError, GatewayError, InvalidRequestError
 from gateway.metrics import Metrics
 from gateway.registry import ServedModel
@@ -78,7 +79,7 @@ class DenseService:
         self,
         served: ServedModel,
         adapter: str | None,
-        rows: list[list[int]],
+        rows: TokenRows,
         body: NextTokenLogprobsRequest,
         binary: bool,
         *,
@@ -88,7 +89,7 @@ class DenseService:
         Without `body_allowed`, a segment the rows cannot go into is a 400 before any is computed."""
         begun = time.perf_counter()
         engine = served.require_engine()
-        longest = max(len(ids) for ids in rows)
+        longest = max(map(len, rows.ids))
         if longest > engine.max_model_len:
             raise ContextLengthError(
                 f"an input has {longest} tokens; this model's maximum context length is {engine.max_model_len}",
@@ -112,7 +113,7 @@ class DenseService:
             raise
         except Exception as exc:
             raise EngineError(f"the engine failed to compute the rows: {type(exc).__name__}: {exc}") from exc
-        tokens = sum(len(ids) for ids in rows)
+        tokens = sum(map(len, rows.ids))
         usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens, cache_hits=hits)
         computed_at = time.perf_counter()
         if into is not None and computed is into:  # a few hundred bytes to say so: no thread hop
@@ -161,7 +162,7 @@ class DenseService:
         self,
         served: ServedModel,
         adapter: str | None,
-        rows: list[list[int]],
+        rows: TokenRows,
         into: np.ndarray | None = None,
         times: EngineTimes | None = None,
     ) -> tuple[np.ndarray, int]:
@@ -201,7 +202,7 @@ class DenseService:
             if row is not None:
                 out[i] = row
         if missing:
-            fresh = await batcher.submit([rows[i] for i in missing], adapter, times=times)
+            fresh = await batcher.submit(rows[missing], adapter, times=times)
             out[missing] = fresh
             cache.store_later([keys[i] for i in missing], fresh)
         log.debug("model %s: %d rows, %d from the cache", served.name, len(rows), len(rows) - len(missing))

@@ -77,7 +77,11 @@ def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
     limits = settings.limits
     completion, chat = schemas["CompletionRequest"], schemas["ChatCompletionRequest"]
     completion["properties"]["prompt"] = _inputs(limits.max_prompts)
-    schemas["NextTokenLogprobsRequest"]["properties"]["input"] = _inputs(limits.max_rows)
+    dense_input = _inputs(limits.max_rows)
+    dense_input["anyOf"].append({"$ref": "#/components/schemas/PackedTokenIds"})
+    schemas["NextTokenLogprobsRequest"]["properties"]["input"] = dense_input
+    lengths = schemas["PackedTokenIds"]["properties"]["lengths"]
+    lengths.update(minItems=1, maxItems=limits.max_rows)
     for request in (completion, chat):
         stop = _null_or(_text())
         stop["anyOf"].insert(1, {"type": "array", "items": _text(), "maxItems": limits.max_stop})

@@ -7,7 +7,7 @@ from typing import Literal
 import msgspec
 
 from gateway.schemas.chat import ChatMessage
-from gateway.schemas.common import ModelName, TokenId
+from gateway.schemas.common import ModelName, PositiveInt, TokenId
 from logprob_gateway_client.encoding import Dtype
 
 # The MessagePack matrix answers and the fields they share are defined once, in the client's
@@ -25,9 +25,18 @@ from logprob_gateway_client.schemas import (
 Input = str | list[str | TokenId | list[TokenId]]
 
 
+class PackedTokenIds(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Token-id rows packed: every row's ids one after another as little-endian int32 (raw bytes in
+    MessagePack, base64 in JSON); row i is the next `lengths[i]` of them. What AsyncGatewayLM
+    sends: the gateway reads and checks them in one pass of C, not one Python int per id."""
+
+    ids: bytes
+    lengths: list[PositiveInt]
+
+
 class NextTokenLogprobsRequest(msgspec.Struct, kw_only=True):
     model: ModelName
-    input: Input
+    input: Input | PackedTokenIds
     encoding_format: Literal["float", "base64"] = "float"
     dtype: Dtype = "float32"
     add_special_tokens: bool = False

@@ -12,6 +12,7 @@ from itertools import islice
 import numpy as np
 
 from gateway.dense.service import DenseService
+from gateway.dense.token_rows import TokenRows
 from gateway.schemas.sglang import Triple
 from gateway.sglang.items import Item
 
@@ -82,8 +83,8 @@ async def next_token_rows(
     taken as lazily, so an item holds one batch of rows however many positions it scores. The
     caller holds the model's weights for reading."""
     served, pending = item.served, iter(prefixes)
-    while batch := [list(p) for p in islice(pending, served.settings.max_batch_rows)]:
-        matrix, _ = await dense.rows(served, item.adapter, batch)
+    while batch := list(islice(pending, served.settings.max_batch_rows)):
+        matrix, _ = await dense.rows(served, item.adapter, TokenRows.of(batch))
         for row in matrix:
             yield row
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from logprob_gateway_client import AsyncGatewayLM, GatewayClientError
-from logprob_gateway_client.row_key import RowKey
+from logprob_gateway_client.wire import pack_ids
 from tests.conftest import MODEL
 
 pytestmark = pytest.mark.slow
@@ -80,10 +80,10 @@ def test_numpy_and_torch_token_ids_are_the_lists_rows(lm, reference):
     assert lm.requests_sent == sent + 1
     assert np.max(np.abs(shorter.numpy() - reference.logprobs(ids[:-1])[-1])) <= 1e-4
     assert np.max(np.abs(shortest.numpy() - reference.logprobs(ids[:-2])[-1])) <= 1e-4
-    for _ in range(3):  # nothing is sent, and the segment leased for the answer is free again
+    for _ in range(3):  # nothing is sent, nor a segment leased: the ids are packed first
         with pytest.raises(TypeError, match="token ids must be integers, not float32"):
             lm.batch_next_token_logprobs_sync([[np.float32(i)] for i in range(8)])  # 1.5 MB: a segment
-    assert lm.requests_sent == sent + 1 and lm._segments.created == 1
+    assert lm.requests_sent == sent + 1 and lm._segments.created == 0
     extended = lm.batch_next_token_logprobs_sync([ids + [i] for i in range(8)])
     assert lm.requests_sent == sent + 2 and lm.shared_memory_answers == 1 and lm._segments.created == 1
     assert np.max(np.abs(extended[5].numpy() - reference.logprobs(ids + [5])[-1])) <= 1e-4
@@ -139,7 +139,7 @@ def test_a_batch_is_one_request_of_its_distinct_rows_read_without_copies(lm, ref
     for got, ids in zip(with_duplicates, particles, strict=True):
         assert np.max(np.abs(got.numpy() - reference.logprobs(ids)[-1])) <= 1e-4
     # distinct rows: the answer's own buffer, shared with the client's cache, no copy anywhere
-    assert np.shares_memory(distinct.numpy(), lm._cache.get(RowKey(MODEL, tuple(rows[3]))))
+    assert np.shares_memory(distinct.numpy(), lm._cache.get((MODEL, pack_ids(rows[3]))))
     assert np.max(np.abs(distinct[1].numpy() - reference.logprobs(rows[3] + [11])[-1])) <= 1e-4
     assert lm.server_timing is not None and "rows;dur=" in lm.server_timing
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from logprob_gateway_client import AsyncGatewayLM, GatewayClientError
-from logprob_gateway_client.row_key import RowKey
+from logprob_gateway_client.wire import pack_ids
 from tests.conftest import MODEL, make_lora_adapter, start_admin_gateway
 
 pytestmark = pytest.mark.slow
@@ -122,14 +122,14 @@ def test_uncached_rows_come_from_the_gateway_never_from_the_clients_cache(lm, re
     ids = reference.tokenizer(PROMPT).input_ids
     want = reference.logprobs(ids)[-1]
     poison = np.zeros((1, lm.vocab_size), dtype=np.float32)
-    lm._cache.put_rows([RowKey(MODEL, tuple(ids))], poison)
+    lm._cache.put_rows([(MODEL, pack_ids(ids))], poison)
     assert torch.equal(lm.next_token_logprobs_sync(ids), torch.from_numpy(poison[0]))  # the cached path
     sent = lm.requests_sent
     for _ in range(2):
         uncached = lm.next_token_logprobs_uncached(ids)
         assert isinstance(uncached, torch.Tensor) and np.max(np.abs(uncached.numpy() - want)) <= 1e-4
     assert lm.requests_sent == sent + 2  # asked each time
-    assert not lm._cache.get(RowKey(MODEL, tuple(ids))).any()  # nor stored: the poisoned row stays
+    assert not lm._cache.get((MODEL, pack_ids(ids))).any()  # nor stored: the poisoned row stays
     lm.clear_cache()
     assert torch.equal(lm.next_token_logprobs_sync(ids), uncached)  # what the cached path gets
 

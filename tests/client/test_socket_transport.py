@@ -293,7 +293,9 @@ async def test_the_client_falls_back_to_httpx_when_answers_are_recoded():
         if head.startswith(b"GET"):
             writer.write(answer(vocabulary, "content-type: application/msgpack"))
         else:
-            rows = msgspec.msgpack.decode(body)["input"]
+            packed = msgspec.msgpack.decode(body)["input"]  # the client's packed rows
+            ids, ends = np.frombuffer(packed["ids"], "<i4").tolist(), np.cumsum(packed["lengths"])
+            rows = [ids[end - length : end] for end, length in zip(ends, packed["lengths"], strict=True)]
             document = {"model": "m", "vocab_size": 3, "rows": len(rows), "dtype": "float32"}
             usage = {"prompt_tokens": 1, "total_tokens": 1}
             writer.write(

@@ -8,6 +8,7 @@ import asyncio
 import numpy as np
 
 from gateway.dense.batcher import RowBatcher
+from gateway.dense.token_rows import TokenRows
 
 
 class RecordingEngine:
@@ -26,12 +27,12 @@ class RecordingEngine:
 async def test_a_request_alone_gets_a_view_and_shared_batches_get_their_own_rows():
     engine = RecordingEngine()
     batcher = RowBatcher(engine, window_s=0.05)
-    alone = await batcher.submit([[1, 2], [3], [4, 5, 6]])
+    alone = await batcher.submit(TokenRows.of([[1, 2], [3], [4, 5, 6]]))
     assert np.shares_memory(alone, engine.outputs[-1])  # the engine's rows as they are
     assert alone[:, 0].tolist() == [3, 3, 15]
     first, second = await asyncio.gather(
-        batcher.submit([[1], [2], [3]]),
-        batcher.submit([[2], [9], [1]]),  # overlapping rows
+        batcher.submit(TokenRows.of([[1], [2], [3]])),
+        batcher.submit(TokenRows.of([[2], [9], [1]])),  # overlapping rows
     )
     assert len(engine.outputs) == 2 and len(engine.outputs[-1]) == 4  # one call, rows de-duplicated
     assert first[:, 0].tolist() == [1, 2, 3] and second[:, 0].tolist() == [2, 9, 1]
@@ -46,16 +47,18 @@ async def test_the_window_is_waited_only_under_concurrent_traffic():
     loop = asyncio.get_running_loop()
     started = loop.time()
     for step in range(3):  # a lone client, one request per step: never waits for company
-        await batcher.submit([[step]])
+        await batcher.submit(TokenRows.of([[step]]))
     assert loop.time() - started < 0.3 and len(engine.outputs) == 3
 
     async def late(rows, delay):
         await asyncio.sleep(delay)
-        return await batcher.submit(rows)
+        return await batcher.submit(TokenRows.of(rows))
 
-    await asyncio.gather(batcher.submit([[1]]), batcher.submit([[2]]))  # concurrent: window on
+    await asyncio.gather(
+        batcher.submit(TokenRows.of([[1]])), batcher.submit(TokenRows.of([[2]]))
+    )  # concurrent: window on
     calls = len(engine.outputs)
-    await asyncio.gather(batcher.submit([[3]]), late([[4]], 0.1))  # the late one still joins
+    await asyncio.gather(batcher.submit(TokenRows.of([[3]])), late([[4]], 0.1))  # the late one still joins
     assert len(engine.outputs) == calls + 1 and len(engine.outputs[-1]) == 2
     await batcher.aclose()
 
@@ -79,18 +82,20 @@ async def test_memory_to_write_into_reaches_the_engine_only_for_a_request_alone_
 
     batcher = RowBatcher(write, window_s=0.05)
     into, own = np.zeros((3, 3), np.float32), np.zeros((3, 3), np.float32)
-    alone = await batcher.submit([[1, 2], [3], [4, 5, 6]], None, (into, own))
+    alone = await batcher.submit(TokenRows.of([[1, 2], [3], [4, 5, 6]]), None, (into, own))
     assert alone is into and len(targets) == 1 and targets[0][0] == (into, own)
     assert into[:, 0].tolist() == [3, 3, 15] and np.array_equal(own, into)
     # Rows that repeat: passed as they are, computed once each, every repeat written by the engine.
     twice = np.zeros((3, 3), np.float32)
-    written = await batcher.submit([[1], [2], [1]], None, (twice,))
+    written = await batcher.submit(TokenRows.of([[1], [2], [1]]), None, (twice,))
     assert written is twice and engine.outputs[-1][:, 0].tolist() == [1, 2]
     assert targets[-1][1] == [(1,), (2,), (1,)] and twice[:, 0].tolist() == [1, 2, 1]
-    await asyncio.gather(batcher.submit([[7]]), batcher.submit([[8]]))  # concurrent: window on
+    await asyncio.gather(
+        batcher.submit(TokenRows.of([[7]])), batcher.submit(TokenRows.of([[8]]))
+    )  # concurrent: window on
     target = np.zeros((1, 3), np.float32)
     shared, _ = await asyncio.gather(
-        batcher.submit([[9]], None, (target,)), batcher.submit([[10]])
+        batcher.submit(TokenRows.of([[9]]), None, (target,)), batcher.submit(TokenRows.of([[10]]))
     )  # shares its engine call: its rows as any request's, the caller copies them
     assert shared is not target and shared[:, 0].tolist() == [9] and target[0, 0] == 0
     assert len(targets) == 2 and len(engine.outputs) == 4

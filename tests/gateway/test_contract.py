@@ -182,6 +182,10 @@ def deployment_document(
         for field in ("prompt", "input", "tokens", "text", "input_ids"):
             if field in properties:
                 _require_a_token(properties[field], vanishing)
+    # The packed dense input relates its fields as JSON Schema cannot (the ids' bytes are four
+    # times the sum of the lengths): test_packed_rows.py covers it
+    dense_input = schemas["NextTokenLogprobsRequest"]["properties"]["input"]
+    dense_input["anyOf"] = [option for option in dense_input["anyOf"] if "$ref" not in option]
     # Whether a grammar compiles (a JSON schema, a regex, a tool's parameters) only the grammar
     # engine knows, as only the tokenizer knows a text's tokens: those fields, and the document's
     # rules about them, are left out here; test_structured_outputs.py, test_grammar.py and
