@@ -82,7 +82,9 @@ def test_in_process_keys_separate_what_digests_separate():
     assert again is not keys[2] and again == keys[2] and hash(again) == hash(keys[2])
     assert isinstance(again, bytes)  # hashed once, compared in C; no digest
     redis = _redis_cache()
-    assert redis.keys("model-a", None, TokenRows.of([[1, 2, 3]])) == [redis.key("model-a", None, pack([1, 2, 3]))]
+    assert redis.keys("model-a", None, TokenRows.of([[1, 2, 3]])) == [
+        redis.key("model-a", None, pack([1, 2, 3]))
+    ]
 
 
 def test_weights_fingerprint_follows_config_and_weights(model_dir, tmp_path):
