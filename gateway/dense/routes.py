@@ -38,7 +38,8 @@ def _dense(request: Request) -> DenseService:
     status_code=200,
     summary="Dense next-token log-probabilities",
     description="For each input (a token-id list, or a string tokenized without special tokens unless "
-    "`add_special_tokens`), the log_softmax of the model's logits after it, over the whole vocabulary "
+    "`add_special_tokens`; or rows packed as `{ids, lengths}`: every row's ids one after another as "
+    "little-endian int32, row i the next `lengths[i]` of them), the log_softmax of the model's logits after it, over the whole vocabulary "
     "(`vocab_size` = width of the logits). `encoding_format: float` gives JSON numbers (-inf as null); "
     "`base64` gives little-endian `dtype` bytes (bfloat16 = upper half of the float32). With "
     "`Accept: application/msgpack` the document is MessagePack with rows as raw bytes. `layout: matrix` "

@@ -91,7 +91,9 @@ class RowCache(ABC):
 
     async def lookup(self, keys: Sequence[Key], width: int) -> list[np.ndarray | None]:
         started = time.perf_counter()
-        storing = {self._storing[key] for key in keys if key in self._storing}
+        storing = set()
+        if not self._storing.keys().isdisjoint(keys):  # in C: rows of an SMC step are all new
+            storing = {self._storing[key] for key in keys if key in self._storing}
         if storing:  # read-your-writes within the process: a row waiting to be stored is found
             self.quiet.now()
             await asyncio.wait(storing)
@@ -115,8 +117,7 @@ class RowCache(ABC):
         `landed` (blocking, run in a thread) has returned: rows a device may still be copying into
         them; `lookup` of these keys waits for it."""
         task = asyncio.create_task(self._store_when_quiet(keys, rows, landed))
-        for key in keys:
-            self._storing[key] = task
+        self._storing.update(dict.fromkeys(keys, task))
         task.add_done_callback(lambda done: self._stored(keys, done))
 
     async def _store_when_quiet(
@@ -160,6 +161,8 @@ class MemoryRowCache(RowCache):
         return [scope + packed for packed in rows.packed]
 
     async def _values(self, keys: Sequence[Key], width: int) -> tuple[list[np.ndarray | None], list[Key]]:
+        if self._items.isdisjoint(keys):  # in C: rows of an SMC step are all new
+            return [None] * len(keys), []
         rows = [self._items.get(key) for key in keys]
         return [row if row is not None and row.shape == (width,) else None for row in rows], []
 
