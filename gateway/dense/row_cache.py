@@ -13,15 +13,16 @@ computes on the answer it just got. A lookup of a key still waiting to be stored
 at once and waits for it; shutdown lets stores finish.
 
 In process, a key is bytes: (model fingerprint, adapter) in MessagePack, then the row's ids as
-little-endian int32 (TokenRows.packed), which hashes once and compares in C; the value is a read-only view of the matrix the engine returned: no copy, no framing
-(engines return a fresh matrix per call and nothing on the response path writes to it). A
-matrix's rows go in together, and the least recently used matrix goes whole, as its memory does.
+little-endian int32 (TokenRows.packed), which hashes once and compares in C; the value is a
+read-only view of the matrix the engine returned: no copy, no framing (engines return a fresh
+matrix per call and nothing on the response path writes to it). A matrix's rows go in together,
+and the least recently used matrix goes whole, as its memory does.
 
 In Redis, a key is `{namespace}:v{FORMAT}:row:{sha256(model fingerprint, adapter, dtype, token
-ids as little-endian int32)}`; a value is a 16-byte header (magic + version, row length, CRC-32 of the payload) and the
-raw little-endian float32 row. A value whose header, length or checksum is off is a miss and is
-deleted. The values of one engine step are views of one buffer, filled by one copy outside the
-interpreter lock, on one thread of lower priority.
+ids as little-endian int32)}`; a value is a 16-byte header (magic + version, row length, CRC-32
+of the payload) and the raw little-endian float32 row. A value whose header, length or checksum
+is off is a miss and is deleted. The values of one engine step are views of one buffer, filled
+by one copy outside the interpreter lock, on one thread of lower priority.
 """
 
 from __future__ import annotations
