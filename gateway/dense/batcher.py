@@ -157,7 +157,7 @@ class RowBatcher:
             await self._serve(batch)
 
     async def _serve(self, batch: list[_Request]) -> None:
-        ids: dict[Row, list[int]] = {}  # the distinct rows, in the order first asked
+        ids: dict[Row, Sequence[int]] = {}  # the distinct rows, in the order first asked
         for request in batch:
             ids.update(zip(request.keys, request.rows.ids, strict=True))
         unique = list(ids)

@@ -10,14 +10,13 @@ pack them.
 
 from __future__ import annotations
 
-import array
-import sys
 from collections.abc import Sequence
 from itertools import accumulate
 
 import numpy as np
 
 from gateway.errors import InvalidRequestError
+from logprob_gateway_client.wire import pack_ids
 
 _INT32 = np.dtype("<i4")
 
@@ -25,15 +24,14 @@ _INT32 = np.dtype("<i4")
 class TokenRows:
     __slots__ = ("ids", "packed")
 
-    def __init__(self, ids: list[list[int]], packed: list[bytes]) -> None:
+    def __init__(self, ids: list[Sequence[int]], packed: list[bytes]) -> None:
         self.ids = ids  # row i's token ids, for the engine
         self.packed = packed  # row i's ids as little-endian int32 bytes, for keys
 
     @classmethod
     def of(cls, rows: Sequence[Sequence[int]]) -> TokenRows:
-        """Rows of known-good ids (each below 2**31) as lists."""
-        ids = [list(row) for row in rows]
-        return cls(ids, [pack(row) for row in ids])
+        """Rows of known-good ids (each below 2**31), as they are."""
+        return cls(list(rows), [pack_ids(row) for row in rows])
 
     @classmethod
     def unpack(cls, ids: bytes, lengths: Sequence[int], vocab_size: int, param: str) -> TokenRows:
@@ -67,10 +65,3 @@ class TokenRows:
 
     def __getitem__(self, positions: list[int]) -> TokenRows:
         return TokenRows([self.ids[i] for i in positions], [self.packed[i] for i in positions])
-
-
-def pack(ids: Sequence[int]) -> bytes:
-    packed = array.array("i", ids)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()

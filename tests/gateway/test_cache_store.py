@@ -13,8 +13,9 @@ import numpy as np
 from gateway.dense.quiet_time import QuietTime
 from gateway.dense.redis_store import CacheStats, RedisStore
 from gateway.dense.row_cache import FORMAT, MemoryRowCache, RedisRowCache, frame, frame_many, unframe
-from gateway.dense.token_rows import TokenRows, pack
+from gateway.dense.token_rows import TokenRows
 from gateway.registry import weights_fingerprint
+from logprob_gateway_client.wire import pack_ids
 
 
 def _redis_cache(url: str = "redis://127.0.0.1:1/0", **kwargs) -> RedisRowCache:
@@ -49,22 +50,22 @@ def test_values_read_back_bit_identical_and_corruption_is_detected():
 def test_keys_separate_models_adapters_and_prefixes():
     cache = _redis_cache()
     keys = {
-        cache.key("model-a", None, pack([1, 2, 3])),
-        cache.key("model-b", None, pack([1, 2, 3])),
-        cache.key("model-a", "lora_1", pack([1, 2, 3])),
-        cache.key("model-a", "lora_2", pack([1, 2, 3])),
-        cache.key("model-a", None, pack([1, 2])),
-        cache.key("model-a", None, pack([1, 2, 3, 0])),
+        cache.key("model-a", None, pack_ids([1, 2, 3])),
+        cache.key("model-b", None, pack_ids([1, 2, 3])),
+        cache.key("model-a", "lora_1", pack_ids([1, 2, 3])),
+        cache.key("model-a", "lora_2", pack_ids([1, 2, 3])),
+        cache.key("model-a", None, pack_ids([1, 2])),
+        cache.key("model-a", None, pack_ids([1, 2, 3, 0])),
     }
     assert len(keys) == 6
     assert all(k.startswith(f"lpg:v{FORMAT}:row:") for k in keys)
-    assert cache.key("model-a", None, pack([1, 2, 3])) == cache.key("model-a", None, pack((1, 2, 3)))
+    assert cache.key("model-a", None, pack_ids([1, 2, 3])) == cache.key("model-a", None, pack_ids((1, 2, 3)))
     # The documented derivation: replicas of other versions sharing one Redis find the same rows.
     ids = [0, 49151, 2**31 - 1]
     digest = hashlib.sha256(
         json.dumps(["model-a", "lora_1", "float32"]).encode() + np.asarray(ids, "<i4").tobytes()
     )
-    assert cache.key("model-a", "lora_1", pack(ids)) == f"lpg:v{FORMAT}:row:{digest.hexdigest()}"
+    assert cache.key("model-a", "lora_1", pack_ids(ids)) == f"lpg:v{FORMAT}:row:{digest.hexdigest()}"
 
 
 def test_in_process_keys_separate_what_digests_separate():
@@ -83,7 +84,7 @@ def test_in_process_keys_separate_what_digests_separate():
     assert isinstance(again, bytes)  # hashed once, compared in C; no digest
     redis = _redis_cache()
     assert redis.keys("model-a", None, TokenRows.of([[1, 2, 3]])) == [
-        redis.key("model-a", None, pack([1, 2, 3]))
+        redis.key("model-a", None, pack_ids([1, 2, 3]))
     ]
 
 
@@ -129,7 +130,7 @@ async def test_corrupted_values_are_misses_and_deleted(redis_server):
 async def test_redis_round_trip_pipelined_with_ttl(redis_server):
     stats = CacheStats()
     cache = _redis_cache(redis_server.url, ttl_s=1, namespace="test-ttl", stats=stats)
-    keys = [cache.key("m", None, pack([i])) for i in range(20)]
+    keys = [cache.key("m", None, pack_ids([i])) for i in range(20)]
     rows = np.stack([_row(i) for i in range(20)])
     await cache.store_rows(keys, rows)
     got = await cache.lookup(keys, 1000)
@@ -143,7 +144,7 @@ async def test_redis_round_trip_pipelined_with_ttl(redis_server):
 
 async def test_redis_outage_is_a_miss_logged_once_and_recovers(redis_server, caplog):
     cache = _redis_cache(redis_server.url, namespace="test-outage")
-    key = cache.key("m", None, pack([1]))
+    key = cache.key("m", None, pack_ids([1]))
     await cache.store_rows([key], _row(1)[None])
     caplog.set_level(logging.WARNING, logger="gateway.dense.redis_store")
     redis_server.stop()
