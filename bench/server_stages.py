@@ -5,7 +5,7 @@
 
 Runs bench/step_parts.py with these arguments, its gateways stamping the time at each stage of
 every call (bench/stages/sitecustomize.py), then prints, per number of rows, the median µs from
-each stage to the next over the second half of that many rows' calls (after the output cache
+each stage to the next, in wall-clock time and in the event loop thread's own CPU time, over the second half of that many rows' calls (after the output cache
 filled). The stages, in a call's order: the frame read, the request's task running, the body
 decoded, the model resolved, token checks, the answer's bytes reserved, the client's segment
 found, the cache's keys and lookup, the batcher (queue and merge), the engine call, and the
@@ -25,40 +25,46 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def calls(path: Path) -> list[dict[str, float]]:
-    """Each call's first time at each stage, and its rows (`rows`)."""
-    out: list[dict[str, float]] = []
+def calls(path: Path) -> list[dict[str, tuple[float, float]]]:
+    """Each call's first (wall clock, the loop thread's CPU time) at each stage, and its rows
+    (`rows`)."""
+    out: list[dict[str, tuple[float, float]]] = []
     for line in path.read_text().splitlines():
-        name, _, stamp = line.partition("\t")
+        name, stamp, cpu = line.split("\t")
         if name == "frame in":
             out.append({})
         if not out:
             continue
         if name.startswith("rows="):
-            out[-1]["rows"] = float(name[5:])
+            out[-1]["rows"] = (float(name[5:]), 0.0)
         else:
-            out[-1].setdefault(name, float(stamp))
+            out[-1].setdefault(name, (float(stamp), float(cpu)))
     return [c for c in out if "sent" in c and "rows" in c]
 
 
-def table(found: list[dict[str, float]]) -> None:
-    by_rows: dict[int, list[dict[str, float]]] = collections.defaultdict(list)
+def table(found: list[dict[str, tuple[float, float]]]) -> None:
+    by_rows: dict[int, list[dict[str, tuple[float, float]]]] = collections.defaultdict(list)
     for call in found:
-        by_rows[int(call["rows"])].append(call)
+        by_rows[int(call["rows"][0])].append(call)
     for rows, group in sorted(by_rows.items()):
         steady = group[len(group) // 2 :]
-        order = sorted((k for k in steady[-1] if k != "rows"), key=lambda k: steady[-1][k])
+        order = sorted((k for k in steady[-1] if k != "rows"), key=lambda k: steady[-1][k][0])
         print(f"\n### {rows} rows: median µs from each stage to the next ({len(steady)} calls)\n")
-        print("| from | to | µs |\n| --- | --- | ---: |")
+        print("| from | to | µs | the loop thread's CPU µs |\n| --- | --- | ---: | ---: |")
+
+        def gap(first: str, then: str, clock: int, calls: list = steady) -> float:
+            return 1e6 * statistics.median(
+                c[then][clock] - c[first][clock] for c in calls if first in c and then in c
+            )
+
         for first, then in zip(order, order[1:], strict=False):
-            gaps = [c[then] - c[first] for c in steady if first in c and then in c]
-            print(f"| {first} | {then} | {1e6 * statistics.median(gaps):.1f} |")
-        total = [c["sent"] - c["frame in"] for c in steady]
-        engine = [c["engine done"] - c["engine"] for c in steady if "engine" in c]
-        print(f"| frame in | sent | {1e6 * statistics.median(total):.1f} |")
+            print(f"| {first} | {then} | {gap(first, then, 0):.1f} | {gap(first, then, 1):.1f} |")
+        print(f"| frame in | sent | {gap('frame in', 'sent', 0):.1f} | {gap('frame in', 'sent', 1):.1f} |")
+        own = [gap("frame in", "sent", clock) - gap("engine", "engine done", clock) for clock in (0, 1)]
         print(
-            f"\nthe server's own part (frame to write, less the engine call): "
-            f"{1e6 * (statistics.median(total) - statistics.median(engine)):.0f} µs"
+            f"\nthe server's own part (frame to write, less the engine call): {own[0]:.0f} µs, "
+            f"of which the loop thread ran {own[1]:.0f} µs (the rest it waited: the interpreter lock, "
+            "other threads, the scheduler)"
         )
 
 

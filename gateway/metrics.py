@@ -30,6 +30,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             f"{PREFIX}_requests",
             "HTTP requests served.",
@@ -121,6 +122,16 @@ class Metrics:
 
     def expose(self) -> bytes:
         return generate_latest(self.registry)
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """`metric.labels(*values)`, looked up once: labels() validates and locks at every call,
+        and the dense path counts several metrics per call. Label values are bounded (above),
+        so this stays small."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
 
 class StateCollector(Collector):

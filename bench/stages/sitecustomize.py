@@ -21,18 +21,21 @@ if os.environ.get("STAGE_OUT"):
     import gateway.registry
     import gateway.requests
 
-    STAMPS: list[tuple[str, float]] = []
-    clock = time.perf_counter
+    STAMPS: list[tuple[str, float, float]] = []  # (stage, wall clock, the loop thread's CPU time)
+    wall, cpu = time.perf_counter, time.thread_time
+
+    def clock():
+        return wall(), cpu()
 
     def _wrap(owner, name, before, after=None):
         function = getattr(owner, name)
 
         @functools.wraps(function)
         def stamped(*args, **kwargs):
-            STAMPS.append((before, clock()))
+            STAMPS.append((before, *clock()))
             result = function(*args, **kwargs)
             if after:
-                STAMPS.append((after, clock()))
+                STAMPS.append((after, *clock()))
             return result
 
         setattr(owner, name, stamped)
@@ -42,9 +45,9 @@ if os.environ.get("STAGE_OUT"):
 
         @functools.wraps(function)
         async def stamped(*args, **kwargs):
-            STAMPS.append((before, clock()))
+            STAMPS.append((before, *clock()))
             result = await function(*args, **kwargs)
-            STAMPS.append((after, clock()))
+            STAMPS.append((after, *clock()))
             return result
 
         setattr(owner, name, stamped)
@@ -52,10 +55,10 @@ if os.environ.get("STAGE_OUT"):
     def _rows(function):
         @functools.wraps(function)
         async def stamped(self, served, adapter, rows, *args, **kwargs):
-            STAMPS.append((f"rows={len(rows)}", 0.0))
-            STAMPS.append(("rows: keys, lookup", clock()))
+            STAMPS.append((f"rows={len(rows)}", 0.0, 0.0))
+            STAMPS.append(("rows: keys, lookup", *clock()))
             result = await function(self, served, adapter, rows, *args, **kwargs)
-            STAMPS.append(("rows done", clock()))
+            STAMPS.append(("rows done", *clock()))
             return result
 
         return stamped
@@ -84,9 +87,9 @@ if os.environ.get("STAGE_OUT"):
     _wrap(ls._Connection, "_send", "send", "sent")
 
     def _dump() -> None:
-        if any(name == "frame in" for name, _ in STAMPS):
+        if any(stamp[0] == "frame in" for stamp in STAMPS):
             with open(f"{os.environ['STAGE_OUT']}{os.getpid()}", "w") as out:
-                out.writelines(f"{name}\t{t}\n" for name, t in STAMPS)
+                out.writelines(f"{name}\t{t}\t{c}\n" for name, t, c in STAMPS)
 
     def _on_term(*_: object) -> None:
         _dump()

@@ -7,6 +7,11 @@ while traffic is concurrent (the last engine call served several requests): a lo
 as an SMC loop that sends one request per step and waits for it, would pay the window every step. Rows of
 different adapters share an engine call: the engine applies each row's adapter.
 
+Such a lone client's request, finding the engine idle and nobody queued, makes its engine call
+itself, in its own task: no queue, no hand-over to the batcher's task and back, no merging of
+rows that the engine de-duplicates anyway. It first lets the event loop turn once, so requests
+that arrive with it still share its call (they queue, and it joins them).
+
 A request may name arrays `out` for its rows (numpy's `out=`: a client's shared memory registered
 with the engine, and page-locked memory of the engine's own for the output cache). Alone in its
 engine call, it goes to the engine as it is, rows that repeat included, and the engine writes
@@ -94,6 +99,9 @@ class RowBatcher:
         self._queue: asyncio.Queue[_Request] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None
         self._concurrent = False  # the last engine call served more than one request
+        self._engine_busy = False  # an engine call is under way, or a lone request is about to make one
+        self._engine_free = asyncio.Event()
+        self._engine_free.set()
 
     async def submit(
         self,
@@ -108,12 +116,55 @@ class RowBatcher:
         given, is filled in with when the engine call began and ended."""
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run(), name="row-batcher")
-        keys = [(adapter, packed) for packed in rows.packed]
-        request = _Request(rows, adapter, keys, asyncio.get_running_loop().create_future(), out, times)
         self.stats.requests += 1
         self.stats.rows += len(rows)
-        await self._queue.put(request)
+        others: list[_Request] = []
+        if (
+            not self._concurrent
+            and not self._engine_busy
+            and self._queue.empty()
+            and len(rows) <= self.max_batch_rows
+        ):
+            self._hold_engine()
+            try:
+                await asyncio.sleep(0)  # requests that came with this one share its call
+                if self._queue.empty():
+                    return await self._call_alone(rows, adapter, out, times)
+                others = [self._queue.get_nowait() for _ in range(self._queue.qsize())]
+            finally:
+                self._release_engine()
+        keys = [(adapter, packed) for packed in rows.packed]
+        request = _Request(rows, adapter, keys, asyncio.get_running_loop().create_future(), out, times)
+        for queued in (request, *others):  # in the order they came
+            self._queue.put_nowait(queued)
         return await request.future
+
+    def _hold_engine(self) -> None:
+        self._engine_busy = True
+        self._engine_free.clear()
+
+    def _release_engine(self) -> None:
+        self._engine_busy = False
+        self._engine_free.set()
+
+    async def _call_alone(
+        self, rows: TokenRows, adapter: str | None, out: Out | None, times: EngineTimes | None
+    ) -> np.ndarray:
+        """A lone request's engine call, made by its own task: rows as they are (the engine
+        computes each distinct row once), into `out` when given."""
+        self._concurrent = False
+        self._on_wait(0.0)
+        distinct = len(set(rows.packed))
+        self.stats.batches += 1
+        self.stats.engine_rows += distinct
+        self.stats.largest_batch = max(self.stats.largest_batch, distinct)
+        self._on_batch(distinct)
+        began = time.perf_counter()
+        try:
+            return await self._engine_call(rows.ids, [adapter] * len(rows), out=out)
+        finally:
+            if times is not None:
+                times.began, times.ended = began, time.perf_counter()
 
     @property
     def queued(self) -> int:
@@ -127,6 +178,9 @@ class RowBatcher:
 
     async def _gather(self) -> list[_Request]:
         batch = [await self._queue.get()]
+        while self._engine_busy:  # a lone request's own engine call: what queues meanwhile waits
+            await self._engine_free.wait()
+        self._hold_engine()  # released by _run once these requests are served
         unique = set(batch[0].keys)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.window_s if self._concurrent else 0.0)
@@ -147,14 +201,18 @@ class RowBatcher:
 
     async def _run(self) -> None:
         while True:
-            batch = [r for r in await self._gather() if not r.future.done()]  # drop cancelled requests
-            if not batch:
-                continue
-            self._concurrent = len(batch) > 1
-            now = asyncio.get_running_loop().time()
-            for request in batch:
-                self._on_wait(now - request.enqueued)
-            await self._serve(batch)
+            gathered = await self._gather()
+            try:
+                batch = [r for r in gathered if not r.future.done()]  # drop cancelled requests
+                if not batch:
+                    continue
+                self._concurrent = len(batch) > 1
+                now = asyncio.get_running_loop().time()
+                for request in batch:
+                    self._on_wait(now - request.enqueued)
+                await self._serve(batch)
+            finally:
+                self._release_engine()
 
     async def _serve(self, batch: list[_Request]) -> None:
         ids: dict[Row, Sequence[int]] = {}  # the distinct rows, in the order first asked

@@ -74,14 +74,22 @@ class RowCache(ABC):
         self.metrics = metrics or Metrics()
         self.quiet = quiet or QuietTime()
         self._storing: dict[Key, asyncio.Task[None]] = {}  # key -> its store still under way
+        # Bound once: labels() looks its child up at every call
+        self._get_seconds = self.metrics.cache_duration.labels("get")
+        self._set_seconds = self.metrics.cache_duration.labels("set")
+        self._hits = self.metrics.cache_lookups.labels("hit")
+        self._misses = self.metrics.cache_lookups.labels("miss")
 
     @abstractmethod
     def keys(self, fingerprint: str, adapter: str | None, rows: TokenRows) -> list[Key]:
         """The keys of `rows` of a model (`fingerprint`) and adapter (name and fingerprint)."""
 
     @abstractmethod
-    async def _values(self, keys: Sequence[Key], width: int) -> tuple[list[np.ndarray | None], list[Key]]:
-        """The rows stored under `keys` (None: a miss), and the keys whose values are corrupt."""
+    async def _values(
+        self, keys: Sequence[Key], width: int
+    ) -> tuple[list[np.ndarray | None] | None, list[Key]]:
+        """The rows stored under `keys` (None: a miss; the list None: all are), and the keys whose
+        values are corrupt."""
 
     @abstractmethod
     async def store_rows(self, keys: Sequence[Key], rows: np.ndarray) -> None:
@@ -91,6 +99,7 @@ class RowCache(ABC):
     async def _delete(self, keys: Sequence[Key]) -> None: ...
 
     async def lookup(self, keys: Sequence[Key], width: int) -> list[np.ndarray | None]:
+        """The rows stored under `keys` (None: a miss)."""
         started = time.perf_counter()
         storing = set()
         if not self._storing.keys().isdisjoint(keys):  # in C: rows of an SMC step are all new
@@ -99,7 +108,11 @@ class RowCache(ABC):
             self.quiet.now()
             await asyncio.wait(storing)
         rows, corrupt = await self._values(keys, width)
-        self.metrics.cache_duration.labels("get").observe(time.perf_counter() - started)
+        self._get_seconds.observe(time.perf_counter() - started)
+        if rows is None:
+            self.stats.misses += len(keys)
+            self._misses.inc(len(keys))
+            return [None] * len(keys)
         if corrupt:
             self.stats.corrupt += len(corrupt)
             log.warning("dropping %d corrupted cache values", len(corrupt))
@@ -107,8 +120,8 @@ class RowCache(ABC):
         hits = sum(r is not None for r in rows)
         self.stats.hits += hits
         self.stats.misses += len(rows) - hits
-        self.metrics.cache_lookups.labels("hit").inc(hits)
-        self.metrics.cache_lookups.labels("miss").inc(len(rows) - hits)
+        self._hits.inc(hits)
+        self._misses.inc(len(rows) - hits)
         return rows
 
     def store_later(
@@ -129,7 +142,7 @@ class RowCache(ABC):
             await asyncio.to_thread(landed)
         started = time.perf_counter()
         await self.store_rows(keys, rows)
-        self.metrics.cache_duration.labels("set").observe(time.perf_counter() - started)
+        self._set_seconds.observe(time.perf_counter() - started)
 
     def _stored(self, keys: Sequence[Key], task: asyncio.Task[None]) -> None:
         for key in keys:
@@ -161,9 +174,11 @@ class MemoryRowCache(RowCache):
         scope = _scope(fingerprint, adapter)
         return [scope + packed for packed in rows.packed]
 
-    async def _values(self, keys: Sequence[Key], width: int) -> tuple[list[np.ndarray | None], list[Key]]:
+    async def _values(
+        self, keys: Sequence[Key], width: int
+    ) -> tuple[list[np.ndarray | None] | None, list[Key]]:
         if self._items.isdisjoint(keys):  # in C: rows of an SMC step are all new
-            return [None] * len(keys), []
+            return None, []
         rows = [self._items.get(key) for key in keys]
         return [row if row is not None and row.shape == (width,) else None for row in rows], []
 

@@ -20,6 +20,8 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import partial
+from itertools import repeat
+from operator import is_not
 
 import numpy as np
 
@@ -129,8 +131,9 @@ class DenseService:
         encoding = (
             "shared_memory" if destination is not None else "msgpack" if binary else body.encoding_format
         )
-        self.metrics.dense_rows.labels(served.name, adapter or "", encoding).inc(len(rows))
-        self.metrics.dense_response_bytes.labels(served.name, encoding).inc(sum(len(p) for p in parts))
+        metrics = self.metrics
+        metrics.child(metrics.dense_rows, served.name, adapter or "", encoding).inc(len(rows))
+        metrics.child(metrics.dense_response_bytes, served.name, encoding).inc(sum(map(len, parts)))
         # Milliseconds, for clients and benches: the request read and checked, rows (the cache,
         # the batcher's queue and the engine: `engine` is its call, 0 when every row was cached),
         # encode (or the copy into shared memory).
@@ -179,8 +182,7 @@ class DenseService:
         keys = cache.keys(served.cache_scope, adapter_id, rows)
         vocab_size = served.require_engine().vocab_size
         cached = await cache.lookup(keys, vocab_size)
-        missing = [i for i, row in enumerate(cached) if row is None]
-        if len(missing) == len(rows):  # nothing cached (every SMC step): the engine's rows as they are
+        if not any(map(is_not, cached, repeat(None))):  # nothing cached (every SMC step): rows as they come
             if into is None:
                 computed = await batcher.submit(rows, adapter, times=times)
                 cache.store_later(keys, computed)
@@ -197,6 +199,7 @@ class DenseService:
             else:
                 cache.store_later(keys, computed)
             return computed, 0
+        missing = [i for i, row in enumerate(cached) if row is None]
         out = np.empty((len(rows), vocab_size), dtype=np.float32)
         for i, row in enumerate(cached):
             if row is not None:

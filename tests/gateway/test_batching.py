@@ -100,3 +100,44 @@ async def test_memory_to_write_into_reaches_the_engine_only_for_a_request_alone_
     assert shared is not target and shared[:, 0].tolist() == [9] and target[0, 0] == 0
     assert len(targets) == 2 and len(engine.outputs) == 4
     await batcher.aclose()
+
+
+async def test_a_lone_request_calls_the_engine_itself_and_engine_calls_never_overlap():
+    engine = RecordingEngine()
+    callers, active, most = [], 0, 0
+
+    async def call(rows, adapters, out=None):
+        nonlocal active, most
+        callers.append(asyncio.current_task())
+        active += 1
+        most = max(most, active)
+        try:
+            return await engine(rows, adapters)
+        finally:
+            active -= 1
+
+    batcher = RowBatcher(call, window_s=0.05)
+
+    async def lone():
+        return await batcher.submit(TokenRows.of([[1], [1], [2]]))  # repeats: the engine's to spread
+
+    task = asyncio.create_task(lone())
+    rows = await task
+    assert callers == [task] and rows[:, 0].tolist() == [1, 1, 2]
+    assert batcher.stats.engine_rows == 2 and batcher.stats.largest_batch == 2
+
+    # Requests that come while a lone request's call runs wait for it, then share one call.
+    first = asyncio.create_task(batcher.submit(TokenRows.of([[5]])))
+    await asyncio.sleep(0.002)  # its call under way
+    later = [batcher.submit(TokenRows.of([[6]])), batcher.submit(TokenRows.of([[7]]))]
+    one, two, three = await asyncio.gather(first, *later)
+    assert [one[0, 0], two[0, 0], three[0, 0]] == [5, 6, 7]
+    assert len(engine.outputs) == 3 and len(engine.outputs[-1]) == 2 and most == 1
+
+    # A lone request cancelled during its call leaves the engine to the next request.
+    gone = asyncio.create_task(batcher.submit(TokenRows.of([[8]])))
+    await asyncio.sleep(0.002)
+    gone.cancel()
+    await asyncio.gather(gone, return_exceptions=True)
+    assert (await batcher.submit(TokenRows.of([[9]])))[0, 0] == 9
+    await batcher.aclose()
