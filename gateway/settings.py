@@ -137,6 +137,9 @@ class CacheSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     redis_url: str | None = None  # e.g. redis://cache:6379/0; shared by every replica
     ttl_s: Annotated[int, msgspec.Meta(gt=0)] = 7 * 24 * 3600
     memory_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 2**20  # in-process LRU size
+    # Keys of rows written straight into clients' memory, remembered so that such a row is copied
+    # for the cache only once it is asked again (0: copied the first time)
+    admission_bytes: Annotated[int, msgspec.Meta(ge=0)] = 32 * 2**20
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 0.25  # per Redis call
     retry_after_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0  # skip Redis this long after a failure
     namespace: str = "lpg"

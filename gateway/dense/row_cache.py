@@ -62,6 +62,27 @@ _MAGIC = b"LGR" + bytes([FORMAT])
 _HEADER = struct.Struct("<4sIQ")  # magic+version, float32 count, CRC-32 of the payload
 
 
+class AskedRows:
+    """The keys of rows asked for, remembered in two generations of at most `max_bytes` / 2 of
+    keys each: a key is forgotten after between that many and twice as many bytes of keys came
+    after it. Adding and checking a call's keys are set operations in C."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._recent: set[Key] = set()
+        self._older: set[Key] = set()
+        self._recent_bytes = 0
+
+    def before(self, keys: Sequence[Key]) -> bool:
+        """Whether any of `keys` was asked for before; remembers them all."""
+        asked = not (self._recent.isdisjoint(keys) and self._older.isdisjoint(keys))
+        self._recent.update(keys)
+        self._recent_bytes += sum(map(len, keys))  # type: ignore[arg-type]
+        if 2 * self._recent_bytes > self.max_bytes:
+            self._older, self._recent, self._recent_bytes = self._recent, set(), 0
+        return asked
+
+
 class RowCache(ABC):
     def __init__(
         self,
@@ -69,10 +90,14 @@ class RowCache(ABC):
         stats: CacheStats | None = None,
         metrics: Metrics | None = None,
         quiet: QuietTime | None = None,
+        admission_bytes: int = 0,
     ) -> None:
         self.stats = stats or CacheStats()
         self.metrics = metrics or Metrics()
         self.quiet = quiet or QuietTime()
+        # Rows the engine wrote straight into a client's memory cost a copy of their own to cache:
+        # made only for rows asked before (None: always made).
+        self.asked = AskedRows(admission_bytes) if admission_bytes else None
         self._storing: dict[Key, asyncio.Task[None]] = {}  # key -> its store still under way
         # Bound once: labels() looks its child up at every call
         self._get_seconds = self.metrics.cache_duration.labels("get")
@@ -281,8 +306,11 @@ def build_cache(settings: CacheSettings, metrics: Metrics, quiet: QuietTime) -> 
     if not settings.enabled:
         return None
     stats = CacheStats()
+    admission = settings.admission_bytes
     if not settings.redis_url:
-        return MemoryRowCache(settings.memory_bytes, stats=stats, metrics=metrics, quiet=quiet)
+        return MemoryRowCache(
+            settings.memory_bytes, stats=stats, metrics=metrics, quiet=quiet, admission_bytes=admission
+        )
     store = RedisStore(
         settings.redis_url,
         ttl_s=settings.ttl_s,
@@ -291,4 +319,11 @@ def build_cache(settings: CacheSettings, metrics: Metrics, quiet: QuietTime) -> 
         stats=stats,
         on_error=metrics.cache_errors.inc,
     )
-    return RedisRowCache(store, namespace=settings.namespace, stats=stats, metrics=metrics, quiet=quiet)
+    return RedisRowCache(
+        store,
+        namespace=settings.namespace,
+        stats=stats,
+        metrics=metrics,
+        quiet=quiet,
+        admission_bytes=admission,
+    )

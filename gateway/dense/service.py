@@ -8,9 +8,13 @@
 An engine that can write rows into host memory itself (backends.engine.HostMemory: a GPU engine)
 gets the client's segment, registered with it, as `out` for a request alone in its engine call
 with none of its rows cached and a float32 answer: its rows then reach the client in one copy
-from the device. With an output cache, `out` also names page-locked rows of the engine's own
-(`host_memory.empty`), which the cache keeps once the client's segment has been handed on: the
-answer goes once the client's rows have landed, and the cache's copy is stored once it has too.
+from the device. With an output cache, rows asked for before (`RowCache.asked`) are copied for
+it too: `out` also names page-locked rows of the engine's own (`host_memory.empty`), which the
+cache keeps once the client's segment has been handed on; the answer goes once the client's rows
+have landed, and the cache's copy is stored once it has too. Rows never asked before, every step
+of an SMC loop, get neither the second copy nor the cache's bookkeeping: most are never asked
+again, and the copy, its page-locked memory and the store cost about as much of the gateway's
+time per call as everything else it does (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -186,6 +190,13 @@ class DenseService:
             if into is None:
                 computed = await batcher.submit(rows, adapter, times=times)
                 cache.store_later(keys, computed)
+                return computed, 0
+            if cache.asked is not None and not cache.asked.before(keys):
+                # Rows never asked before (every SMC step): no second copy from the device for
+                # the cache, nor its bookkeeping. Asked again, they are copied and kept.
+                computed = await batcher.submit(rows, adapter, into, times)
+                if computed is not into:  # computed with other requests': the engine's own rows
+                    cache.store_later(keys, computed)
                 return computed, 0
             # The client's segment is handed on with the answer: the cache keeps page-locked rows
             # of the engine's own. `into` is only ever memory registered with the engine's host

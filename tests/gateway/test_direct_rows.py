@@ -16,6 +16,7 @@ import pytest
 from litestar.testing import TestClient
 
 from gateway.app import serving_app
+from gateway.dense.row_cache import AskedRows
 from gateway.dense.shared_memory import SharedMemoryWriter
 from gateway.settings import CacheSettings, ModelSettings, Settings
 from logprob_gateway_client import shared_memory as client_memory
@@ -134,26 +135,31 @@ def test_the_engine_writes_a_registered_segment_itself_and_the_gateway_does_not_
     fd, name, key = memfd(len(rows) * VOCAB * 4 + 4)
     try:
         written = len(writes)
-        document = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
+        target = {"pid": os.getpid(), "fd": fd, "name": name, "key": key}
+        document = ask(client, rows, target)
         assert document["object"] == "next_token_logprobs.shared_memory"
-        # the engine's own write: the segment and a copy of its own for the cache
-        assert writes[written:] == [2] and copies == []
+        # The engine's own write into the segment alone: rows never asked before get no copy
+        # for the cache.
+        assert writes[written:] == [1] and copies == []
         assert registrations and registrations[-1][0] == "register"
         got = np.frombuffer(os.pread(fd, len(rows) * VOCAB * 4, 0), "<f4").reshape(len(rows), VOCAB)
         expected = np.stack([engine.logits(r) for r in rows])
         assert np.array_equal(got, expected)
+        # Asked again: computed again, and this time the engine also copies them for the cache.
+        again = ask(client, rows, target)
+        assert again["usage"]["cache_hits"] == 0 and writes[written:] == [1, 2] and copies == []
         os.pwrite(fd, bytes(len(rows) * VOCAB * 4), 0)
-        # From the output cache this time (the engine's own copy, stored once it had landed):
+        # From the output cache the third time (the engine's own copy, stored once it had landed):
         # the engine is not asked, and the route copies the cached rows.
         monkeypatch.undo()
-        again = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
-        assert again["usage"]["cache_hits"] == len(rows) and len(writes) == written + 1
+        again = ask(client, rows, target)
+        assert again["usage"]["cache_hits"] == len(rows) and len(writes) == written + 2
         got = np.frombuffer(os.pread(fd, len(rows) * VOCAB * 4, 0), "<f4").reshape(len(rows), VOCAB)
         assert np.array_equal(got, expected)
         monkeypatch.setattr("gateway.dense.delivery.copy_into", lambda *args: copies.append(args))
         # An offset that splits a float: no target for the engine, the gateway copies.
-        ask(client, [[7, 8]], {"pid": os.getpid(), "fd": fd, "name": name, "key": key, "offset": 2})
-        assert len(writes) == written + 1 and len(copies) == 1
+        ask(client, [[7, 8]], {**target, "offset": 2})
+        assert len(writes) == written + 2 and len(copies) == 1
     finally:
         os.close(fd)
 
@@ -171,10 +177,12 @@ def test_rows_that_repeat_are_written_by_the_engine_and_cached_once_each(writing
     calls, computed = engine.calls, engine.rows_computed
     try:
         written = len(writes)
-        document = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
+        target = {"pid": os.getpid(), "fd": fd, "name": name, "key": key}
+        ask(client, rows, target)  # first asked: no copy for the cache
+        document = ask(client, rows, target)  # asked again: the engine copies them for the cache
         assert document["rows"] == len(rows) and document["nbytes"] == len(rows) * VOCAB * 4
-        assert writes[written:] == [2] and copies == [] and engine.calls == calls + 1
-        assert engine.rows_computed == computed + 3  # each distinct row once
+        assert writes[written:] == [1, 2] and copies == [] and engine.calls == calls + 2
+        assert engine.rows_computed == computed + 6  # each distinct row once a call
         got = np.frombuffer(os.pread(fd, len(rows) * VOCAB * 4, 0), "<f4").reshape(len(rows), VOCAB)
         assert np.array_equal(got, np.stack([engine.logits(r) for r in rows]))
         # Each distinct row is in the cache under its own key: asked again alone, none is computed.
@@ -184,7 +192,7 @@ def test_rows_that_repeat_are_written_by_the_engine_and_cached_once_each(writing
             assert again["usage"]["cache_hits"] == 1
             got = np.frombuffer(os.pread(fd, VOCAB * 4, 0), "<f4")
             assert np.array_equal(got, engine.logits(row))
-        assert engine.calls == calls + 1
+        assert engine.calls == calls + 2
     finally:
         os.close(fd)
 
@@ -210,3 +218,38 @@ def test_without_an_output_cache_the_engine_keeps_no_copy_of_what_it_wrote(monke
         assert np.array_equal(got, np.stack([engine.logits(r) for r in rows]))
     finally:
         os.close(fd)
+
+
+def test_with_admission_off_the_engine_copies_rows_for_the_cache_at_their_first_ask():
+    settings = Settings(models=[WRITING_MOCK], cache=CacheSettings(admission_bytes=0))
+    litestar_app, served = serving_app(settings)
+    rows = [[21, 22], [23]]
+    fd, name, key = memfd(len(rows) * VOCAB * 4)
+    target = {"pid": os.getpid(), "fd": fd, "name": name, "key": key}
+    try:
+        with TestClient(served) as client:
+            deadline = time.monotonic() + 120
+            while client.get("/health").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            engine = litestar_app.state.registry.models["mock"].engine
+            assert ask(client, rows, target)["usage"]["cache_hits"] == 0
+            assert engine.writes == [2]  # the segment and the cache's copy
+            os.pwrite(fd, bytes(len(rows) * VOCAB * 4), 0)
+            assert ask(client, rows, target)["usage"]["cache_hits"] == len(rows)
+            assert engine.calls == 1
+        got = np.frombuffer(os.pread(fd, len(rows) * VOCAB * 4, 0), "<f4").reshape(len(rows), VOCAB)
+        assert np.array_equal(got, np.stack([engine.logits(r) for r in rows]))
+    finally:
+        os.close(fd)
+
+
+def test_asked_rows_are_remembered_within_their_byte_bound():
+    asked = AskedRows(max_bytes=40)  # generations of 20 bytes of keys
+    assert not asked.before([b"a" * 10, b"b" * 5])
+    # One key asked before is enough; these keys pass 20 bytes: the generation becomes the older.
+    assert asked.before([b"b" * 5]) and asked.before([b"zz", b"a" * 10])
+    assert not asked.before([b"c" * 10])
+    assert asked.before([b"a" * 10])  # still remembered, in the older generation
+    assert not asked.before([b"d" * 25])  # another turn: the first generation is forgotten
+    assert not asked.before([b"b" * 5])
