@@ -74,16 +74,21 @@ class AskedRows:
         self._recent_bytes = 0
 
     def before(self, keys: Sequence[Key]) -> bool:
-        """Whether any of `keys` was asked for before; remembers them all."""
+        """Whether any of `keys` was asked for (or stored) before; remembers them all."""
         asked = not (self._recent.isdisjoint(keys) and self._older.isdisjoint(keys))
+        self.remember(keys)
+        return asked
+
+    def remember(self, keys: Sequence[Key]) -> None:
         self._recent.update(keys)
         self._recent_bytes += sum(map(len, keys))  # type: ignore[arg-type]
         if 2 * self._recent_bytes > self.max_bytes:
             self._older, self._recent, self._recent_bytes = self._recent, set(), 0
-        return asked
 
 
 class RowCache(ABC):
+    shared = False  # other processes store into it too
+
     def __init__(
         self,
         *,
@@ -96,7 +101,8 @@ class RowCache(ABC):
         self.metrics = metrics or Metrics()
         self.quiet = quiet or QuietTime()
         # Rows the engine wrote straight into a client's memory cost a copy of their own to cache:
-        # made only for rows asked before (None: always made).
+        # made only for rows asked before (None: always made). Every key stored is remembered too,
+        # so in a store of this process alone a row never asked before is not there.
         self.asked = AskedRows(admission_bytes) if admission_bytes else None
         self._storing: dict[Key, asyncio.Task[None]] = {}  # key -> its store still under way
         # Bound once: labels() looks its child up at every call
@@ -149,12 +155,19 @@ class RowCache(ABC):
         self._misses.inc(len(rows) - hits)
         return rows
 
+    def missed(self, count: int) -> None:
+        """`count` rows known to be in no store, not looked up."""
+        self.stats.misses += count
+        self._misses.inc(count)
+
     def store_later(
         self, keys: Sequence[Key], rows: np.ndarray, landed: Callable[[], None] | None = None
     ) -> None:
         """Store `rows` once the next engine call begins (or the quiet time's timeout passes) and
         `landed` (blocking, run in a thread) has returned: rows a device may still be copying into
         them; `lookup` of these keys waits for it."""
+        if self.asked is not None:
+            self.asked.remember(keys)
         task = asyncio.create_task(self._store_when_quiet(keys, rows, landed))
         self._storing.update(dict.fromkeys(keys, task))
         task.add_done_callback(lambda done: self._stored(keys, done))
@@ -263,6 +276,8 @@ def unframe(value: bytes | memoryview, width: int) -> np.ndarray | None:
 
 class RedisRowCache(RowCache):
     """Shared by replicas: digests as keys, framed values, a store that reads failures as misses."""
+
+    shared = True
 
     def __init__(self, store: RedisStore, *, namespace: str = "lpg", **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]

@@ -33,7 +33,7 @@ from backends.engine import Engine
 from gateway.dense import delivery
 from gateway.dense.batcher import EngineTimes, RowBatcher
 from gateway.dense.quiet_time import QuietTime
-from gateway.dense.row_cache import RowCache
+from gateway.dense.row_cache import Key, RowCache
 from gateway.dense.shared_memory import Destination, SharedMemoryWriter
 from gateway.dense.token_rows import TokenRows
 from gateway.errors import ContextLengthError, EngineError, GatewayError, InvalidRequestError
@@ -184,6 +184,13 @@ class DenseService:
             return await batcher.submit(rows, adapter, into, times), 0
         adapter_id = None if adapter is None else f"{adapter}:{served.adapters[adapter].fingerprint}"
         keys = cache.keys(served.cache_scope, adapter_id, rows)
+        # Rows never asked for nor stored before (every SMC step) get no second copy from the
+        # device for the cache; asked again, they are kept. In process, they are in no store:
+        # not looked up either.
+        new = into is not None and cache.asked is not None and not cache.asked.before(keys)
+        if new and not cache.shared:
+            cache.missed(len(keys))
+            return await self._written_uncached(batcher, rows, adapter, into, keys, times), 0
         vocab_size = served.require_engine().vocab_size
         cached = await cache.lookup(keys, vocab_size)
         if not any(map(is_not, cached, repeat(None))):  # nothing cached (every SMC step): rows as they come
@@ -191,13 +198,8 @@ class DenseService:
                 computed = await batcher.submit(rows, adapter, times=times)
                 cache.store_later(keys, computed)
                 return computed, 0
-            if cache.asked is not None and not cache.asked.before(keys):
-                # Rows never asked before (every SMC step): no second copy from the device for
-                # the cache, nor its bookkeeping. Asked again, they are copied and kept.
-                computed = await batcher.submit(rows, adapter, into, times)
-                if computed is not into:  # computed with other requests': the engine's own rows
-                    cache.store_later(keys, computed)
-                return computed, 0
+            if new:
+                return await self._written_uncached(batcher, rows, adapter, into, keys, times), 0
             # The client's segment is handed on with the answer: the cache keeps page-locked rows
             # of the engine's own. `into` is only ever memory registered with the engine's host
             # memory (_engine_target), so the engine has that capability.
@@ -221,6 +223,22 @@ class DenseService:
             cache.store_later([keys[i] for i in missing], fresh)
         log.debug("model %s: %d rows, %d from the cache", served.name, len(rows), len(rows) - len(missing))
         return out, len(rows) - len(missing)
+
+    async def _written_uncached(
+        self,
+        batcher: RowBatcher,
+        rows: TokenRows,
+        adapter: str | None,
+        into: np.ndarray,
+        keys: list[Key],
+        times: EngineTimes | None,
+    ) -> np.ndarray:
+        """Rows written into `into` by the engine with no copy for the output cache."""
+        computed = await batcher.submit(rows, adapter, into, times)
+        if computed is not into:  # computed with other requests': the engine's own rows, free to keep
+            assert self.cache is not None
+            self.cache.store_later(keys, computed)
+        return computed
 
     async def aclose(self) -> None:
         for batcher in self.batchers.values():

@@ -253,3 +253,22 @@ def test_asked_rows_are_remembered_within_their_byte_bound():
     assert asked.before([b"a" * 10])  # still remembered, in the older generation
     assert not asked.before([b"d" * 25])  # another turn: the first generation is forgotten
     assert not asked.before([b"b" * 5])
+
+
+def test_rows_kept_from_an_answer_in_the_body_are_hits_when_asked_into_memory(writing_app):
+    """A row the cache kept from another request's answer is found at its first ask into a
+    client's memory: the cache remembers every key it stores."""
+    litestar_app, client = writing_app
+    engine = litestar_app.state.registry.models["mock"].engine
+    rows = [[31, 32], [33]]
+    response = client.post("/v1/next_token_logprobs", json={"model": "mock", "input": rows})
+    assert response.status_code == 200 and response.json()["usage"]["cache_hits"] == 0
+    calls = engine.calls
+    fd, name, key = memfd(len(rows) * VOCAB * 4)
+    try:
+        document = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
+        assert document["usage"]["cache_hits"] == len(rows) and engine.calls == calls
+        got = np.frombuffer(os.pread(fd, len(rows) * VOCAB * 4, 0), "<f4").reshape(len(rows), VOCAB)
+        assert np.array_equal(got, np.stack([engine.logits(r) for r in rows]))
+    finally:
+        os.close(fd)
