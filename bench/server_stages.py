@@ -5,11 +5,11 @@
 
 Runs bench/step_parts.py with these arguments, its gateways stamping the time at each stage of
 every call (bench/stages/sitecustomize.py), then prints, per number of rows, the median µs from
-each stage to the next, in wall-clock time and in the event loop thread's own CPU time, over the second half of that many rows' calls (after the output cache
-filled). The stages, in a call's order: the frame read, the request's task running, the body
-decoded, the model resolved, token checks, the answer's bytes reserved, the client's segment
-found, the cache's keys and lookup, the batcher (queue and merge), the engine call, and the
-answer back through each layer to the socket's write.
+each stage to the next, in wall-clock time and in the event loop thread's own CPU time, over the
+second half of that many rows' calls (after the output cache filled). The stages, in a call's
+order: the frame read, the request's task running, the body decoded, the model resolved, token
+checks, the answer's bytes reserved, the client's segment found, the cache's keys and lookup, the
+batcher, the engine call, and the answer back through each layer to the socket's write.
 """
 
 from __future__ import annotations
