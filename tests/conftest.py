@@ -143,17 +143,17 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 @contextlib.contextmanager
 def mock_app_client(
-    timeout_s: float = 120.0, on_loaded: Callable[[], None] | None = None
+    timeout_s: float = 120.0, on_loaded: Callable[[], None] | None = None, settings: Any = None
 ) -> Iterator[tuple[Any, Any]]:
-    """The app serving the mock engine in this process, once its model is ready (and `on_loaded`
-    has run): the Litestar app (for its state) and a test client of what the server runs (guard
-    and metrics included)."""
+    """The app serving the mock engine in this process (`settings`: a model "mock" by default),
+    once its model is ready (and `on_loaded` has run): the Litestar app (for its state) and a
+    test client of what the server runs (guard and metrics included)."""
     from litestar.testing import TestClient
 
     from gateway.app import serving_app
     from gateway.settings import ModelSettings, Settings
 
-    settings = Settings(models=[ModelSettings(name="mock", backend="mock")])
+    settings = settings or Settings(models=[ModelSettings(name="mock", backend="mock")])
     litestar_app, served = serving_app(settings, on_loaded=on_loaded)
     with TestClient(served) as client:
         deadline = time.monotonic() + timeout_s

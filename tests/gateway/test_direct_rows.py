@@ -8,20 +8,19 @@ from __future__ import annotations
 import fcntl
 import os
 import secrets
-import time
 
 import msgspec
 import numpy as np
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import serving_app
 from gateway.dense.row_cache import AskedRows
 from gateway.dense.shared_memory import SharedMemoryWriter
 from gateway.settings import CacheSettings, ModelSettings, Settings
 from logprob_gateway_client import shared_memory as client_memory
 from logprob_gateway_client.schemas import SharedMemoryTarget
 from logprob_gateway_client.shared_memory import KEY_BYTES
+from tests.conftest import mock_app_client
 
 pytestmark = pytest.mark.skipif(not client_memory.memfd_supported(), reason="memfd is Linux only")
 VOCAB = 49152
@@ -102,13 +101,8 @@ WRITING_MOCK = ModelSettings(name="mock", backend="mock", options={"host_memory"
 
 @pytest.fixture(scope="module")
 def writing_app():
-    litestar_app, served = serving_app(Settings(models=[WRITING_MOCK]))
-    with TestClient(served) as client:
-        deadline = time.monotonic() + 120
-        while client.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        yield litestar_app, client
+    with mock_app_client(settings=Settings(models=[WRITING_MOCK])) as app_and_client:
+        yield app_and_client
 
 
 def ask(client: TestClient, rows, target: dict, model: str = "mock") -> dict:
@@ -199,17 +193,12 @@ def test_rows_that_repeat_are_written_by_the_engine_and_cached_once_each(writing
 
 def test_without_an_output_cache_the_engine_keeps_no_copy_of_what_it_wrote(monkeypatch):
     settings = Settings(models=[WRITING_MOCK], cache=CacheSettings(enabled=False))
-    litestar_app, served = serving_app(settings)
     copies = []
     monkeypatch.setattr("gateway.dense.delivery.copy_into", lambda *args: copies.append(args))
     rows = [[1, 2, 3], [4, 5]]
     fd, name, key = memfd(len(rows) * VOCAB * 4)
     try:
-        with TestClient(served) as client:
-            deadline = time.monotonic() + 120
-            while client.get("/health").status_code != 200:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        with mock_app_client(settings=settings) as (litestar_app, client):
             engine = litestar_app.state.registry.models["mock"].engine
             document = ask(client, rows, {"pid": os.getpid(), "fd": fd, "name": name, "key": key})
         assert document["object"] == "next_token_logprobs.shared_memory"
@@ -222,16 +211,11 @@ def test_without_an_output_cache_the_engine_keeps_no_copy_of_what_it_wrote(monke
 
 def test_with_admission_off_the_engine_copies_rows_for_the_cache_at_their_first_ask():
     settings = Settings(models=[WRITING_MOCK], cache=CacheSettings(admission_bytes=0))
-    litestar_app, served = serving_app(settings)
     rows = [[21, 22], [23]]
     fd, name, key = memfd(len(rows) * VOCAB * 4)
     target = {"pid": os.getpid(), "fd": fd, "name": name, "key": key}
     try:
-        with TestClient(served) as client:
-            deadline = time.monotonic() + 120
-            while client.get("/health").status_code != 200:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        with mock_app_client(settings=settings) as (litestar_app, client):
             engine = litestar_app.state.registry.models["mock"].engine
             assert ask(client, rows, target)["usage"]["cache_hits"] == 0
             assert engine.writes == [2]  # the segment and the cache's copy
