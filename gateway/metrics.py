@@ -191,7 +191,7 @@ def instrument(app: ASGIApp, metrics: Metrics) -> ASGIApp:
                 status = 499  # client closed the request before its response (nginx's code)
             route = scope.get("path_template") or "unmatched"
             model, adapter = scope.get(LABELS_KEY, ("", ""))  # type: ignore[misc]
-            metrics.requests.labels(route, scope["method"], model, adapter, str(status)).inc()
-            metrics.request_duration.labels(route, model).observe(time.perf_counter() - started)
+            metrics.child(metrics.requests, route, scope["method"], model, adapter, str(status)).inc()
+            metrics.child(metrics.request_duration, route, model).observe(time.perf_counter() - started)
 
     return instrumented

@@ -141,8 +141,7 @@ class RowCache(ABC):
         rows, corrupt = await self._values(keys, width)
         self._get_seconds.observe(time.perf_counter() - started)
         if rows is None:
-            self.stats.misses += len(keys)
-            self._misses.inc(len(keys))
+            self.missed(len(keys))
             return [None] * len(keys)
         if corrupt:
             self.stats.corrupt += len(corrupt)
@@ -156,7 +155,7 @@ class RowCache(ABC):
         return rows
 
     def missed(self, count: int) -> None:
-        """`count` rows known to be in no store, not looked up."""
+        """`count` rows in no store: counted as misses."""
         self.stats.misses += count
         self._misses.inc(count)
 
