@@ -103,8 +103,7 @@ class HostMemory(ABC):
 
     @abstractmethod
     def wait_landed(self, array: np.ndarray) -> None:
-        """Block until every row written into `array` (from `empty`, given to a call as a later
-        array of `out`) has landed."""
+        """Block until every row written into `array` (an array of a call's `out`) has landed."""
 
 
 class PrefixCache(ABC):
@@ -160,9 +159,11 @@ class Engine(ABC):
         backends/distinct_rows.py). With `out` (an array, or a tuple of arrays, each float32
         [len(rows), vocab_size]) the rows are in every array of it when the call returns, which
         returns `out` (its first array); with `host_memory`, arrays in memory registered with it
-        or from its `empty` are written from the device in one copy, and a later array of `out`
-        from its `empty` may still be landing when the call returns (`host_memory.wait_landed`):
-        the caller's answer does not wait for the copies it does not read at once.
+        or from its `empty` are written from the device in one copy, and may still be landing
+        when the call returns: the caller waits for each with `host_memory.wait_landed` before
+        reading it (the first lands first). So the caller's thread, asleep through the call,
+        wakes while the device finishes rather than after, and its answer does not wait for the
+        copies it does not read at once.
         """
 
     @abstractmethod

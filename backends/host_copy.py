@@ -83,8 +83,9 @@ def write_rows_into(
     host_memory: CudaHostMemory | None = None,
 ) -> None:
     """Rows from the GPU into each of `arrays` (row positions[i] into array[i], gathered on the
-    device, when given). Returns once the first array's rows have landed; with `host_memory`, the
-    later arrays may still be landing then (its `wait_landed` waits for them), else all have.
+    device, when given). Returns once they have landed; with `host_memory`, once they are queued:
+    its `wait_landed(array)` waits for each, the first array's rows landing before the later
+    arrays' (an answer does not wait for the copies kept for later).
     An array in registered or page-locked memory takes one copy; into pageable memory the
     driver stages it (correct, slower)."""
     answer = rows if positions is None else rows[torch.tensor(positions, device=rows.device)]
@@ -93,16 +94,15 @@ def write_rows_into(
     torch.from_numpy(first).copy_(answer, non_blocking=True)
     landed = torch.cuda.Event()
     landed.record(stream)
-    for array in later:  # queued behind the first copy: the answer does not wait for them
+    for array in later:  # queued behind the first copy
         torch.from_numpy(array).copy_(answer, non_blocking=True)
-    if later:
-        all_landed = torch.cuda.Event()
-        all_landed.record(stream)
-        if host_memory is None:
-            landed = all_landed
-        else:
-            host_memory.landing(later, all_landed)
-    landed.synchronize()
+    all_landed = torch.cuda.Event()
+    all_landed.record(stream)
+    if host_memory is None:
+        all_landed.synchronize()
+        return
+    host_memory.landing([first], landed)
+    host_memory.landing(later, all_landed)
 
 
 class ReusedArrays:

@@ -211,10 +211,10 @@ class MockEngine(Engine):
         if out is None or self.host_memory is None:
             return await computed_rows(self._distinct_rows, rows, adapters, out)
         first, *later = outputs(out)
-        answer = await computed_rows(self._distinct_rows, rows, adapters, first)
-        for array in later:  # the engine's own memory lands when waited for, as from a device
-            self.host_memory.land_later(array, answer.copy())
-        return answer
+        answer = await computed_rows(self._distinct_rows, rows, adapters, None)
+        for array in (first, *later):  # the rows land when waited for, as from a device
+            self.host_memory.land_later(array, answer)
+        return first
 
     async def _distinct_rows(self, rows: list[Sequence[int]], adapters: list[str | None]) -> np.ndarray:
         self.calls += 1

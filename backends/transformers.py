@@ -256,7 +256,9 @@ class TransformersEngine(Engine):
     ) -> np.ndarray:
         distinct = DistinctRows.of(rows, adapters)
         if out is not None and self.host_memory is not None:
-            # Outside the scheduler's shared passes: the copies are this call's alone.
+            # Outside the scheduler's shared passes: the copies are this call's alone. Returns once
+            # they are queued: the caller's wake-up, after sleeping through the call, overlaps the
+            # device's last work instead of following it (host_memory.wait_landed).
             return await self._run(self._write_rows, distinct, outputs(out))
         computed = await self.steps.submit(
             [(r, a, None) for r, a in zip(distinct.rows, distinct.adapters, strict=True)]

@@ -138,17 +138,26 @@ class DenseService:
         metrics = self.metrics
         metrics.child(metrics.dense_rows, served.name, adapter or "", encoding).inc(len(rows))
         metrics.child(metrics.dense_response_bytes, served.name, encoding).inc(sum(map(len, parts)))
+        landing_s = 0.0
+        if into is not None and computed is into:
+            # The engine returned with its copy into the client's memory queued: the answer,
+            # made meanwhile, leaves once the rows have landed (this thread, awake, waits out the
+            # device's last work: never longer than the call's own).
+            assert engine.host_memory is not None
+            landing = time.perf_counter()
+            engine.host_memory.wait_landed(into)
+            landing_s = time.perf_counter() - landing
         # Milliseconds, for clients and benches: the request read and checked, rows (the cache,
-        # the batcher's queue and the engine: `engine` is its call, 0 when every row was cached),
-        # encode (or the copy into shared memory).
-        engine_s = times.ended - times.began
+        # the batcher's queue and the engine: `engine` is its call and its rows' landing, 0 when
+        # every row was cached), encode (or the copy into shared memory).
+        engine_s = times.ended - times.began + landing_s
         timing = ", ".join(
             f"{name};dur={seconds * 1e3:.2f}"
             for name, seconds in (
                 ("parse", started - begun),
-                ("rows", computed_at - started),
+                ("rows", computed_at - started + landing_s),
                 ("engine", engine_s),
-                ("encode", time.perf_counter() - computed_at),
+                ("encode", time.perf_counter() - computed_at - landing_s),
             )
         )
         return Answer(parts, timing, destination is not None)

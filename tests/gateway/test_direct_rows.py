@@ -135,7 +135,10 @@ def test_the_engine_writes_a_registered_segment_itself_and_the_gateway_does_not_
         # The engine's own write into the segment alone: rows never asked before get no copy
         # for the cache.
         assert writes[written:] == [1] and copies == []
-        assert registrations and registrations[-1][0] == "register"
+        # The mock's rows land once waited for, as a device's copy may after the engine returns:
+        # the answer left after the gateway waited for them in the segment it registered.
+        (register, address), (wait, landed) = registrations[-2:]
+        assert (register, wait) == ("register", "wait_landed") and landed == address
         got = np.frombuffer(os.pread(fd, len(rows) * VOCAB * 4, 0), "<f4").reshape(len(rows), VOCAB)
         expected = np.stack([engine.logits(r) for r in rows])
         assert np.array_equal(got, expected)

@@ -1,0 +1,173 @@
+"""The least a call through a second process can cost on this machine: the gateway's path with
+no work in it.
+
+    python bench/wake_floor.py --engine-ms 2 --calls 400 --touch-mb 0 12
+
+An "engine" that keeps its thread busy for --engine-ms (as a CUDA synchronize does), called
+three ways, the ways taking turns call by call:
+
+- in process: an asyncio loop hands the call to a worker thread and waits for it (our engine in
+  process: `run_in_executor`);
+- two processes: the same, behind a Unix socket: the client sends a small frame, the server's
+  loop hands the call to its worker thread and writes a small answer frame back (the gateway's
+  local socket with no work in it);
+- two processes, the worker returning --tail-ms before the engine's end and the loop waiting
+  out the rest itself, awake (the transformers engine's rows landing, waited for by the loop);
+- two processes, the answer written by the worker thread itself (one wake-up fewer).
+
+The server's loop is uvloop's where it is installed (the gateway's, under uvicorn), with --asyncio
+the standard one.
+
+Between calls the client reads --touch-mb megabytes (an SMC step's rows, read by its sampling).
+Prints the median µs each call takes beyond the engine's time: what a same-host gateway cannot
+go under on this machine, whatever its own code does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import socket
+import statistics
+import struct
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+_LENGTH = struct.Struct("<I")
+
+
+def busy(seconds: float) -> float:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+    return seconds
+
+
+def busy_until(deadline: float) -> None:
+    while time.perf_counter() < deadline:
+        pass
+
+
+def serve(path: str, engine_s: float, tail_s: float, use_uvloop: bool, ready: multiprocessing.synchronize.Event) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        executor = ThreadPoolExecutor(1)
+
+        class Connection(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                self.transport = transport
+                self.sock = transport.get_extra_info("socket")
+
+            def data_received(self, data: bytes) -> None:
+                if data[4:5] == b"t":  # the worker thread answers
+                    executor.submit(self.answer_from_thread)
+                else:
+                    asyncio.ensure_future(self.answer(tail_s if data[4:5] == b"w" else 0.0))
+
+            async def answer(self, tail: float) -> None:
+                deadline = time.perf_counter() + engine_s
+                await loop.run_in_executor(executor, busy_until, deadline - tail)
+                busy_until(deadline)
+                self.transport.write(_LENGTH.pack(2) + b"ok")
+
+            def answer_from_thread(self) -> None:
+                busy(engine_s)
+                os.write(self.sock.fileno(), _LENGTH.pack(2) + b"ok")
+
+        server = await loop.create_unix_server(Connection, path)
+        ready.set()
+        async with server:
+            await server.serve_forever()
+
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            use_uvloop = False
+    if use_uvloop:
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+
+
+async def measure(args: argparse.Namespace, path: str) -> dict[str, list[float]]:
+    loop = asyncio.get_running_loop()
+    executor = ThreadPoolExecutor(1)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, path)
+    engine_s = args.engine_ms / 1e3
+
+    async def in_process() -> None:
+        await loop.run_in_executor(executor, busy, engine_s)
+
+    async def remote(tag: bytes) -> None:
+        await loop.sock_sendall(sock, _LENGTH.pack(1) + tag)
+        received = b""
+        while len(received) < 6:
+            received += await loop.sock_recv(sock, 64)
+
+    ways = {
+        "in process": in_process,
+        "two processes": lambda: remote(b"l"),
+        f"two processes, the loop waiting the last {args.tail_ms} ms": lambda: remote(b"w"),
+        "two processes, answered by the worker": lambda: remote(b"t"),
+    }
+    results: dict[str, list[float]] = {}
+    for mb in args.touch_mb:
+        rows = np.ones((mb << 20) // 4, dtype=np.float32) if mb else None
+        for i in range(args.calls):
+            for name, call in ways.items():
+                if rows is not None:
+                    rows.sum()
+                started = time.perf_counter()
+                await call()
+                if i >= args.calls // 10:
+                    results.setdefault(f"{name}|{mb}", []).append(time.perf_counter() - started - engine_s)
+    sock.close()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine-ms", type=float, default=2.0)
+    parser.add_argument("--calls", type=int, default=400)
+    parser.add_argument("--touch-mb", type=int, nargs="+", default=[0, 12])
+    parser.add_argument("--tail-ms", type=float, default=0.5)
+    parser.add_argument("--asyncio", action="store_true", help="the server's loop: asyncio's, not uvloop's")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "floor.sock")
+        ready = multiprocessing.get_context("spawn").Event()
+        server = multiprocessing.get_context("spawn").Process(
+            target=serve, args=(path, args.engine_ms / 1e3, args.tail_ms / 1e3, not args.asyncio, ready), daemon=True
+        )
+        server.start()
+        try:
+            ready.wait(30)
+            results = asyncio.run(measure(args, path))
+        finally:
+            server.terminate()
+            server.join()
+    loop = "asyncio" if args.asyncio else "uvloop (where installed)"
+    print(f"\n### A call beyond its {args.engine_ms} ms engine, median (p90) µs, {os.cpu_count()} CPUs, server loop {loop}\n")
+    names = list(dict.fromkeys(key.split("|")[0] for key in results))
+    print("| way | " + " | ".join(f"client reads {mb} MB between calls" for mb in args.touch_mb) + " |")
+    print("| --- |" + " ---: |" * len(args.touch_mb))
+    for name in names:
+        cells = []
+        for mb in args.touch_mb:
+            values = sorted(results[f"{name}|{mb}"])
+            cells.append(f"{statistics.median(values) * 1e6:.0f} ({values[int(len(values) * 0.9)] * 1e6:.0f})")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    threading.excepthook = lambda hook_args: None
+    main()
