@@ -9,7 +9,8 @@ each stage to the next, in wall-clock time and in the event loop thread's own CP
 second half of that many rows' calls (after the output cache filled). The stages, in a call's
 order: the frame read, the request's task running, the body decoded, the model resolved, token
 checks, the answer's bytes reserved, the client's segment found, the cache's keys and lookup, the
-batcher, the engine call, and the answer back through each layer to the socket's write.
+batcher, the engine call, the rows landing in the client's memory, and the answer back through
+each layer to the socket's write.
 """
 
 from __future__ import annotations
@@ -60,9 +61,14 @@ def table(found: list[dict[str, tuple[float, float]]]) -> None:
         for first, then in zip(order, order[1:], strict=False):
             print(f"| {first} | {then} | {gap(first, then, 0):.1f} | {gap(first, then, 1):.1f} |")
         print(f"| frame in | sent | {gap('frame in', 'sent', 0):.1f} | {gap('frame in', 'sent', 1):.1f} |")
-        own = [gap("frame in", "sent", clock) - gap("engine", "engine done", clock) for clock in (0, 1)]
+        device = [
+            gap("engine", "engine done", clock) + (gap("landing", "landed", clock) if "landing" in order else 0.0)
+            for clock in (0, 1)
+        ]
+        own = [gap("frame in", "sent", clock) - device[clock] for clock in (0, 1)]
         print(
-            f"\nthe server's own part (frame to write, less the engine call): {own[0]:.0f} µs, "
+            "\nthe server's own part (frame to write, less the engine call and the rows' landing): "
+            f"{own[0]:.0f} µs, "
             f"of which the loop thread ran {own[1]:.0f} µs (the rest it waited: the interpreter lock, "
             "other threads, the scheduler)"
         )

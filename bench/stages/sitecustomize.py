@@ -75,15 +75,19 @@ if os.environ.get("STAGE_OUT"):
     sv.DenseService.rows = _rows(sv.DenseService.rows)
     _wrap_async(gateway.dense.row_cache.RowCache, "lookup", "lookup", "looked up")
     _wrap_async(gateway.dense.batcher.RowBatcher, "submit", "batcher", "batcher done")
-    engines = [backends.mock.MockEngine]
+    engines, host_memories = [backends.mock.MockEngine], [backends.mock.MockHostMemory]
     try:
+        import backends.host_copy
         import backends.transformers
 
         engines.append(backends.transformers.TransformersEngine)
+        host_memories.append(backends.host_copy.CudaHostMemory)
     except Exception:  # noqa: BLE001 (no torch: the mock alone)
         pass
     for engine in engines:
         _wrap_async(engine, "next_token_logprobs", "engine", "engine done")
+    for host_memory in host_memories:  # the client's rows landing, after the engine call
+        _wrap(host_memory, "wait_landed", "landing", "landed")
     _wrap(ls._Connection, "_send", "send", "sent")
 
     def _dump() -> None:
