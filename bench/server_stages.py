@@ -62,7 +62,8 @@ def table(found: list[dict[str, tuple[float, float]]]) -> None:
             print(f"| {first} | {then} | {gap(first, then, 0):.1f} | {gap(first, then, 1):.1f} |")
         print(f"| frame in | sent | {gap('frame in', 'sent', 0):.1f} | {gap('frame in', 'sent', 1):.1f} |")
         device = [
-            gap("engine", "engine done", clock) + (gap("landing", "landed", clock) if "landing" in order else 0.0)
+            gap("engine", "engine done", clock)
+            + (gap("landing", "landed", clock) if "landing" in order else 0.0)
             for clock in (0, 1)
         ]
         own = [gap("frame in", "sent", clock) - device[clock] for clock in (0, 1)]

@@ -29,7 +29,9 @@ VOCAB = 49152
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--particles", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=300)
     args = parser.parse_args()

@@ -54,7 +54,9 @@ def busy_until(deadline: float) -> None:
         pass
 
 
-def serve(path: str, engine_s: float, tail_s: float, use_uvloop: bool, ready: multiprocessing.synchronize.Event) -> None:
+def serve(
+    path: str, engine_s: float, tail_s: float, use_uvloop: bool, ready: multiprocessing.synchronize.Event
+) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         executor = ThreadPoolExecutor(1)
@@ -135,7 +137,9 @@ async def measure(args: argparse.Namespace, path: str) -> dict[str, list[float]]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--engine-ms", type=float, default=2.0)
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--touch-mb", type=int, nargs="+", default=[0, 12])
@@ -146,7 +150,9 @@ def main() -> None:
         path = os.path.join(tmp, "floor.sock")
         ready = multiprocessing.get_context("spawn").Event()
         server = multiprocessing.get_context("spawn").Process(
-            target=serve, args=(path, args.engine_ms / 1e3, args.tail_ms / 1e3, not args.asyncio, ready), daemon=True
+            target=serve,
+            args=(path, args.engine_ms / 1e3, args.tail_ms / 1e3, not args.asyncio, ready),
+            daemon=True,
         )
         server.start()
         try:
@@ -156,7 +162,9 @@ def main() -> None:
             server.terminate()
             server.join()
     loop = "asyncio" if args.asyncio else "uvloop (where installed)"
-    print(f"\n### A call beyond its {args.engine_ms} ms engine, median (p90) µs, {os.cpu_count()} CPUs, server loop {loop}\n")
+    print(
+        f"\n### A call beyond its {args.engine_ms} ms engine, median (p90) µs, {os.cpu_count()} CPUs, server loop {loop}\n"
+    )
     names = list(dict.fromkeys(key.split("|")[0] for key in results))
     print("| way | " + " | ".join(f"client reads {mb} MB between calls" for mb in args.touch_mb) + " |")
     print("| --- |" + " ---: |" * len(args.touch_mb))
@@ -164,7 +172,9 @@ def main() -> None:
         cells = []
         for mb in args.touch_mb:
             values = sorted(results[f"{name}|{mb}"])
-            cells.append(f"{statistics.median(values) * 1e6:.0f} ({values[int(len(values) * 0.9)] * 1e6:.0f})")
+            cells.append(
+                f"{statistics.median(values) * 1e6:.0f} ({values[int(len(values) * 0.9)] * 1e6:.0f})"
+            )
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
