@@ -146,9 +146,11 @@ class CudaHostMemory(HostMemory):
     def __init__(self, vocab_size: int, max_reused_bytes: int = 128 << 20) -> None:
         self.vocab_size = vocab_size
         self._arrays = ReusedArrays(self._page_locked, max_reused_bytes)
-        # Copies still under way, by the address of the array they land in. An address that
-        # torch's host allocator hands out again replaces its entry, so this stays small.
-        self._landing: dict[int, torch.cuda.Event] = {}
+        # Copies still under way, by the address of the array they land in, with that array: a
+        # view kept alive keeps its memory registered and mapped (a client's segment) or out of
+        # reuse (page-locked rows) until the copy has landed, also for a caller that never waits
+        # (a request cancelled during its engine call).
+        self._landing: dict[int, tuple[torch.cuda.Event, np.ndarray]] = {}
         self._lock = threading.Lock()  # the engine's thread records, the cache's threads wait
 
     def register(self, address: int, size: int) -> bool:
@@ -166,14 +168,17 @@ class CudaHostMemory(HostMemory):
     def landing(self, arrays: Sequence[np.ndarray], landed: torch.cuda.Event) -> None:
         """`arrays` are written once `landed` has happened."""
         with self._lock:
+            # Copies nobody waited for let go of their arrays once landed: this stays small.
+            for address in [a for a, (event, _) in self._landing.items() if event.query()]:
+                del self._landing[address]
             for array in arrays:
-                self._landing[array.ctypes.data] = landed
+                self._landing[array.ctypes.data] = (landed, array)
 
     def wait_landed(self, array: np.ndarray) -> None:
         with self._lock:
-            landed = self._landing.pop(array.ctypes.data, None)
-        if landed is not None:
-            landed.synchronize()
+            landing = self._landing.pop(array.ctypes.data, None)
+        if landing is not None:
+            landing[0].synchronize()
 
 
 # Looked up once (the check runs after every dense call): empty_host_cache is public from torch

@@ -178,3 +178,27 @@ async def test_the_engine_writes_rows_that_repeat_into_every_array_of_out(model_
         np.testing.assert_allclose(out[0], _expected(engine, rows), rtol=0, atol=1e-4)
     finally:
         await engine.aclose()
+
+
+@cuda
+def test_a_copy_nobody_waits_for_keeps_its_array_until_it_has_landed():
+    """A request cancelled during its engine call never waits for its rows: the memory they land in
+    stays viewed (so registered, mapped, not reused) until they have landed."""
+    import gc
+    import weakref
+
+    from backends.host_copy import CudaHostMemory, write_rows_into
+
+    memory = CudaHostMemory(1 << 16)
+    rows = torch.randn(64, 1 << 16, device="cuda")
+    torch.cuda._sleep(200_000_000)  # the copy queues behind a long kernel: still under way below
+    into = memory.empty(64)
+    kept = weakref.ref(into)
+    write_rows_into(rows, (into,), None, memory)
+    del into
+    gc.collect()
+    assert kept() is not None
+    torch.cuda.synchronize()
+    write_rows_into(rows, (memory.empty(64),), None, memory)  # the next call lets go of landed ones
+    gc.collect()
+    assert kept() is None
