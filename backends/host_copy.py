@@ -92,17 +92,23 @@ def write_rows_into(
     stream = torch.cuda.current_stream(rows.device)
     first, *later = arrays
     torch.from_numpy(first).copy_(answer, non_blocking=True)
-    landed = torch.cuda.Event()
-    landed.record(stream)
+    landings = [(first, _recorded(stream))] if host_memory is not None else []
     for array in later:  # queued behind the first copy
         torch.from_numpy(array).copy_(answer, non_blocking=True)
-    all_landed = torch.cuda.Event()
-    all_landed.record(stream)
     if host_memory is None:
-        all_landed.synchronize()
+        stream.synchronize()
         return
-    host_memory.landing([first], landed)
-    host_memory.landing(later, all_landed)
+    if later:
+        all_landed = _recorded(stream)
+        landings += [(array, all_landed) for array in later]
+    host_memory.landing(landings)
+
+
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """An event that happens once the work queued on `stream` so far has."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 class ReusedArrays:
@@ -165,13 +171,13 @@ class CudaHostMemory(HostMemory):
     def _page_locked(self, rows: int) -> np.ndarray:
         return torch.empty((rows, self.vocab_size), dtype=torch.float32, pin_memory=True).numpy()
 
-    def landing(self, arrays: Sequence[np.ndarray], landed: torch.cuda.Event) -> None:
-        """`arrays` are written once `landed` has happened."""
+    def landing(self, landings: Sequence[tuple[np.ndarray, torch.cuda.Event]]) -> None:
+        """Each array is written once its event has happened."""
         with self._lock:
             # Copies nobody waited for let go of their arrays once landed: this stays small.
             for address in [a for a, (event, _) in self._landing.items() if event.query()]:
                 del self._landing[address]
-            for array in arrays:
+            for array, landed in landings:
                 self._landing[array.ctypes.data] = (landed, array)
 
     def wait_landed(self, array: np.ndarray) -> None:

@@ -122,9 +122,10 @@ class DenseService:
         tokens = sum(map(len, rows.ids))
         usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens, cache_hits=hits)
         computed_at = time.perf_counter()
-        if into is not None and computed is into:  # a few hundred bytes to say so: no thread hop
+        written = into is not None and computed is into  # by the engine, into the client's memory
+        if written:  # a few hundred bytes to say so: no thread hop
             assert destination is not None
-            parts = delivery.in_shared_memory(into, body, usage, binary, destination.view, True)
+            parts = delivery.in_shared_memory(computed, body, usage, binary, destination.view, True)
         # Copying or encoding megabytes of floats would stall the event loop: a worker thread does.
         elif destination is not None:
             parts = await asyncio.to_thread(
@@ -139,13 +140,13 @@ class DenseService:
         metrics.child(metrics.dense_rows, served.name, adapter or "", encoding).inc(len(rows))
         metrics.child(metrics.dense_response_bytes, served.name, encoding).inc(sum(map(len, parts)))
         landing_s = 0.0
-        if into is not None and computed is into:
+        if written:
             # The engine returned with its copy into the client's memory queued: the answer,
             # made meanwhile, leaves once the rows have landed (this thread, awake, waits out the
             # device's last work: never longer than the call's own).
             assert engine.host_memory is not None
             landing = time.perf_counter()
-            engine.host_memory.wait_landed(into)
+            engine.host_memory.wait_landed(computed)
             landing_s = time.perf_counter() - landing
         # Milliseconds, for clients and benches: the request read and checked, rows (the cache,
         # the batcher's queue and the engine: `engine` is its call and its rows' landing, 0 when
