@@ -1,4 +1,5 @@
-"""Where the gateway's own time goes within a dense call over the local socket, stage by stage.
+"""Where the gateway's and the client's own time goes within a dense call over the local socket,
+stage by stage.
 
     python bench/server_stages.py --mock-vocab 16384 --particles 16 64
     python bench/server_stages.py --random-model llama-1b --tokenizer DIR --device cuda --dtype bfloat16 --particles 16 64
@@ -10,7 +11,10 @@ second half of that many rows' calls (after the output cache filled). The stages
 order: the frame read, the request's task running, the body decoded, the model resolved, token
 checks, the answer's bytes reserved, the client's segment found, the cache's keys and lookup, the
 batcher, the engine call, the rows landing in the client's memory, and the answer back through
-each layer to the socket's write.
+each layer to the socket's write. Then the same for the client (`AsyncGatewayLM` in the bench,
+its calls over the local socket): the call, its keys and the request, the segment's lease, the
+exchange over the socket, the answer's matrix, its rows filed in the client's row cache, the
+tensor, the return.
 """
 
 from __future__ import annotations
@@ -26,13 +30,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def calls(path: Path) -> list[dict[str, tuple[float, float]]]:
-    """Each call's first (wall clock, the loop thread's CPU time) at each stage, and its rows
-    (`rows`)."""
+SERVER, CLIENT = ("frame in", "sent"), ("call", "returned")  # each side's first and last stage
+
+
+def calls(path: Path) -> tuple[tuple[str, str], list[dict[str, tuple[float, float]]]]:
+    """Which side stamped `path`, and each call's first (wall clock, the loop thread's CPU time)
+    at each stage, and its rows (`rows`). The client's calls over HTTP are left out."""
+    lines = [line.split("\t") for line in path.read_text().splitlines()]
+    side = SERVER if any(name == SERVER[0] for name, _, _ in lines) else CLIENT
     out: list[dict[str, tuple[float, float]]] = []
-    for line in path.read_text().splitlines():
-        name, stamp, cpu = line.split("\t")
-        if name == "frame in":
+    for name, stamp, cpu in lines:
+        if name == SERVER[0] or (side is CLIENT and name.startswith("rows=")):
             out.append({})
         if not out:
             continue
@@ -40,17 +48,21 @@ def calls(path: Path) -> list[dict[str, tuple[float, float]]]:
             out[-1]["rows"] = (float(name[5:]), 0.0)
         else:
             out[-1].setdefault(name, (float(stamp), float(cpu)))
-    return [c for c in out if "sent" in c and "rows" in c]
+    if side is CLIENT:
+        out = [c for c in out if "socket call" in c]
+    return side, [c for c in out if side[1] in c and "rows" in c]
 
 
-def table(found: list[dict[str, tuple[float, float]]]) -> None:
+def table(side: tuple[str, str], found: list[dict[str, tuple[float, float]]]) -> None:
+    start, end = side
     by_rows: dict[int, list[dict[str, tuple[float, float]]]] = collections.defaultdict(list)
     for call in found:
         by_rows[int(call["rows"][0])].append(call)
     for rows, group in sorted(by_rows.items()):
         steady = group[len(group) // 2 :]
         order = sorted((k for k in steady[-1] if k != "rows"), key=lambda k: steady[-1][k][0])
-        print(f"\n### {rows} rows: median µs from each stage to the next ({len(steady)} calls)\n")
+        who = "server" if side is SERVER else "client"
+        print(f"\n### {rows} rows, the {who}: median µs from each stage to the next ({len(steady)} calls)\n")
         print("| from | to | µs | the loop thread's CPU µs |\n| --- | --- | ---: | ---: |")
 
         def gap(first: str, then: str, clock: int, calls: list = steady) -> float:
@@ -60,7 +72,14 @@ def table(found: list[dict[str, tuple[float, float]]]) -> None:
 
         for first, then in zip(order, order[1:], strict=False):
             print(f"| {first} | {then} | {gap(first, then, 0):.1f} | {gap(first, then, 1):.1f} |")
-        print(f"| frame in | sent | {gap('frame in', 'sent', 0):.1f} | {gap('frame in', 'sent', 1):.1f} |")
+        print(f"| {start} | {end} | {gap(start, end, 0):.1f} | {gap(start, end, 1):.1f} |")
+        if side is CLIENT:
+            own = [gap(start, end, clock) - gap("socket call", "socket answered", clock) for clock in (0, 1)]
+            print(
+                f"\nthe client's own part (the call less its exchange over the socket): {own[0]:.0f} µs, of "
+                f"which its thread ran {own[1]:.0f} µs"
+            )
+            continue
         device = [
             gap("engine", "engine done", clock)
             + (gap("landing", "landed", clock) if "landing" in order else 0.0)
@@ -81,7 +100,7 @@ def main() -> None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "stages"), env.get("PYTHONPATH")]))
         subprocess.run([sys.executable, str(HERE / "step_parts.py"), *sys.argv[1:]], env=env, check=True)
         for path in sorted(Path(tmp).glob("stages-*")):
-            table(calls(path))
+            table(*calls(path))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,11 @@ three ways, the ways taking turns call by call:
   local socket with no work in it);
 - two processes, the worker returning --tail-ms before the engine's end and the loop waiting
   out the rest itself, awake (the transformers engine's rows landing, waited for by the loop);
-- two processes, the answer written by the worker thread itself (one wake-up fewer).
+- two processes, the answer written by the worker thread itself (one wake-up fewer);
+- two processes, the loop waiting as above and the client polling its socket awake (asyncio
+  turning without sleeping) over the same last --tail-ms instead of sleeping until the answer;
+- the same, and the server's loop also polling awake for up to --linger-ms after each answer, for
+  the next call (a wake-up at each end kept warm).
 
 The server's loop is uvloop's where it is installed (the gateway's, under uvicorn), with --asyncio
 the standard one.
@@ -55,7 +59,12 @@ def busy_until(deadline: float) -> None:
 
 
 def serve(
-    path: str, engine_s: float, tail_s: float, use_uvloop: bool, ready: multiprocessing.synchronize.Event
+    path: str,
+    engine_s: float,
+    tail_s: float,
+    linger_s: float,
+    use_uvloop: bool,
+    ready: multiprocessing.synchronize.Event,
 ) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -67,16 +76,23 @@ def serve(
                 self.sock = transport.get_extra_info("socket")
 
             def data_received(self, data: bytes) -> None:
-                if data[4:5] == b"t":  # the worker thread answers
+                self.received = True
+                tag = data[4:5]
+                if tag == b"t":  # the worker thread answers
                     executor.submit(self.answer_from_thread)
                 else:
-                    asyncio.ensure_future(self.answer(tail_s if data[4:5] == b"w" else 0.0))
+                    asyncio.ensure_future(self.answer(0.0 if tag == b"l" else tail_s, tag == b"b"))
 
-            async def answer(self, tail: float) -> None:
+            async def answer(self, tail: float, linger: bool) -> None:
                 deadline = time.perf_counter() + engine_s
                 await loop.run_in_executor(executor, busy_until, deadline - tail)
                 busy_until(deadline)
                 self.transport.write(_LENGTH.pack(2) + b"ok")
+                if linger:  # the loop polls, awake, for the next request a while
+                    self.received = False
+                    until = time.perf_counter() + linger_s
+                    while not self.received and time.perf_counter() < until:
+                        await asyncio.sleep(0)
 
             def answer_from_thread(self) -> None:
                 busy(engine_s)
@@ -104,22 +120,37 @@ async def measure(args: argparse.Namespace, path: str) -> dict[str, list[float]]
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setblocking(False)
     await loop.sock_connect(sock, path)
-    engine_s = args.engine_ms / 1e3
+    engine_s, tail_s = args.engine_ms / 1e3, args.tail_ms / 1e3
 
     async def in_process() -> None:
         await loop.run_in_executor(executor, busy, engine_s)
 
-    async def remote(tag: bytes) -> None:
+    async def remote(tag: bytes, poll: bool = False) -> None:
+        sent = time.perf_counter()
         await loop.sock_sendall(sock, _LENGTH.pack(1) + tag)
         received = b""
         while len(received) < 6:
-            received += await loop.sock_recv(sock, 64)
+            reading = asyncio.ensure_future(loop.sock_recv(sock, 64))
+            if poll:  # asleep until the engine's last --tail-ms, then polling awake
+                await asyncio.wait(
+                    {reading}, timeout=max(0.0, sent + engine_s - tail_s - time.perf_counter())
+                )
+                until = time.perf_counter() + 2 * tail_s
+                while not reading.done() and time.perf_counter() < until:
+                    await asyncio.sleep(0)
+            received += await reading
 
     ways = {
         "in process": in_process,
         "two processes": lambda: remote(b"l"),
         f"two processes, the loop waiting the last {args.tail_ms} ms": lambda: remote(b"w"),
         "two processes, answered by the worker": lambda: remote(b"t"),
+        "two processes, the loop waiting, the client polling awake the same last ms": lambda: remote(
+            b"w", True
+        ),
+        f"the same, the server's loop also polling {args.linger_ms} ms for the next call": lambda: remote(
+            b"b", True
+        ),
     }
     results: dict[str, list[float]] = {}
     for mb in args.touch_mb:
@@ -144,6 +175,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--touch-mb", type=int, nargs="+", default=[0, 12])
     parser.add_argument("--tail-ms", type=float, default=0.5)
+    parser.add_argument("--linger-ms", type=float, default=3.0)
     parser.add_argument("--asyncio", action="store_true", help="the server's loop: asyncio's, not uvloop's")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,7 +183,14 @@ def main() -> None:
         ready = multiprocessing.get_context("spawn").Event()
         server = multiprocessing.get_context("spawn").Process(
             target=serve,
-            args=(path, args.engine_ms / 1e3, args.tail_ms / 1e3, not args.asyncio, ready),
+            args=(
+                path,
+                args.engine_ms / 1e3,
+                args.tail_ms / 1e3,
+                args.linger_ms / 1e3,
+                not args.asyncio,
+                ready,
+            ),
             daemon=True,
         )
         server.start()
