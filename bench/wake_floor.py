@@ -4,7 +4,7 @@ no work in it.
     python bench/wake_floor.py --engine-ms 2 --calls 400 --touch-mb 0 12
 
 An "engine" that keeps its thread busy for --engine-ms (as a CUDA synchronize does), called
-three ways, the ways taking turns call by call:
+several ways, the ways taking turns call by call:
 
 - in process: an asyncio loop hands the call to a worker thread and waits for it (our engine in
   process: `run_in_executor`);
@@ -17,7 +17,8 @@ three ways, the ways taking turns call by call:
 - two processes, the loop waiting as above and the client polling its socket awake (asyncio
   turning without sleeping) over the same last --tail-ms instead of sleeping until the answer;
 - the same, and the server's loop also polling awake for up to --linger-ms after each answer, for
-  the next call (a wake-up at each end kept warm).
+  the next call (a wake-up at each end kept warm); these calls run back to back after the others,
+  as a lingering loop takes a core from whatever call follows it.
 
 The server's loop is uvloop's where it is installed (the gateway's, under uvicorn), with --asyncio
 the standard one.
@@ -130,15 +131,16 @@ async def measure(args: argparse.Namespace, path: str) -> dict[str, list[float]]
         await loop.sock_sendall(sock, _LENGTH.pack(1) + tag)
         received = b""
         while len(received) < 6:
-            reading = asyncio.ensure_future(loop.sock_recv(sock, 64))
-            if poll:  # asleep until the engine's last --tail-ms, then polling awake
-                await asyncio.wait(
-                    {reading}, timeout=max(0.0, sent + engine_s - tail_s - time.perf_counter())
-                )
-                until = time.perf_counter() + 2 * tail_s
-                while not reading.done() and time.perf_counter() < until:
-                    await asyncio.sleep(0)
-            received += await reading
+            received += await (polled(sent) if poll else loop.sock_recv(sock, 64))
+
+    async def polled(sent: float) -> bytes:
+        """The socket read, asleep until the engine's last --tail-ms, then polling awake."""
+        reading = asyncio.ensure_future(loop.sock_recv(sock, 64))
+        await asyncio.wait({reading}, timeout=max(0.0, sent + engine_s - tail_s - time.perf_counter()))
+        until = time.perf_counter() + 2 * tail_s
+        while not reading.done() and time.perf_counter() < until:
+            await asyncio.sleep(0)
+        return await reading
 
     ways = {
         "in process": in_process,
@@ -148,21 +150,29 @@ async def measure(args: argparse.Namespace, path: str) -> dict[str, list[float]]
         "two processes, the loop waiting, the client polling awake the same last ms": lambda: remote(
             b"w", True
         ),
-        f"the same, the server's loop also polling {args.linger_ms} ms for the next call": lambda: remote(
-            b"b", True
-        ),
+    }
+    # A lingering server keeps a core busy into whatever call comes next, and only a call that
+    # follows one of its own finds it awake: its calls run back to back, after the others.
+    lingering = {
+        f"the same, the server's loop also polling {args.linger_ms} ms for the next call (back to back)": lambda: (
+            remote(b"b", True)
+        )
     }
     results: dict[str, list[float]] = {}
     for mb in args.touch_mb:
         rows = np.ones((mb << 20) // 4, dtype=np.float32) if mb else None
-        for i in range(args.calls):
-            for name, call in ways.items():
-                if rows is not None:
-                    rows.sum()
-                started = time.perf_counter()
-                await call()
-                if i >= args.calls // 10:
-                    results.setdefault(f"{name}|{mb}", []).append(time.perf_counter() - started - engine_s)
+        for turns in ([ways] * args.calls, [lingering] * args.calls):
+            for i, turn in enumerate(turns):
+                for name, call in turn.items():
+                    if rows is not None:
+                        rows.sum()
+                    started = time.perf_counter()
+                    await call()
+                    if i >= args.calls // 10:
+                        results.setdefault(f"{name}|{mb}", []).append(
+                            time.perf_counter() - started - engine_s
+                        )
+            await asyncio.sleep(2 * args.linger_ms / 1e3)  # the server's loop asleep again
     sock.close()
     return results
 
