@@ -119,10 +119,15 @@ class StructuredOutputs(ABC):
     `SamplingParams.grammar` allows, and ends (end-of-sequence) where it is complete."""
 
     @abstractmethod
-    async def check(self, grammar: Grammar, timeout_s: float) -> None:
-        """GrammarError, with the grammar engine's message, if `grammar` is invalid, asks for what
-        the engine cannot enforce, or does not compile within `timeout_s`. Compiled grammars are
-        kept by content, so the generation that follows does not compile it again."""
+    async def check(
+        self, grammar: Grammar, timeout_s: float, workers: int = 2, max_waiting: int = 8
+    ) -> Grammar:
+        """`grammar` carrying its compiled form (`Grammar.compiled`), which the generation that
+        follows uses, so it never compiles again; GrammarError, with the grammar engine's message,
+        if `grammar` is invalid, asks for what the engine cannot enforce, crashes the grammar
+        engine, or does not compile within `timeout_s` of its compile's start. Compiles run in
+        `workers` processes (read at the first check), with at most `max_waiting` grammars waiting
+        for one (GrammarBusyError, a GrammarError, beyond). Verdicts are kept by content."""
 
 
 class Engine(ABC):

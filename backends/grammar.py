@@ -6,11 +6,14 @@ vocabulary it compiles a JSON schema in 1-3 ms where xgrammar takes 1-70 ms, fil
 masks faster, and refuses the schema keywords it cannot enforce instead of dropping them
 (docs/performance.md, "Grammar engines on our vocabulary"; docs/api.md).
 
-Compiles run on threads of their own (llguidance releases the GIL while it builds a grammar), one
-per grammar however many requests ask for it at once, and are kept by content, failures
-included. A caller waits at most its timeout; a compile still running past it goes on and lands
-in the cache, so asking again is quick either way. llguidance's own limits (its default
-`LLParserLimits`) bound the work of a compile and of every mask.
+A grammar is compiled first in a worker process (backends/grammar_pool.py), within its timeout,
+one compile per grammar however many requests ask for it at once: a grammar that crashes the
+grammar engine or overruns costs a process that is killed, never the gateway. Only the grammar
+text a worker compiled, whose first mask it computed, is then built into a matcher here (on a
+thread: llguidance releases the GIL), and `check` returns the grammar carrying that matcher,
+which its generation uses: nothing is compiled a second time, whatever the cache has dropped.
+Verdicts are kept by content, failures included. llguidance's own limits (backends/
+grammar_text.py) bound the work of a compile and of every mask.
 
 A stream under a grammar has a `Constraint`: its own matcher, copied from the compiled one. The
 mask of its next token is computed on a thread while the engine's forward pass runs, so a
@@ -20,74 +23,35 @@ constrained stream costs its pass no more time than an unconstrained one, and sh
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
+from copy import copy
+from dataclasses import replace
 from typing import Any
 
 import llguidance
-import llguidance.hf
+import msgspec
 import numpy as np
 
 from backends.engine import StructuredOutputs
 from backends.errors import GrammarError
-from backends.types import GRAMMAR_KINDS, Grammar
+from backends.grammar_pool import CompilePool, GrammarBusyError, worker_stack_bytes
+from backends.grammar_text import ascii_digits, grammar_text, one_line_error, parser_limits
+from backends.types import Grammar
 
-MAX_COMPILED = 64  # grammars kept compiled, least recently used first out
-# JSON on one line, with no whitespace between tokens: whitespace allowed anywhere lets a small
-# model emit newlines until max_tokens. vLLM's `disable_any_whitespace` and SGLang's
-# `constrained_json_disable_any_whitespace` give the same grammar. A schema's own "x-guidance"
-# options override these.
-COMPACT_JSON = {"whitespace_flexible": False}
-MAX_MESSAGE = 1000  # characters of a grammar engine's message passed on
+__all__ = ["Constraint", "GrammarBusyError", "LLGuidanceGrammars", "ascii_digits", "grammar_text"]
 
-
-def _error(message: str) -> GrammarError:
-    """The grammar engine's message on one line (it draws carets under the source on several)."""
-    line = " ".join(message.split())
-    return GrammarError(line if len(line) <= MAX_MESSAGE else line[: MAX_MESSAGE - 3] + "...")
-
-
-def ascii_digits(regex: str) -> str:
-    """`\\d` as [0-9], as Python's `re.ASCII`, xgrammar and JSON schema patterns read it (Rust's
-    regex syntax, llguidance's, reads it as any Unicode digit)."""
-    out: list[str] = []
-    i, class_start = 0, -1  # where the bracket expression being read began, -1: outside one
-    while i < len(regex):
-        char = regex[i]
-        if char == "\\" and i + 1 < len(regex):
-            pair = regex[i : i + 2]
-            out.append(("0-9" if class_start >= 0 else "[0-9]") if pair == "\\d" else pair)
-            i += 2
-            continue
-        if char == "[" and class_start < 0:
-            class_start = i
-        elif char == "]" and class_start >= 0 and i > class_start + 1 + (regex[class_start + 1] == "^"):
-            class_start = -1  # a "]" first in the class is a literal
-        out.append(char)
-        i += 1
-    return "".join(out)
-
-
-def grammar_text(grammar: Grammar) -> str:
-    """llguidance's grammar for `grammar`; GrammarError where its text cannot be read as its kind."""
-    if grammar.kind not in GRAMMAR_KINDS:
-        raise _error(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, not {grammar.kind!r}")
-    try:
-        if grammar.kind == "json_schema":
-            schema = json.loads(grammar.source)
-            if not isinstance(schema, dict | bool):
-                raise _error(f"a JSON schema is an object or a boolean, not {type(schema).__name__}")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT_JSON)
-        if grammar.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(ascii_digits(grammar.source))
-        return llguidance.grammar_from(grammar.kind, grammar.source)
-    except GrammarError:
-        raise
-    except (ValueError, RecursionError) as exc:  # json.JSONDecodeError is a ValueError
-        raise _error(f"invalid {grammar.kind}: {exc}") from None
+MAX_COMPILED = 64  # verdicts kept (matchers and failures), least recently used first out
+# a grammar given to `constraint` unchecked (the engines' own callers, tests) is checked with these
+UNCHECKED_TIMEOUT_S = 5.0
+DEFAULT_WORKERS = 2
+DEFAULT_MAX_WAITING = 8
+_error = one_line_error
+log = logging.getLogger(__name__)
 
 
 class Constraint:
@@ -121,66 +85,129 @@ class LLGuidanceGrammars(StructuredOutputs):
         self.vocab_size = vocab_size
         self._hf_tokenizer = tokenizer
         self._eos = sorted(eos_token_ids)
-        self._tokenizer: Any = None  # llguidance's, built at the first compile (about a second)
+        self._tokenizer_json: str | None = None  # the HF tokenizer serialized, as llguidance reads it
+        self._tokenizer: Any = None  # llguidance's
         self._tokenizer_lock = threading.Lock()
-        self._compiles = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
         self._masks = ThreadPoolExecutor(max_workers=4, thread_name_prefix="grammar-mask")
         self._compiled: OrderedDict[Grammar, Any] = OrderedDict()  # a matcher, or a GrammarError
         self._running: dict[Grammar, asyncio.Future[Any]] = {}
+        self._pool: CompilePool | None = None
+        self._closed = False
+        self._hello: bytes | None = None
+        # Built now, on the engine's loading thread: both hold the GIL for a few hundred ms,
+        # which at the first grammar would stall the event loop.
+        try:
+            self._hello = self._worker_hello()
+            self._llguidance_tokenizer()
+        except Exception:  # noqa: BLE001 (a tokenizer llguidance cannot read: each check says so)
+            log.warning("grammars: llguidance cannot read this tokenizer", exc_info=True)
 
-    async def check(self, grammar: Grammar, timeout_s: float) -> None:
-        await self._matcher(grammar, timeout_s)
+    async def check(
+        self,
+        grammar: Grammar,
+        timeout_s: float,
+        workers: int = DEFAULT_WORKERS,
+        max_waiting: int = DEFAULT_MAX_WAITING,
+    ) -> Grammar:
+        """`grammar` carrying its compiled matcher (see StructuredOutputs.check); the compile pool
+        is started with `workers` processes and `max_waiting` places at the first check."""
+        matcher = await self._matcher(grammar, timeout_s, workers, max_waiting)
+        return replace(grammar, compiled=matcher)
 
     async def constraint(self, grammar: Grammar) -> Constraint:
-        """A new stream's constraint (the grammar compiled now if it is not kept: no timeout)."""
-        return Constraint((await self._matcher(grammar, None)).deep_copy(), self.vocab_size, self._masks)
+        """A new stream's constraint, from the matcher `check` gave `grammar` (checked now, within
+        UNCHECKED_TIMEOUT_S, where it has none)."""
+        matcher = grammar.compiled
+        if matcher is None:
+            matcher = await self._matcher(grammar, UNCHECKED_TIMEOUT_S, DEFAULT_WORKERS, DEFAULT_MAX_WAITING)
+        return Constraint(matcher.deep_copy(), self.vocab_size, self._masks)
 
-    async def _matcher(self, grammar: Grammar, timeout_s: float | None) -> Any:
-        found = self._compiled.get(grammar)
+    async def _matcher(self, grammar: Grammar, timeout_s: float, workers: int, max_waiting: int) -> Any:
+        key = Grammar(grammar.kind, grammar.source)  # a grammar, not what it carries
+        found = self._compiled.get(key)
         if found is None:
-            future = self._running.get(grammar)
+            future = self._running.get(key)
             if future is None:
-                future = asyncio.get_running_loop().run_in_executor(self._compiles, self._compile, grammar)
-                self._running[grammar] = future
-                future.add_done_callback(lambda done: self._keep(grammar, done))
-            try:
-                found = await asyncio.wait_for(asyncio.shield(future), timeout_s)
-            except TimeoutError:
-                raise GrammarError(f"the grammar did not compile within {timeout_s:g} s") from None
+                pool = self._compile_pool(workers, max_waiting)
+                future = asyncio.ensure_future(pool.run(self._compile, pool, key, timeout_s))
+                self._running[key] = future
+                future.add_done_callback(functools.partial(self._keep, key))
+            found = await asyncio.shield(future)  # GrammarBusyError: not kept, may try again
         else:
-            self._compiled.move_to_end(grammar)
+            self._compiled.move_to_end(key)
         if isinstance(found, GrammarError):
             raise GrammarError(str(found))
         return found
 
     def _keep(self, grammar: Grammar, done: asyncio.Future[Any]) -> None:
         del self._running[grammar]
-        if done.cancelled():
+        if done.cancelled() or isinstance(done.exception(), GrammarBusyError):
             return
         error = done.exception()
-        self._compiled[grammar] = _error(f"the grammar engine failed: {error}") if error else done.result()
+        if error is not None and not isinstance(error, GrammarError):
+            error = _error(f"the grammar engine failed: {error}")
+        self._compiled[grammar] = error if error is not None else done.result()
         while len(self._compiled) > MAX_COMPILED:
             self._compiled.popitem(last=False)
 
-    def _compile(self, grammar: Grammar) -> Any:
-        """A matcher at the grammar's start, or the GrammarError saying why there is none."""
+    def _compile_pool(self, workers: int, max_waiting: int) -> CompilePool:
+        if self._closed:
+            raise GrammarError("the grammar engine is shutting down")
+        if self._pool is None:
+            self._pool = CompilePool(self._worker_setup, workers, max_waiting)
+        return self._pool
+
+    def _compile(self, pool: CompilePool, grammar: Grammar, timeout_s: float) -> Any:
+        """A matcher at the grammar's start, built from the text a worker compiled (so it builds,
+        in about the worker's time), or the GrammarError saying why there is none."""
         try:
-            text = grammar_text(grammar)
+            text = pool.compile(grammar, timeout_s)
+        except GrammarBusyError:
+            raise
         except GrammarError as exc:
             return exc
-        matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), text, log_level=0)
+        matcher = llguidance.LLMatcher(
+            self._llguidance_tokenizer(), text, log_level=0, limits=parser_limits()
+        )
         if matcher.is_error():
             return _error(matcher.get_error())
         return matcher
 
+    def _serialized_tokenizer(self) -> str:
+        """The HF tokenizer's JSON without padding or truncation, as `llguidance.hf` builds it."""
+        with self._tokenizer_lock:
+            if self._tokenizer_json is None:
+                backend = copy(self._hf_tokenizer.backend_tokenizer)
+                backend.no_padding()
+                backend.no_truncation()
+                self._tokenizer_json = backend.to_str()
+            return self._tokenizer_json
+
+    def _worker_setup(self) -> bytes:
+        if self._hello is None:
+            self._hello = self._worker_hello()
+        return self._hello
+
+    def _worker_hello(self) -> bytes:
+        return msgspec.msgpack.encode(
+            {
+                "tokenizer": self._serialized_tokenizer(),
+                "n_vocab": self.vocab_size,
+                "eos": self._eos,
+                "stack_bytes": worker_stack_bytes(),
+            }
+        )
+
     def _llguidance_tokenizer(self) -> Any:
+        text = self._serialized_tokenizer()
         with self._tokenizer_lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos
-                )
+                self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos)
             return self._tokenizer
 
     def close(self) -> None:
-        self._compiles.shutdown(wait=False, cancel_futures=True)
+        """Stop the compile workers; later checks are refused."""
+        self._closed = True
+        if self._pool is not None:
+            self._pool.close()
         self._masks.shutdown(wait=False, cancel_futures=True)

@@ -75,6 +75,8 @@ class Grammar:
 
     kind: str  # one of GRAMMAR_KINDS
     source: str
+    # what the engine's StructuredOutputs.check compiled it into, which its generation uses
+    compiled: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

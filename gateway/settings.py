@@ -121,6 +121,9 @@ class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # a request's grammar (response_format, SGLang's regex/json_schema/ebnf) compiled within this,
     # or refused (400); compiled grammars are kept by content, so a grammar pays it once
     grammar_compile_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    # grammar compile worker processes per model, and grammars waiting for one (429 beyond)
+    grammar_compile_workers: Annotated[int, msgspec.Meta(gt=0, le=64)] = 2
+    grammar_compile_queue: Annotated[int, msgspec.Meta(ge=0)] = 8
     # Dense answers' bytes held at once, server-wide, from before their rows are computed until
     # their clients have read them (429 beyond; 400 for one answer larger than all of it).
     max_answer_bytes: Annotated[int, msgspec.Meta(gt=0)] = 2 * 2**30

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 
+from backends.errors import GrammarError
 from backends.types import SamplingParams, TokenStep
 from backends.vocab import IncrementalText
 from gateway.errors import InvalidRequestError
@@ -55,24 +56,33 @@ async def run_choice(
     stops: Sequence[str],
     adapter: str | None = None,
     stop_ids: Collection[int] = (),
+    shown_ids: Collection[int] = (),
 ) -> AsyncIterator[Piece]:
     """One choice's text pieces; a token in `stop_ids` ends it like end-of-sequence (kept in the
-    steps, its text too unless it is a special token). Paused generation holds it before its next
-    engine step, or ends it there (finish reason "abort"): gateway/weights.py."""
+    steps, its text too unless it is a special token); special tokens in `shown_ids` keep their
+    text (a tool call's opening token, which the call's reader looks for). Paused generation holds
+    it before its next engine step, or ends it there (finish reason "abort"): gateway/weights.py."""
     engine = served.require_engine()
     async with served.weights.reading():  # a choice is generated with one set of weights
-        pieces = _pieces(engine.generate(prompt_ids, params, adapter), served, stops, stop_ids)
+        hidden = served.special_ids - frozenset(shown_ids) if shown_ids else served.special_ids
+        pieces = _pieces(engine.generate(prompt_ids, params, adapter), served, stops, stop_ids, hidden)
         try:
             async for piece in pieces:
                 yield piece
+        except GrammarError as exc:  # the request's own grammar, past a limit at some token: a 400
+            raise InvalidRequestError(f"the grammar failed while generating: {exc}", param=None) from None
         finally:
             await pieces.aclose()  # the engine frees the stream's state now, not when collected
 
 
 async def _pieces(
-    generator: AsyncIterator[TokenStep], served: ServedModel, stops: Sequence[str], stop_ids: Collection[int]
+    generator: AsyncIterator[TokenStep],
+    served: ServedModel,
+    stops: Sequence[str],
+    stop_ids: Collection[int],
+    hidden_ids: Collection[int],
 ) -> AsyncIterator[Piece]:
-    text = IncrementalText(served.token_bytes, served.special_ids)
+    text = IncrementalText(served.token_bytes, hidden_ids)
     pending = ""
     steps: list[TokenStep] = []
     first_token = served.metrics.time_to_first_token.labels(served.name)

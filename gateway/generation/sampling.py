@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from backends.errors import GrammarError
+from backends.grammar_pool import GrammarBusyError
 from backends.types import Grammar, SamplingParams
-from gateway.errors import ContextLengthError, InvalidRequestError
+from gateway.errors import ContextLengthError, InvalidRequestError, RateLimitError
 from gateway.registry import ServedModel
 from gateway.settings import Limits
 
@@ -57,9 +58,10 @@ def sampling_params(
 async def checked_grammar(
     served: ServedModel, limits: Limits, grammar: Grammar | None, param: str
 ) -> Grammar | None:
-    """`grammar`, compiled (kept by the engine for the generation that follows) within the
-    limit; InvalidRequestError naming `param`, with the grammar engine's message, where it is
-    invalid, unenforceable, slower to compile, or the engine constrains nothing."""
+    """`grammar`, carrying what the engine compiled it into within the limit (its generation
+    uses that); InvalidRequestError naming `param`, with the grammar engine's message, where it
+    is invalid, unenforceable, crashes the grammar engine, is slower to compile, or the engine
+    constrains nothing; RateLimitError where more grammars wait to compile than the queue holds."""
     if grammar is None:
         return None
     structured = served.require_engine().structured_outputs
@@ -68,10 +70,16 @@ async def checked_grammar(
             f"model {served.name!r} runs on an engine that cannot constrain output", param=param
         )
     try:
-        await structured.check(grammar, limits.grammar_compile_timeout_s)
+        return await structured.check(
+            grammar,
+            limits.grammar_compile_timeout_s,
+            workers=limits.grammar_compile_workers,
+            max_waiting=limits.grammar_compile_queue,
+        )
+    except GrammarBusyError as exc:
+        raise RateLimitError(str(exc), retry_after=limits.grammar_compile_timeout_s) from None
     except GrammarError as exc:
         raise InvalidRequestError(f"{param}: {exc}", param=param) from None
-    return grammar
 
 
 def check_stop(stop: str | list[str] | None, limits: Limits) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
+import time
 import uuid
 
 import jsonschema
@@ -21,6 +21,7 @@ from backends.errors import GrammarError
 from backends.grammar import ascii_digits, grammar_text
 from backends.transformers import TransformersEngine
 from backends.types import EngineConfig, Grammar, SamplingParams
+from tests.gateway.grammar_families import gbnf_chain, lark_chain, ref_chain
 from tests.gateway.structured_cases import ARITHMETIC, REGEXES, SCHEMAS
 
 DATE = Grammar("regex", REGEXES["date"][0])
@@ -112,29 +113,50 @@ async def test_constrained_streams_share_passes_and_leave_others_unchanged(engin
         assert text_of(engine, steps).startswith("{")
 
 
-async def test_grammars_compile_once_and_within_the_bound(engine, monkeypatch):
+async def test_grammars_compile_once_and_within_the_bound(engine):
     grammars = engine.structured_outputs
-    schema = Grammar("json_schema", json.dumps(SCHEMAS[-1]))
-    await asyncio.gather(*(grammars.check(schema, 10.0) for _ in range(4)))
-    compiled = grammars._compiled[schema]
-    await grammars.check(schema, 1e-9)  # kept: no compile, so no time needed
-    assert grammars._compiled[schema] is compiled
-    # a grammar no other test compiled, held in its compile until the bound has passed: a compile
-    # that finishes before the timer fires would be answered, whatever the bound
-    unseen = Grammar("json_schema", json.dumps({**SCHEMAS[-2], "title": f"unseen {uuid.uuid4()}"}))
-    release = threading.Event()
-    compile_now = grammars._compile
+    schema = Grammar("json_schema", json.dumps({**SCHEMAS[-1], "title": f"once {uuid.uuid4()}"}))
+    checked = await asyncio.gather(*(grammars.check(schema, 10.0) for _ in range(4)))
+    compiled = checked[0].compiled
+    assert compiled is not None and all(each.compiled is compiled for each in checked)  # one compile
+    assert (await grammars.check(schema, 1e-9)).compiled is compiled  # kept: no compile, no time needed
+    # GBNF whose conversion to Lark alone takes seconds: refused at its bound, its worker killed
+    slow = Grammar("ebnf", gbnf_chain(2000, tag=uuid.uuid4().hex[:6]))
+    started = time.monotonic()
+    with pytest.raises(GrammarError, match="did not compile within 0.3 s"):
+        await grammars.check(slow, 0.3)
+    assert time.monotonic() - started < 0.3 + 3.0  # a worker's start at most, besides the bound
+    started = time.monotonic()
+    with pytest.raises(GrammarError, match="did not compile within 0.3 s"):
+        await grammars.check(slow, 10.0)  # the verdict is kept, failures too
+    assert time.monotonic() - started < 0.1
 
-    def held_compile(grammar):
-        release.wait(10.0)
-        return compile_now(grammar)
 
-    monkeypatch.setattr(grammars, "_compile", held_compile)
-    with pytest.raises(GrammarError, match="did not compile within 0.01 s"):
-        await grammars.check(unseen, 0.01)
-    release.set()
-    await grammars.check(unseen, 10.0)  # the same compile, finished and kept
-    assert unseen in grammars._compiled
+async def test_generation_uses_what_the_check_compiled(engine, monkeypatch):
+    """A grammar dropped from the kept ones between its check and its generation is not compiled
+    again (that second compile had no bound): the check's matcher travels with the grammar."""
+    grammars = engine.structured_outputs
+    schema = ref_chain(6, leaf={"enum": ["done"]})
+    checked = await grammars.check(
+        Grammar("json_schema", json.dumps({**schema, "title": str(uuid.uuid4())})), 10.0
+    )
+    grammars._compiled.clear()
+
+    def compile_again(*_):
+        raise AssertionError("compiled a second time")
+
+    monkeypatch.setattr(grammars, "_compile", compile_again)
+    ids = chat_ids(engine.tokenizer, "Write a JSON object.")
+    steps = await generate(engine, ids, checked, max_tokens=96)
+    assert steps[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads(text_of(engine, steps)), schema)
+
+
+async def test_a_grammar_that_crashes_the_grammar_engine_costs_a_worker(engine):
+    grammars = engine.structured_outputs
+    with pytest.raises(GrammarError, match="crashed on this grammar"):
+        await grammars.check(Grammar("lark", lark_chain(3000, tag=uuid.uuid4().hex[:6])), 10.0)
+    assert (await grammars.check(Grammar("regex", f"ok{uuid.uuid4().hex[:6]}"), 10.0)).compiled is not None
 
 
 @pytest.mark.parametrize(
@@ -148,6 +170,7 @@ async def test_grammars_compile_once_and_within_the_bound(engine, monkeypatch):
         (Grammar("ebnf", "root ::= missing"), "missing"),
         (Grammar("lark", "start: ("), "Expected token ')'"),
         (Grammar("cobol", "x"), "grammar kind"),
+        (Grammar("lark", "start: " + " | ".join(f'"o{i}"' for i in range(3000))), "max is 2000"),
     ],
 )
 async def test_bad_grammars_are_refused_with_one_line(engine, grammar, message):
