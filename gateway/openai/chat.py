@@ -15,7 +15,8 @@ from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
 from gateway.generation import sampling
 from gateway.generation.structured import requested_grammar
-from gateway.openai.tools import ToolCalls, requested_calls, template_tools
+from gateway.openai.tool_reader import CallStarted, ContentDelta, Event
+from gateway.openai.tools import ToolCalls, requested_calls, template_tool_calls, template_tools
 from gateway.openapi.operation import OPENAPI, SSE, Operation
 from gateway.prompts import check_text_chars, tokenize
 from gateway.registry import ServedModel
@@ -31,6 +32,8 @@ from gateway.schemas.chat import (
     ChatDelta,
     ChatMessage,
     ChoiceLogprobs,
+    FunctionCall,
+    FunctionCallDelta,
     TokenLogprob,
     ToolCall,
     ToolCallDelta,
@@ -52,7 +55,7 @@ def _turn(message: ChatMessage) -> dict[str, Any]:
     turn: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role}
     turn["content"] = _content(message)
     if message.tool_calls:
-        turn["tool_calls"] = msgspec.to_builtins(message.tool_calls)
+        turn["tool_calls"] = template_tool_calls(message.tool_calls)
     if message.tool_call_id is not None:
         turn["tool_call_id"] = message.tool_call_id
     return turn
@@ -137,7 +140,9 @@ async def create_chat_completion(request: Request) -> Response:
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     stops = sampling.check_stop(body.stop, limits)
-    calls = requested_calls(body)
+    calls = requested_calls(body, served)
+    if body.stream:  # a slot before any costly work (templating, a grammar's compile): 429 first
+        reserve_stream(request)
     prompt_ids = await asyncio.to_thread(
         lambda: chat_prompt_ids(served, body.messages, limits, tools=template_tools(body))
     )
@@ -162,25 +167,21 @@ async def create_chat_completion(request: Request) -> Response:
         sampling.check_logprob_entries(
             entries, limits, "ask fewer top_logprobs, n or max_tokens", "top_logprobs"
         )
+    shown = calls.shown_ids if calls is not None else ()
     streams = [
-        gen.run_choice(served, prompt_ids, sampling.choice_params(params, j), stops, adapter)
+        gen.run_choice(served, prompt_ids, sampling.choice_params(params, j), stops, adapter, shown_ids=shown)
         for j in range(n)
     ]
-    usage = _UsageCounter(served, adapter, len(prompt_ids))
+    usage = _UsageCounter(served, adapter, len(prompt_ids))  # counted once admitted: nothing refuses after
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        reserve_stream(request)
         return sse_response(_stream(served, body, streams, usage, include_usage, calls))
     pieces = await asyncio.gather(*(gen.collect(s) for s in streams))
     choices = []
     for index, piece in enumerate(pieces):
         usage.add(piece.steps)
         logprobs = ChoiceLogprobs(content=_token_logprobs(served, piece.steps)) if body.logprobs else None
-        made = _made_calls(calls, piece.text, piece.finish_reason)
-        message = (
-            AssistantMessage(content=None, tool_calls=made) if made else AssistantMessage(content=piece.text)
-        )
-        finish = "tool_calls" if made else piece.finish_reason
+        message, finish = _message(calls, piece.text, piece.finish_reason)
         choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish))  # type: ignore[arg-type]
     return json_response(
         ChatCompletionResponse(
@@ -189,15 +190,24 @@ async def create_chat_completion(request: Request) -> Response:
     )
 
 
-def _made_calls(calls: ToolCalls | None, text: str, finish_reason: str | None) -> list[ToolCall] | None:
-    """The calls of a finished choice held to a call's grammar; None where it is text (no call
-    asked, or its JSON cut short by max_tokens or a stop string: then the text is the answer)."""
-    if calls is None or finish_reason != "stop":
-        return None
-    try:
-        return calls.calls(text)
-    except ValueError:
-        return None
+def _message(
+    calls: ToolCalls | None, text: str, finish_reason: str | None
+) -> tuple[AssistantMessage, str | None]:
+    """A finished choice's message and finish reason: its text, or the text before its calls
+    (None where empty) and the calls, finish reason "tool_calls" when the last one ended."""
+    if calls is None:
+        return AssistantMessage(content=text), finish_reason
+    reader = calls.reader()
+    reader.feed(text)
+    reader.finish()
+    if not reader.calls:  # a forced call cut before its name: no text either
+        return AssistantMessage(content=reader.content or (None if calls.forced else "")), finish_reason
+    made = [
+        ToolCall(id=new_id("call"), function=FunctionCall(name=call.name, arguments=call.arguments))
+        for call in reader.calls
+    ]
+    finish = finish_reason if reader.truncated else "tool_calls"
+    return AssistantMessage(content=reader.content or None, tool_calls=made), finish
 
 
 class _UsageCounter:
@@ -237,32 +247,45 @@ async def _stream(
             )
         )
 
-    held = [""] * len(streams)  # a call's JSON, sent as one delta of calls when it is whole
+    readers = [calls.reader() if calls is not None else None for _ in streams]
     for index in range(len(streams)):
-        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+        # OpenAI's first delta: content "" for text; none where the answer may be calls
+        first = ChatDelta(role="assistant") if calls is not None else ChatDelta(role="assistant", content="")
+        yield chunk([ChatChunkChoice(index=index, delta=first)])
     async for index, piece in gen.merge(streams):
         usage.add(piece.steps)
-        finish = piece.finish_reason
-        delta = ChatDelta(content=piece.text) if piece.text else ChatDelta()
-        if calls is not None:
-            held[index] += piece.text
-            delta = ChatDelta()
-            if finish is not None:
-                made = _made_calls(calls, held[index], finish)
-                if made:
-                    delta, finish = (
-                        ChatDelta(tool_calls=[_call_delta(i, c) for i, c in enumerate(made)]),
-                        "tool_calls",
-                    )
-                else:
-                    delta = ChatDelta(content=held[index])
-        if not (delta.content or delta.tool_calls or finish or (body.logprobs and piece.steps)):
-            continue
         logprobs = ChoiceLogprobs(content=_token_logprobs(served, piece.steps)) if body.logprobs else None
-        yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)])  # type: ignore[arg-type]
+        reader = readers[index]
+        if reader is None:
+            deltas = [ChatDelta(content=piece.text)] if piece.text else []
+        else:
+            events = reader.feed(piece.text) + (reader.finish() if piece.finish_reason else [])
+            deltas = [_delta(event) for event in events]
+        if logprobs is not None and piece.steps and not deltas:
+            deltas = [ChatDelta()]
+        for number, delta in enumerate(deltas):
+            entries = logprobs if number == 0 else None
+            yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=entries)])
+        if piece.finish_reason is not None:
+            finish = piece.finish_reason
+            if reader is not None and reader.calls and not reader.truncated:
+                finish = "tool_calls"
+            # alone, as OpenAI sends it: the SDK's stream helper closes the last call on this chunk
+            yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=finish)])  # type: ignore[arg-type]
     if include_usage:
         yield chunk([], usage.usage())
 
 
-def _call_delta(index: int, call: ToolCall) -> ToolCallDelta:
-    return ToolCallDelta(index=index, id=call.id, function=call.function)
+def _delta(event: Event) -> ChatDelta:
+    if isinstance(event, ContentDelta):
+        return ChatDelta(content=event.text)
+    if isinstance(event, CallStarted):
+        call = ToolCallDelta(
+            index=event.index,
+            id=new_id("call"),
+            type="function",
+            function=FunctionCallDelta(name=event.name, arguments=""),
+        )
+    else:
+        call = ToolCallDelta(index=event.index, function=FunctionCallDelta(arguments=event.text))
+    return ChatDelta(tool_calls=[call])

@@ -145,6 +145,8 @@ async def create_completion(request: Request) -> Response:
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
     stops = sampling.check_stop(body.stop, limits)
+    if body.stream:  # a slot before any costly work (tokenizing, a grammar's compile): 429 first
+        reserve_stream(request)
     prompts = await asyncio.to_thread(_prompts, served, body.prompt, limits)
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     for p in prompts:
@@ -169,7 +171,6 @@ async def create_completion(request: Request) -> Response:
         sampling.check_logprob_entries(positions * (2 + params.top_logprobs), limits, _SMALLER, "logprobs")
     run = _Run(served, adapter, body, prompts, n, params, stops)
     if body.stream:
-        reserve_stream(request)
         return sse_response(run.stream())
     return json_response(await run.complete())
 

@@ -1,8 +1,17 @@
-"""Function calls on /v1/chat/completions. A `tool_choice` of "required" or a named function holds
-the output to the JSON of a call, whose arguments validate against the function's `parameters`;
-the answer carries it as `tool_calls`, finish reason "tool_calls". "auto" would need a parser of
-the model's own call syntax (each chat template has its own), which the gateway does not have, so
-it is refused rather than answered with calls left in the text."""
+"""Function calls on /v1/chat/completions, held to the tools' schemas by the grammar.
+
+- "auto" (the default with tools): free text, or text then calls in the model's own format, as
+  its chat template shows it (gateway/openai/tool_formats.py); a model whose template shows no
+  calls is refused with a 400 naming it.
+- "required", a named function: calls only (a named one: that function's, once). On a model whose
+  template shows no calls, "required" is a JSON list of `{"name", "parameters"}` and a named call
+  its arguments alone.
+- "none", or no tools: text.
+
+Once a call starts, its arguments are held to the function's `parameters`, so a call that ends is
+valid; a call cut short (max_tokens, a stop string) comes back as it is, with finish reason
+"length" (or "stop"). With a call forced, the call's grammar wins over `response_format`.
+"""
 
 from __future__ import annotations
 
@@ -14,80 +23,104 @@ import msgspec
 
 from backends.types import Grammar
 from gateway.errors import InvalidRequestError
-from gateway.responses import new_id
-from gateway.schemas.chat import ChatCompletionRequest, FunctionCall, FunctionSpec, NamedToolChoice, ToolCall
+from gateway.openai.tool_formats import (
+    GATEWAY_JSON,
+    NO_ARGUMENTS,
+    ToolFormat,
+    calls_grammar,
+    template_format,
+)
+from gateway.openai.tool_reader import CallReader
+from gateway.registry import ServedModel
+from gateway.schemas.chat import ChatCompletionRequest, FunctionSpec, NamedToolChoice
 from gateway.schemas.common import JsonObjectFormat, JsonSchemaFormat
-
-NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass(frozen=True)
 class ToolCalls:
-    """The grammar of the output's JSON, and how that JSON becomes calls."""
+    """The grammar of a request's output, and how its text becomes content and calls."""
 
     grammar: Grammar
-    named: str | None  # the output is this function's arguments; None: a list of {"name", "parameters"}
+    fmt: ToolFormat | None  # None: the output is the arguments of `named`
+    named: str | None = None
+    forced: bool = True  # no text, only calls ("required", a named function)
+    shown_ids: frozenset[int] = frozenset()  # special tokens the reader must see (the trigger)
 
-    def calls(self, text: str) -> list[ToolCall]:
-        value = json.loads(text)
-        pairs = [(self.named, value)] if self.named else [(c["name"], c["parameters"]) for c in value]
-        return [
-            ToolCall(id=new_id("call"), function=FunctionCall(name=name, arguments=json.dumps(arguments)))
-            for name, arguments in pairs
-        ]
+    def reader(self) -> CallReader:
+        return CallReader(self.fmt, self.named)
 
 
-def requested_calls(body: ChatCompletionRequest) -> ToolCalls | None:
-    """The calls the request asks for; None: a text answer ("none", or no tools)."""
-    tools = body.tools or []
-    choice = body.tool_choice or "auto"
-    if choice == "none" or (choice == "auto" and not tools):
+def requested_calls(body: ChatCompletionRequest, served: ServedModel) -> ToolCalls | None:
+    """The calls the request may make; None: a text answer ("none", or no tools)."""
+    choice = body.tool_choice or ("none" if body.tools is None else "auto")
+    if choice == "none":
         return None
+    tools = body.tools or []
     if not tools:
+        if body.tools is not None:
+            raise InvalidRequestError(
+                'tools is empty: leave it out, or give tool_choice "none", for a text answer', param="tools"
+            )
         raise InvalidRequestError(
             "tool_choice asks for a call, but the request has no tools", param="tool_choice"
-        )
-    if choice == "auto":
-        raise InvalidRequestError(
-            'tool_choice "auto" (the default with tools) needs a parser of this model\'s own call syntax, '
-            'which the gateway does not have: ask "required", a named function, or "none"',
-            param="tool_choice",
-        )
-    if body.structured_outputs is not None or isinstance(
-        body.response_format, JsonObjectFormat | JsonSchemaFormat
-    ):
-        raise InvalidRequestError(
-            "a tool call and response_format cannot both constrain the output", param="tool_choice"
         )
     functions: dict[str, FunctionSpec] = {}
     for tool in tools:
         if tool.function.name in functions:
             raise InvalidRequestError(f"two tools are named {tool.function.name!r}", param="tools")
         functions[tool.function.name] = tool.function
+    template = getattr(served.require_engine().tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # named templates ("default", "tool_use"): any may show calls
+        template = "\n".join(str(text) for text in template.values())
+    fmt = template_format(template)
+    if choice == "auto":
+        if fmt is None:
+            raise InvalidRequestError(
+                f'tool_choice "auto" (the default with tools) needs a parser of the model\'s own call '
+                f"syntax, and the chat template of model {served.name!r} shows no tool-call format: "
+                'ask "required", a named function, or "none"',
+                param="tool_choice",
+            )
+        if body.structured_outputs is not None or isinstance(
+            body.response_format, JsonObjectFormat | JsonSchemaFormat
+        ):
+            raise InvalidRequestError(
+                'tool_choice "auto" and response_format cannot both constrain the output: force a call '
+                '(its grammar wins) or ask tool_choice "none"',
+                param="response_format",
+            )
+    named = None
     if isinstance(choice, NamedToolChoice):
-        function = functions.get(choice.function.name)
-        if function is None:
-            raise InvalidRequestError(f"no tool is named {choice.function.name!r}", param="tool_choice")
-        return ToolCalls(Grammar("json_schema", json.dumps(_parameters(function))), function.name)
-    call: dict[str, Any] = {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {"name": {"const": f.name}, "parameters": _parameters(f)},
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for f in functions.values()
-        ]
-    }
-    calls: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
-    if body.parallel_tool_calls is False:
-        calls["maxItems"] = 1
-    return ToolCalls(Grammar("json_schema", json.dumps(calls)), None)
+        named = choice.function.name
+        if named not in functions:
+            raise InvalidRequestError(f"no tool is named {named!r}", param="tool_choice")
+    chosen = [functions[named]] if named is not None else list(functions.values())
+    if fmt is None and named is not None:
+        parameters = NO_ARGUMENTS if chosen[0].parameters is None else chosen[0].parameters
+        return ToolCalls(Grammar("json_schema", json.dumps(parameters)), None, named)
+    fmt = fmt or GATEWAY_JSON
+    trigger_token = _special_token(served, fmt.trigger)
+    grammar = calls_grammar(
+        fmt,
+        chosen,
+        forced=choice != "auto",
+        parallel=named is None and body.parallel_tool_calls is not False,
+        trigger_token=trigger_token,
+    )
+    shown = frozenset() if trigger_token is None else frozenset([trigger_token])
+    return ToolCalls(grammar, fmt, None, forced=choice != "auto", shown_ids=shown)
 
 
-def _parameters(function: FunctionSpec) -> dict[str, Any]:
-    return NO_ARGUMENTS if function.parameters is None else function.parameters
+def _special_token(served: ServedModel, text: str) -> int | None:
+    """The id of `text` where it is one special token of the model's vocabulary (its text is then
+    no text the model can spell, only that token)."""
+    if not text:
+        return None
+    tokenizer = served.require_engine().tokenizer
+    token_id = tokenizer.convert_tokens_to_ids(text)
+    if not isinstance(token_id, int) or tokenizer.convert_ids_to_tokens(token_id) != text:
+        return None  # not one token (the unknown token's id comes back for any text)
+    return token_id if token_id in served.special_ids else None
 
 
 def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
@@ -98,3 +131,18 @@ def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     for tool in tools:
         tool["function"] = {k: v for k, v in tool["function"].items() if v is not None and k != "strict"}
     return tools
+
+
+def template_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
+    """An assistant turn's earlier calls as chat templates take them: each call's arguments as the
+    object they encode (Qwen's, Hermes' and Llama's templates write `arguments | tojson`; a JSON
+    string there would be quoted twice); text that is no JSON object stays text."""
+    turns = msgspec.to_builtins(calls)
+    for call in turns:
+        try:
+            arguments = json.loads(call["function"]["arguments"])
+        except (ValueError, RecursionError):  # not JSON, or nested past Python's recursion limit
+            continue
+        if isinstance(arguments, dict):
+            call["function"]["arguments"] = arguments
+    return turns

@@ -77,8 +77,8 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 class ChatCompletionRequest(OutputControls, kw_only=True):
     model: ModelName
     messages: list[ChatMessage]
-    # Function calls: "required" or a named function constrain the output to a call's JSON
-    # (gateway/openai/tools.py); "auto" needs a parser of the model's own call syntax: a 400.
+    # Function calls (gateway/openai/tools.py): "auto" (the default with tools) in the model's own
+    # call format, "required" or a named function forced; the grammar holds arguments to schema.
     tools: Annotated[list[Tool], msgspec.Meta(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -142,11 +142,19 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     system_fingerprint: str | None = None
 
 
-class ToolCallDelta(msgspec.Struct, kw_only=True):
+class FunctionCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None  # in a call's first delta only
+    arguments: str  # a fragment of the arguments' JSON text; "" in the first delta
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed call, as OpenAI sends it: its first delta names it (id, type, name, arguments
+    ""), the ones after carry fragments of its arguments."""
+
     index: int
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):

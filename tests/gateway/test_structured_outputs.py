@@ -225,7 +225,13 @@ def test_required_calls_one_of_the_tools_streamed_or_not(client):
         for call in calls:
             _arguments_validate(call)
     chunks = list(ask(False, stream=True))
-    (delta,) = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    for call in delta.tool_calls:
-        _arguments_validate(call)
+    streamed: dict[int, dict[str, str]] = {}  # a call's name and arguments, rebuilt from its fragments
+    for chunk in chunks:
+        for part in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            call = streamed.setdefault(part.index, {"name": "", "arguments": ""})
+            call["name"] += part.function.name or ""
+            call["arguments"] += part.function.arguments or ""
+    assert len(streamed) == 1
+    (only,) = streamed.values()
+    assert only == {"name": calls[0].function.name, "arguments": calls[0].function.arguments}
