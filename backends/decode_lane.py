@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -148,9 +148,19 @@ class _Shape:
 
 class DecodeLane:
     def __init__(
-        self, model: Any, *, max_slots: int, max_bytes: int, graphs: bool, compiled: bool = False
+        self,
+        model: Any,
+        *,
+        max_slots: int,
+        max_bytes: int,
+        graphs: bool,
+        compiled: bool = False,
+        on_bytes: Callable[[int], None] | None = None,
     ) -> None:
+        """`max_bytes` bounds the shapes' K/V; `on_bytes` hears their total after each change (the
+        prefix cache, whose budget the lane shares)."""
         self.model = model
+        self._on_bytes = on_bytes
         # torch.compile's fused kernels, traced once for every shape (sizes symbolic)
         self.compiled = compiled
         self._forward = _compiled(model) if compiled else None
@@ -179,11 +189,21 @@ class DecodeLane:
             self.reset(self.model)
             self._shape_for(MIN_SLOTS, WIDTH_STEP).step()
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V the lane's shapes hold."""
+        return sum(shape.nbytes for shape in self._shapes.values())
+
     def clear(self) -> None:
         """Forget the rows and every captured shape (the weights they were computed with changed)."""
         self._shapes.clear()
         self._shape = None
         self._slot_of = {}
+        self._report_bytes()
+
+    def _report_bytes(self) -> None:
+        if self._on_bytes is not None:
+            self._on_bytes(self.nbytes)
 
     def reset(self, model: Any) -> None:
         """Serve `model` from now on (the engine's model object changed)."""
@@ -199,8 +219,13 @@ class DecodeLane:
         return [slot_of.get(tuple(row[:-1])) if len(row) > 1 else None for row in rows]
 
     def fits(self, rows: int, longest: int) -> bool:
+        """Whether a shape for these rows fits beside the one now held (whose rows it copies)."""
         slots, width = _slots_for(rows), _width_for(longest)
-        return slots <= self.max_slots and _kv_bytes(self.model, slots, width) <= self.max_bytes
+        if slots > self.max_slots:
+            return False
+        held = self._shape.nbytes if self._shape is not None else 0
+        need = _kv_bytes(self.model, slots, width)
+        return need <= self.max_bytes and ((slots, width) in self._shapes or held + need <= self.max_bytes)
 
     def step(self, rows: Sequence[Sequence[int]], parents: Sequence[int]) -> torch.Tensor:
         """Log-probabilities [len(rows), vocab] of rows whose parents the lane holds (a view of
@@ -272,6 +297,13 @@ class DecodeLane:
         self._column = longest
         self._slot_of = {row: i for i, row in enumerate(rows) if row}
         self._used = len(rows)
+        # the shape the rows came from may go now: past the budget, older shapes do
+        for old in list(self._shapes):
+            if self.nbytes <= self.max_bytes:
+                break
+            if self._shapes[old] is not shape:
+                del self._shapes[old]
+        self._report_bytes()
 
     def _shape_for(self, slots: int, width: int) -> _Shape:
         key = (slots, width)
@@ -285,6 +317,7 @@ class DecodeLane:
                     del self._shapes[old]
             shape = self._shapes[key] = _Shape(self.model, slots, width, self.graphs, self._forward)
             log.info("decode lane: %d rows x %d columns%s", slots, width, ", captured" if self.graphs else "")
+            self._report_bytes()
         self._shapes.move_to_end(key)
         return shape
 

@@ -77,6 +77,7 @@ class PrefixCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.nbytes = 0  # bytes of the blocks that live entries view
+        self.held_elsewhere = 0  # bytes of this budget that others hold (the decode lane's shapes)
         self.stats = PrefixCacheStats()
         self._roots: dict[str | None, _Node] = {}
         self._lru: OrderedDict[Entry, None] = OrderedDict()
@@ -163,11 +164,20 @@ class PrefixCache:
     def store(self, rows: Sequence[tuple[str | None, Sequence[int]]], layers: list[KV]) -> None:
         """Keep the K/V of a forward pass whose row i was rows[i] = (adapter, tokens), right-aligned."""
         block = KVBlock(layers)
-        if block.nbytes > self.max_bytes:
+        if block.nbytes > self.max_bytes - self.held_elsewhere:
             return
         for row, (adapter, tokens) in enumerate(rows):
             self._insert(adapter, tokens, block, row)
-        while self.nbytes > self.max_bytes and self._lru:
+        self._evict_to_budget()
+
+    def hold_elsewhere(self, nbytes: int) -> None:
+        """Count `nbytes` held outside the cache against its budget (evicting entries to make
+        room), so that the cache and what shares its budget together hold at most `max_bytes`."""
+        self.held_elsewhere = nbytes
+        self._evict_to_budget()
+
+    def _evict_to_budget(self) -> None:
+        while self.nbytes + self.held_elsewhere > self.max_bytes and self._lru:
             self._remove(next(iter(self._lru)), prune=True)
             self.stats.evictions += 1
 

@@ -6,7 +6,7 @@ forward-pass granularity without blocking the event loop.
 Dense rows reuse the attention keys/values of their longest cached prefix (backends/prefix_cache.py),
 so a row one token longer than an earlier one costs one decode step. Its byte budget is
 `options = {prefix_cache_bytes = N}`: 0 turns it off; by default 1 GiB on CPU and a tenth of the
-GPU's memory on CUDA. Models with attention other than plain full attention (sliding windows,
+GPU's memory on CUDA; the decode lane's shapes count against it too. Models with attention other than plain full attention (sliding windows,
 linear attention) run without it. Rows are grouped into forward passes by how many tokens each
 must compute, at most `max_batch_tokens` (16384) padded tokens per pass.
 
@@ -172,12 +172,14 @@ class TransformersEngine(Engine):
             log.info("%s: no prefix K/V reuse for this attention type", model_path)
         self.lane: DecodeLane | None = None
         if decode_lane_rows and self.prefix_kv is not None and lane_supported():
+            # One budget for both: the lane's shapes count against the prefix cache's bytes.
             self.lane = DecodeLane(
                 model,
                 max_slots=decode_lane_rows,
                 max_bytes=prefix_cache_bytes,
                 graphs=self.device.type == "cuda",
                 compiled=decode_lane_compile,
+                on_bytes=self.prefix_kv.hold_elsewhere,
             )
         self.structured_outputs = LLGuidanceGrammars(tokenizer, self.vocab_size, self.eos_token_ids)
         self.groups = CollectiveGroups(self.device)  # collectives new weights come over

@@ -38,11 +38,13 @@ def distribution_version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     top, model, cache = Settings(), ModelSettings(), CacheSettings()
     parser = argparse.ArgumentParser(prog="logprob-gateway", description=DESCRIPTION)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {distribution_version()}")
+    version = f"logprob-gateway {distribution_version()}"
+    parser.add_argument("--version", action="version", version=version)
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,hash-key,openapi}")
     serve = commands.add_parser(
         "serve", help="serve the configured models over HTTP", description=SERVE_DESCRIPTION
     )
+    serve.add_argument("--version", action="version", version=version)
     serve.add_argument(
         "--config",
         metavar="FILE",
@@ -145,6 +147,7 @@ def serve(settings: Settings) -> int:
     """Serve until SIGTERM or Ctrl-C (0); a model that fails to load at start stops the server (1):
     it cannot serve what it was configured for, so it exits for the orchestrator to see."""
     from gateway.app import serving_app
+    from gateway.server.console import announce_ready, explain_interrupts
     from gateway.server.log_config import uvicorn_log_config
     from gateway.server.shutdown import draining_server
 
@@ -157,7 +160,11 @@ def serve(settings: Settings) -> int:
         failed.update(failures)
         server.should_exit = True  # the same drain and shutdown as after SIGTERM
 
-    litestar_app, app = serving_app(settings, on_loaded=tune_collector, on_load_failed=stop_serving)
+    def loaded() -> None:
+        tune_collector()
+        announce_ready(server, litestar_app.state.registry.models, settings.host, settings.port)
+
+    litestar_app, app = serving_app(settings, on_loaded=loaded, on_load_failed=stop_serving)
     # SIGTERM: /health turns 503 while in-flight requests finish for up to the grace period; then
     # what is left ends cleanly and the app's shutdown runs (engines, cache): gateway/shutdown.py.
     # The protocol answers malformed HTTP in the error shape and bounds header reads and stalled writes.
@@ -168,6 +175,7 @@ def serve(settings: Settings) -> int:
         log_level=settings.log_level,
         log_config=uvicorn_log_config(route.path for route in litestar_app.routes),
     )
+    explain_interrupts(server)
     with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run
         server.run()
     for name, error in failed.items():

@@ -155,9 +155,12 @@ class ServedModel:
             raise ModelNotReadyError(f"model {self.name!r} {reason}")
         return self.engine
 
-    async def add_adapter(self, name: str, path: Path, confined_to: str | None = None) -> AdapterInfo:
+    async def add_adapter(
+        self, name: str, path: Path, confined_to: str | None = None, configured: bool = False
+    ) -> AdapterInfo:
         """Validate and load a LoRA adapter; on any failure the model is left as it was. Loads at
-        run time are `confined_to` the adapters root: every file of the adapter must resolve inside."""
+        run time are `confined_to` the adapters root: every file of the adapter must resolve inside.
+        `configured`: the name is the operator's (the config file), so the log line names it."""
         check_adapter_name(name)
         engine = self.require_engine()
         async with self._adapter_lock:
@@ -173,8 +176,10 @@ class ServedModel:
                 raise InvalidRequestError(str(exc), param="lora_path") from None
             info = AdapterInfo(name, str(path), fingerprint)
             self.adapters[name] = info
-        # names, paths and versions are the caller's text: never in a log line
-        log.info("model %r: an adapter loaded (%d served)", self.name, len(self.adapters))
+        if configured:
+            log.info("model %r: adapter %r loaded (%d served)", self.name, name, len(self.adapters))
+        else:  # names, paths and versions a caller chose: never in a log line
+            log.info("model %r: an adapter loaded at run time (%d served)", self.name, len(self.adapters))
         return info
 
     async def remove_adapter(self, name: str) -> None:
@@ -305,7 +310,7 @@ class ModelRegistry:
             served.engine = engine
             served.weights.hold_at_steps = engine.weights is not None and engine.weights.held_between_steps
             for name, path in served.settings.adapters.items():
-                await served.add_adapter(name, Path(path))
+                await served.add_adapter(name, Path(path), configured=True)
             served.loaded = True
         except Exception as exc:  # a model that cannot load must not take the others down
             served.engine = None

@@ -60,6 +60,10 @@ from logprob_gateway_client.wire import (
 __all__ = ["AsyncGatewayLM", "GatewayClientError"]
 
 MSGPACK = "application/msgpack"
+GENLM_EXTRA = (
+    'llm.tokenizer needs transformers, in the genlm extra: pip install "logprob-gateway-client[genlm]" '
+    '(from a clone of the gateway: pip install "./client[genlm]")'
+)
 log = logging.getLogger(__name__)
 
 
@@ -170,7 +174,10 @@ class AsyncGatewayLM(LoraManagement, Sampling):
     @cached_property
     def tokenizer(self) -> Any:
         """The model's exact Hugging Face tokenizer, rebuilt from the gateway's files (needs transformers)."""
-        from transformers import AutoTokenizer
+        try:
+            from transformers import AutoTokenizer
+        except ModuleNotFoundError as missing:
+            raise ModuleNotFoundError(GENLM_EXTRA, name=missing.name) from missing
 
         files = self._get(f"/v1/models/{self._base_model}/tokenizer")["files"]
         with tempfile.TemporaryDirectory() as directory:
@@ -253,6 +260,7 @@ class AsyncGatewayLM(LoraManagement, Sampling):
             body, segment = self._request(model, chunk)
             try:
                 response = self._sync.post("/v1/next_token_logprobs", content=body)
+                self.server_timing = response.headers.get("server-timing")
                 raise_for_error(response)
                 parts.append(self._matrix(response.content, len(chunk), segment))
             except BaseException:

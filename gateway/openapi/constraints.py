@@ -41,6 +41,21 @@ def _apply_limits(schemas: dict[str, Any], settings: Settings) -> None:
     cap("CompletionRequest", "max_tokens", limits.max_tokens)
     cap("ChatCompletionRequest", "max_tokens", limits.max_tokens)
     cap("ChatCompletionRequest", "max_completion_tokens", limits.max_tokens)
+    for schema, prop in (
+        ("CompletionRequest", "max_tokens"),
+        ("ChatCompletionRequest", "max_tokens"),
+        ("ChatCompletionRequest", "max_completion_tokens"),
+    ):
+        schemas[schema]["properties"][prop]["description"] = CONTEXT_LIMIT
+
+
+# The one limit only the running model knows: the document states it in words.
+CONTEXT_LIMIT = (
+    "At most `limits.max_tokens`; and the prompt's tokens plus these must fit the model's context "
+    "(`max_model_len` of GET /v1/models/{model}), else 400 `context_length_exceeded`."
+)
+# Standard base64 (padded) of a whole number of little-endian int32 ids, as the route decodes it.
+PACKED_IDS_BASE64 = "^(?:[A-Za-z0-9+/]{16})*(?:[A-Za-z0-9+/]{6}==|[A-Za-z0-9+/]{11}=)?$"
 
 
 def _text() -> dict[str, Any]:
@@ -80,6 +95,8 @@ def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
     dense_input = _inputs(limits.max_rows)
     dense_input["anyOf"].append({"$ref": "#/components/schemas/PackedTokenIds"})
     schemas["NextTokenLogprobsRequest"]["properties"]["input"] = dense_input
+    packed_ids = schemas["PackedTokenIds"]["properties"]["ids"]
+    packed_ids.update(pattern=PACKED_IDS_BASE64, minLength=8)  # at least one id
     lengths = schemas["PackedTokenIds"]["properties"]["lengths"]
     lengths.update(minItems=1, maxItems=limits.max_rows)
     for request in (completion, chat):
@@ -101,30 +118,37 @@ def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
         "description": "Not supported: empty or null only.",
     }
     completion["properties"]["best_of"]["description"] = "Equal to n when given."
-    completion["anyOf"] = [
-        {"properties": {"best_of": {"type": "null"}}},
-        {"properties": {"n": {"enum": [1, None]}, "best_of": {"const": 1}}},
-        *(
-            {"properties": {"n": {"const": n}, "best_of": {"const": n}}, "required": ["n"]}
-            for n in range(2, limits.max_n + 1)
-        ),
-    ]
-    chat["anyOf"] = [
-        {"properties": {"top_logprobs": {"type": "null"}}},
-        {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
-    ]
-    for request in (completion, chat):  # stream_options only with stream: true, as OpenAI's
-        streamed_only = [
+    # Exclusive options (each given best_of its own), as `oneOf`: schemathesis' canonical form gives
+    # up on an `anyOf` of max_n options beside the other rules, and then never generates a request.
+    completion_rule = {
+        "oneOf": [
+            {"properties": {"best_of": {"type": "null"}}},
+            {"properties": {"n": {"enum": [1, None]}, "best_of": {"const": 1}}, "required": ["best_of"]},
+            *(
+                {"properties": {"n": {"const": n}, "best_of": {"const": n}}, "required": ["n", "best_of"]}
+                for n in range(2, limits.max_n + 1)
+            ),
+        ]
+    }
+    chat_rule = {
+        "anyOf": [
+            {"properties": {"top_logprobs": {"type": "null"}}},
+            {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+        ]
+    }
+    for request, rule in ((completion, completion_rule), (chat, chat_rule)):
+        streamed_only = [  # stream_options only with stream: true, as OpenAI's
             {"properties": {"stream_options": {"type": "null"}}},
             {"properties": {"stream": {"const": True}}, "required": ["stream"]},
         ]
-        request["allOf"] = [{"anyOf": request.pop("anyOf")}, {"anyOf": streamed_only}]
+        request["allOf"] = [rule, {"anyOf": streamed_only}]
     _apply_grammar_checks(schemas)
     schemas["NextTokenLogprobsRequest"]["anyOf"] = [
         {"properties": {"shared_memory": {"type": "null"}}},
         {"properties": {"layout": {"const": "matrix"}}, "required": ["layout"]},
     ]
     generate = schemas["GenerateRequest"]["properties"]
+    generate["image_data"] = {"type": "null", "default": None, "description": "Not supported: null only."}
     texts = {"type": "array", "items": _text(), "minItems": 1, "maxItems": limits.max_prompts}
     generate["text"] = _null_or({"anyOf": [_text(), texts]})
     generate["input_ids"] = _null_or(

@@ -140,3 +140,22 @@ async def test_concurrent_generation_streams_share_lane_steps(engine):
     for batched, single in zip(together, alone, strict=True):
         assert_same(batched, single)
     assert engine.lane.steps - lane_steps >= len(alone[0]) - 2
+
+
+async def test_the_lane_and_the_prefix_cache_share_one_budget(model_dir, reference, tight):
+    """docs/engines.md: memory is the prefix cache's budget, the lane's shapes included. A budget
+    the lane's shapes fill half of: lane and cache together never hold more than it."""
+    budget = 3 * decode_lane._kv_bytes(reference.model, 16, 16)
+    engine = load(model_dir, "cpu", decode_lane_rows=64, prefix_cache_bytes=budget)
+    rng = np.random.default_rng(3)
+    for text in ("The quick brown fox", "In the beginning", "A long time ago"):  # fill the cache
+        await engine.next_token_logprobs([ids(engine, f"{text} {i} " * 6) for i in range(8)])
+    rows = [ids(engine, "Once upon a time, in a village far away,")] * 10
+    held = []
+    for _ in range(12):
+        await engine.next_token_logprobs([list(r) for r in dict.fromkeys(map(tuple, rows))])
+        held.append((engine.prefix_kv.nbytes, engine.lane.nbytes))
+        rows = [r + [int(t)] for r, t in zip(rows, rng.integers(100, 2000, len(rows)), strict=True)]
+    assert engine.lane.steps >= 6  # the lane served most of the run
+    assert max(lane for _, lane in held) > 0 and max(cache for cache, _ in held) > 0
+    assert max(cache + lane for cache, lane in held) <= budget, held

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
+import sys
 
 import httpx
 import msgspec
@@ -186,3 +188,18 @@ def test_a_sync_batch_keeps_the_cached_rows_it_asked_for(gateway, reference):
         batch = lm.batch_next_token_logprobs_sync([rows[0], rows[1]])
         assert lm.requests_sent == 2 and torch.equal(batch[0], first)
         assert np.max(np.abs(batch[1].numpy() - reference.logprobs(rows[1])[-1])) <= 1e-4
+
+
+def test_sync_calls_keep_the_answers_server_timing(lm, reference):
+    assert lm.server_timing is None
+    lm.batch_next_token_logprobs_sync([reference.tokenizer(p).input_ids for p in PREFIXES[:2]])
+    assert lm.server_timing is not None and "rows;dur=" in lm.server_timing
+    lm.server_timing = None
+    lm.next_token_logprobs_sync(reference.tokenizer("A sync call of its own").input_ids)
+    assert lm.server_timing is not None and "rows;dur=" in lm.server_timing
+
+
+def test_the_tokenizer_without_transformers_says_which_extra_to_install(lm, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    with pytest.raises(ModuleNotFoundError, match=re.escape('pip install "logprob-gateway-client[genlm]"')):
+        _ = lm.tokenizer
