@@ -7,6 +7,7 @@
      ├── ForbiddenError                403 permission_error        (disabled, or outside allowed paths)
      ├── ModelNotFoundError            404 invalid_request_error   code=model_not_found
      ├── UnsupportedMediaTypeError     415 invalid_request_error   (a body neither JSON nor MessagePack)
+     ├── RequestTimeoutError           408 invalid_request_error   code=request_timeout (a local frame too slow)
      ├── RateLimitError                429 rate_limit_error        (a per-key or server limit; Retry-After)
      ├── ModelNotReadyError            503 service_unavailable     (still loading, or failed)
      ├── ShuttingDownError             503 service_unavailable     code=server_shutting_down (after SIGTERM)
@@ -97,6 +98,12 @@ class UnsupportedMediaTypeError(GatewayError):
 class PayloadTooLargeError(GatewayError):
     status_code = 413
     error_type = "invalid_request_error"
+
+
+class RequestTimeoutError(GatewayError):
+    status_code = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class RateLimitError(GatewayError):

@@ -41,6 +41,9 @@
     max_answer_bytes = 2147483648  # dense answers not yet read by their clients, server-wide; 429 beyond
     write_stall_timeout_s = 30     # a client that reads none of its answer this long is disconnected
     header_timeout_s = 15          # a request head not complete this long: 408, connection closed
+    max_head_bytes = 65536         # request line and headers; 431 beyond, connection closed
+    body_timeout_s = 60            # a body (or local socket frame) not whole this long after its head: 408
+    local_idle_timeout_s = 300     # a local socket connection with nothing running this long: closed
     max_local_in_flight = 64       # a local socket connection's requests at once; it reads no more beyond
 
 Environment: LOGPROB_GATEWAY_CONFIG, _HOST, _PORT, _MODEL, _BACKEND, _SERVED_MODEL_NAME, _DTYPE,
@@ -129,6 +132,11 @@ class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_answer_bytes: Annotated[int, msgspec.Meta(gt=0)] = 2 * 2**30
     write_stall_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # a client reading nothing: cut
     header_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 15.0  # request line + headers (408 beyond)
+    max_head_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 * 2**10  # request line + headers (431 beyond)
+    # a request body, or a local socket frame, complete this long after its head began (408 beyond)
+    body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    # a local socket connection with nothing running and nothing sent this long is closed
+    local_idle_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     # requests of one local socket connection running at once; it reads no more frames until one ends
     max_local_in_flight: Annotated[int, msgspec.Meta(gt=0)] = 64
 

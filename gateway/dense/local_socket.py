@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import struct
 import sys
 import tempfile
@@ -47,6 +48,7 @@ from gateway.errors import (
     AuthenticationError,
     InvalidRequestError,
     PayloadTooLargeError,
+    RequestTimeoutError,
     ShuttingDownError,
 )
 from gateway.metrics import Metrics
@@ -79,6 +81,42 @@ def error_frame(exc: BaseException) -> tuple[int, bytes]:
     raise exc  # not an Exception (cancellation): not an answer
 
 
+DIRECTORY_PREFIX = "logprob-gateway-"
+SOCKET_NAME = "dense.sock"
+
+
+def remove_stale_sockets() -> list[str]:
+    """Remove the socket directories that gateways of this user left behind when they died (killed,
+    so never closed): those holding only our socket, with nobody listening on it. Returns them."""
+    removed = []
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            if not entry.name.startswith(DIRECTORY_PREFIX) or not entry.is_dir(follow_symlinks=False):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid != os.getuid() or os.listdir(entry.path) != [
+                    SOCKET_NAME
+                ]:
+                    continue
+                path = os.path.join(entry.path, SOCKET_NAME)
+                probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                probe.setblocking(False)  # a live listener with a full backlog answers EAGAIN, not a wait
+                try:
+                    probe.connect(path)
+                    continue  # a live gateway's
+                except BlockingIOError:
+                    continue
+                except ConnectionRefusedError:
+                    pass
+                finally:
+                    probe.close()
+                os.unlink(path)
+                os.rmdir(entry.path)
+                removed.append(entry.path)
+    return removed
+
+
 class LocalSocketServer:
     """Listens on a socket in a directory of its own (mode 0711: its random name is the way in),
     in the event loop of the HTTP server it sits beside."""
@@ -99,9 +137,10 @@ class LocalSocketServer:
         self._connections: set[_Connection] = set()
 
     async def start(self) -> str:
-        directory = tempfile.mkdtemp(prefix="logprob-gateway-")
+        remove_stale_sockets()
+        directory = tempfile.mkdtemp(prefix=DIRECTORY_PREFIX)
         os.chmod(directory, 0o711)
-        path = os.path.join(directory, "dense.sock")
+        path = os.path.join(directory, SOCKET_NAME)
         self._server = await asyncio.get_running_loop().create_unix_server(lambda: _Connection(self), path)
         os.chmod(path, 0o666)  # other users' clients may connect; API keys still apply
         self.path = path
@@ -178,6 +217,9 @@ class _Connection(asyncio.Protocol):
         self.writable = True  # the client reads its answers (the transport's buffer is under its mark)
         self.reading = True
         self.hello_timer: asyncio.TimerHandle | None = None
+        # once greeted: a begun frame's deadline, or, with nothing running, the idle one
+        self.deadline: asyncio.TimerHandle | None = None
+        self.frame_timed = False  # the frame at the buffer's start has its deadline
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -187,8 +229,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server._connections.discard(self)
-        if self.hello_timer is not None:
-            self.hello_timer.cancel()
+        for timer in (self.hello_timer, self.deadline):
+            if timer is not None:
+                timer.cancel()
         for task in self.tasks:
             task.cancel()
 
@@ -207,6 +250,32 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         self._frames()
+        self._watch()
+
+    def _watch(self) -> None:
+        """Arm the connection's deadline: a frame begun must be whole within `body_timeout_s`,
+        and a connection with nothing running and nothing begun closes after
+        `local_idle_timeout_s` (each idle connection holds a file descriptor)."""
+        if not self.greeted or self.transport is None or self.transport.is_closing():
+            return
+        limits = self.server.limits
+        if self.reading and self.buffer:  # read on as far as it goes: a frame is partly in
+            if not self.frame_timed:
+                self.frame_timed = True
+                self._arm(limits.body_timeout_s, self._frame_overdue)
+        elif self.tasks or self.buffer:  # requests run, or whole frames wait for them
+            self._arm(None, self.close)
+        else:
+            self._arm(limits.local_idle_timeout_s, self.close)
+
+    def _arm(self, delay: float | None, callback: Any) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+        self.deadline = None if delay is None else asyncio.get_running_loop().call_later(delay, callback)
+
+    def _frame_overdue(self) -> None:
+        limit = self.server.limits.body_timeout_s
+        self._fail(RequestTimeoutError(f"a frame did not arrive whole within {limit:g} s"))
 
     def _frames(self) -> None:
         limit = self.server.limits.max_body_bytes + 64  # a body and its frame
@@ -219,13 +288,14 @@ class _Connection(asyncio.Protocol):
                 return
             frame = bytes(self.buffer[4 : 4 + length])
             del self.buffer[: 4 + length]
+            self.frame_timed = False
             self._frame(frame)
 
     def _frame(self, frame: bytes) -> None:
         try:
             message = msgspec.msgpack.decode(frame)
             tag, value = message
-        except (msgspec.DecodeError, TypeError, ValueError):
+        except (msgspec.DecodeError, TypeError, ValueError, RecursionError):
             self._fail(InvalidRequestError("a frame that is not a MessagePack [id, body] array"))
             return
         if not self.greeted:
@@ -254,6 +324,7 @@ class _Connection(asyncio.Protocol):
         if self.hello_timer is not None:
             self.hello_timer.cancel()
         self._send(0, 200, "", b"")
+        self._watch()
 
     def _fail(self, exc: Exception) -> None:
         """An answer to the connection itself (id 0), and its end."""
@@ -271,6 +342,7 @@ class _Connection(asyncio.Protocol):
         if not task.cancelled() and task.exception() is not None:
             log.error("local socket request failed", exc_info=task.exception())
         self._update_reading()
+        self._watch()
 
     def _update_reading(self) -> None:
         """Read on only while few requests run and the client reads its answers."""

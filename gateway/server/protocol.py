@@ -3,11 +3,16 @@
 uvicorn itself answers a request whose HTTP it cannot parse (a bad request line or header, a broken
 chunked body), before the app sees it: in plain text, where OpenAI's clients read every error as
 JSON. This is the protocol uvicorn's `auto` picks (httptools when installed, else h11) with that
-answer in the gateway's error shape; its own warning is still logged. Two limits uvicorn lacks:
+answer in the gateway's error shape; its own warning is still logged. Limits uvicorn lacks:
 
 - a request head (request line and headers) must arrive within `header_timeout_s` of the connection
   opening or of the previous response's end, else a 408 and the connection closes: a client that
   trickles header bytes, or sends none, holds no connection for long;
+- a request head of more than `max_head_bytes` gets a 431 as soon as that many bytes are in, and the
+  connection closes (httptools has no bound of its own, and h11's answers in plain text);
+- a request body must be complete within `body_timeout_s` of its head, else a 408 (when nothing
+  was answered yet) and the connection closes: a client trickling a body, or stopping short of its
+  Content-Length, holds neither the connection nor the bytes it sent for longer;
 - a client that keeps more than the transport's high-water mark of an answer unread for
   `write_stall_timeout_s` is cut off: what the server had buffered for it is dropped, and the
   request's work is cancelled (gateway/guard.py sees the disconnect).
@@ -29,22 +34,46 @@ log = logging.getLogger(__name__)
 class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
     header_timeout_s: float = Limits().header_timeout_s
     write_stall_timeout_s: float = Limits().write_stall_timeout_s
+    max_head_bytes: int = Limits().max_head_bytes
+    body_timeout_s: float = Limits().body_timeout_s
 
     _head_timer: asyncio.TimerHandle | None = None
     _stall_timer: asyncio.TimerHandle | None = None
+    _body_timer: asyncio.TimerHandle | None = None
+    _head_bytes = 0  # bytes received since the head being read began
+
+    def data_received(self, data: bytes) -> None:
+        awaiting = self._awaiting_head()
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        if not self._awaiting_head():
+            self._head_bytes = 0
+            if awaiting and self.cycle.more_body and self._body_timer is None:
+                self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_overdue, self.cycle)
+            return
+        self._head_bytes += len(data)
+        if self._head_bytes > self.max_head_bytes:
+            message = f"the request line and headers are larger than {self.max_head_bytes} bytes"
+            self._send_error_and_close(
+                b"431 Request Header Fields Too Large", message, code="request_header_fields_too_large"
+            )
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for timer in (self._head_timer, self._stall_timer):
+        for timer in (self._head_timer, self._stall_timer, self._body_timer):
             if timer is not None:
                 timer.cancel()
         super().connection_lost(exc)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
         if not self.transport.is_closing():  # the next request's head starts now
             self._arm_head_timer()
 
@@ -73,6 +102,19 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         if self.transport.is_closing() or not self._awaiting_head():
             return  # a request is being served: on_response_complete arms the next deadline
         message = f"the request head did not arrive within {self.header_timeout_s:g} s"
+        self._send_error_and_close(b"408 Request Timeout", message, code="request_timeout")
+
+    def _body_overdue(self, cycle: object) -> None:
+        self._body_timer = None
+        if self.transport.is_closing() or self.cycle is not cycle or not self.cycle.more_body:
+            return  # that request's body came in whole
+        message = f"the request body did not arrive within {self.body_timeout_s:g} s"
+        if self.cycle.response_started:  # an answer is under way: no room for another
+            self.transport.abort()
+            return
+        # The app's reads now end in a disconnect, and nothing it sends is written after this.
+        self.cycle.disconnected = True
+        self.cycle.message_event.set()
         self._send_error_and_close(b"408 Request Timeout", message, code="request_timeout")
 
     def _write_stalled(self) -> None:
@@ -105,5 +147,10 @@ def protocol_with_limits(limits: Limits) -> type[GatewayHTTPProtocol]:
     return type(
         "GatewayHTTPProtocol",
         (GatewayHTTPProtocol,),
-        {"header_timeout_s": limits.header_timeout_s, "write_stall_timeout_s": limits.write_stall_timeout_s},
+        {
+            "header_timeout_s": limits.header_timeout_s,
+            "write_stall_timeout_s": limits.write_stall_timeout_s,
+            "max_head_bytes": limits.max_head_bytes,
+            "body_timeout_s": limits.body_timeout_s,
+        },
     )

@@ -10,6 +10,7 @@ import base64
 import os
 import socket
 import struct
+import tempfile
 import time
 
 import httpx
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from gateway.access import hash_key
+from gateway.dense.local_socket import DIRECTORY_PREFIX, SOCKET_NAME, remove_stale_sockets
 from logprob_gateway_client import AsyncGatewayLM, GatewayClientError
 from logprob_gateway_client import shared_memory as client_memory
 from logprob_gateway_client.local_socket import HEADER
@@ -121,6 +123,8 @@ api_keys = ["{hash_key(KEY, "alice")}", "{hash_key(THRIFTY, "thrifty")}"]
 [limits]
 max_body_bytes = 65536
 header_timeout_s = 1
+body_timeout_s = 1
+local_idle_timeout_s = 3
 rows_per_minute_per_key = 200
 max_local_in_flight = 2
 
@@ -296,6 +300,57 @@ def test_a_silent_connection_is_closed_after_the_header_timeout(raw):
     started = time.monotonic()
     assert raw.receive() is None
     assert 0.5 <= time.monotonic() - started <= 10
+
+
+def test_a_frame_that_does_not_arrive_whole_in_time_is_a_408(raw):
+    raw.hello()
+    raw.sock.sendall(struct.pack("<I", 60000) + b"\x92" + b"\x00" * 100)  # 60,000 bytes announced
+    started = time.monotonic()
+    frame = raw.receive()
+    assert frame[:2] == [0, 408] and error_of(frame)["code"] == "request_timeout"
+    assert raw.receive() is None
+    assert 0.5 <= time.monotonic() - started <= 10
+
+
+def test_an_idle_connection_is_closed_and_a_busy_one_is_not(raw, segment):
+    raw.hello()
+    raw.send([1, request("slow", prefixes(4, 1), segment)])
+    for _ in range(8):  # 0.5 s each: a connection busy past the idle timeout stays
+        assert raw.receive()[:2] == [1, 200]
+        raw.send([1, request("slow", prefixes(4, 1), segment)])
+    assert raw.receive()[:2] == [1, 200]
+    started = time.monotonic()
+    assert raw.receive() is None
+    assert 2 <= time.monotonic() - started <= 15
+
+
+def test_a_deeply_nested_frame_is_a_400_without_a_traceback(secured, raw):
+    raw.hello()
+    raw.send_bytes(b"\x91" * 50_000)
+    frame = raw.receive()
+    assert frame[:2] == [0, 400]
+    assert raw.receive() is None
+    assert "RecursionError" not in secured.log_path.read_text(errors="replace")
+
+
+def test_sockets_of_dead_gateways_are_removed_and_live_ones_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead, live, foreign = (tmp_path / f"{DIRECTORY_PREFIX}{name}" for name in ("dead", "live", "foreign"))
+    sockets = []
+    for directory in (dead, live, foreign):
+        directory.mkdir()
+        made = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        made.bind(str(directory / SOCKET_NAME))
+        sockets.append(made)
+    sockets[1].listen()
+    (foreign / "other-file").write_text("not ours alone")
+    sockets[0].close()  # as a killed gateway leaves it: the file, and nobody listening
+    sockets[2].close()
+    try:
+        assert remove_stale_sockets() == [str(dead)]
+        assert not dead.exists() and (live / SOCKET_NAME).exists() and (foreign / SOCKET_NAME).exists()
+    finally:
+        sockets[1].close()
 
 
 def test_the_keys_row_budget_applies_as_over_http(secured, raw, segment):
