@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 
+from backends.grammar_text import PARSER_LIMITS
 from backends.types import Grammar
 from gateway.errors import InvalidRequestError
 from gateway.schemas.common import JsonObjectFormat, JsonSchemaFormat, OutputControls, StructuredOutputs
 
 ANY_OBJECT = Grammar("json_schema", '{"type": "object"}')
+MAX_CHOICES = PARSER_LIMITS["max_items_in_row"]  # the grammar engine's bound on one rule's alternatives
 
 
 def requested_grammar(body: OutputControls) -> tuple[Grammar | None, str]:
@@ -44,6 +46,11 @@ def _structured(spec: StructuredOutputs) -> Grammar:
     if spec.regex is not None:
         return Grammar("regex", spec.regex)
     if spec.choice is not None:  # one of the strings, exactly: a Lark grammar of string literals
+        if len(spec.choice) > MAX_CHOICES:  # refused at once, not after a compile that must fail
+            raise InvalidRequestError(
+                f"structured_outputs.choice has {len(spec.choice)} options; at most {MAX_CHOICES}",
+                param="structured_outputs.choice",
+            )
         return Grammar("lark", "start: " + " | ".join(json.dumps(choice) for choice in spec.choice))
     if spec.grammar is not None:  # GBNF (vLLM's EBNF) or Lark: llguidance tells them apart
         return Grammar("ebnf", spec.grammar)

@@ -140,10 +140,11 @@ def test_a_crashing_grammar_is_refused_on_generate_too(mock_gateway):
 
 
 def test_choices_beyond_the_grammar_engine_row_limit_are_refused_before_streaming(mock_gateway):
-    # 5,000: refused as 50,000 are, and within this gateway's short timeout
+    # counted before any compile: 5,000 refused as 50,000 are; a Lark grammar of as many
+    # alternatives is refused by the grammar engine's own limit (tests/backends/test_grammar.py)
     fields = {"structured_outputs": {"choice": [f"option {i}" for i in range(5000)]}}
     answer, _ = complete(mock_gateway, fields, stream=True)
-    assert_refused(answer, "max is 2000")  # a 400 before any event, not an error mid-stream
+    assert_refused(answer, "at most 2000")  # a 400 before any event, not an error mid-stream
     assert "option 1" not in mock_gateway.log_tail(200)  # the request's text never reaches the log
 
 
@@ -283,9 +284,7 @@ def test_the_real_engine_refuses_what_crashes_and_generates_what_passed(http):
     assert_refused(http.post("/v1/completions", json=chain), "crashed")
     many = [f"option {i}" for i in range(50000)]
     choices = {"model": MODEL, "prompt": "Pick:", "stream": True, "structured_outputs": {"choice": many}}
-    # ~1.5 s of compile on an idle core: on a loaded machine the timeout may come first
-    refused = assert_refused(http.post("/v1/completions", json=choices))
-    assert re.search("max is 2000|did not compile within", refused), refused
+    assert_refused(http.post("/v1/completions", json=choices), "at most 2000")
     schema = ref_chain(8, leaf={"enum": ["done"]})
     body = {"model": MODEL, "prompt": "JSON:", "max_tokens": 128, "temperature": 0, **schema_request(schema)}
     answer = http.post("/v1/completions", json=body)
