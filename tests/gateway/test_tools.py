@@ -11,40 +11,13 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from tests.gateway.test_structured_outputs import TIME, WEATHER
 from tests.launcher import start_gateway
 
 pytestmark = pytest.mark.slow
 TEMPLATES = Path(__file__).parent / "chat_templates"
 FORMATS = ("hermes", "llama3_json", "mistral")
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 20},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string", "maxLength": 12}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
 
@@ -206,7 +179,7 @@ def test_nested_pydantic_tools_are_called_with_valid_arguments(tools_client):
         for call in answer.choices[0].message.tool_calls:
             Trip.model_validate_json(call.function.arguments)
             jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
-    single = tools_client.chat.completions.create(
+    one_call = dict(
         model="hermes",
         messages=ask,
         tools=[tool],
@@ -215,16 +188,9 @@ def test_nested_pydantic_tools_are_called_with_valid_arguments(tools_client):
         max_tokens=200,
         temperature=0,
     )
+    single = tools_client.chat.completions.create(**one_call)
     assert single.choices[0].finish_reason == "tool_calls" and len(single.choices[0].message.tool_calls) == 1
-    with tools_client.chat.completions.stream(
-        model="hermes",
-        messages=ask,
-        tools=[tool],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_tokens=200,
-        temperature=0,
-    ) as stream:
+    with tools_client.chat.completions.stream(**one_call) as stream:
         (done,) = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
     assert isinstance(done.parsed_arguments, Trip)
 
