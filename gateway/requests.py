@@ -52,7 +52,7 @@ def decode_body(body: bytes, binary: bool, body_type: type[T]) -> T:
                 return msgspec.msgpack.decode(body, type=body_type)
             return msgspec.json.decode(body, type=body_type)
         except msgspec.ValidationError as exc:
-            if len(body) > INTEGRAL_FLOAT_RETRY_BYTES or not str(exc).startswith(_INT_GOT_FLOAT):
+            if len(body) > INTEGRAL_FLOAT_RETRY_BYTES or _GOT_FLOAT not in str(exc):
                 raise
             return _decode_with_integral_floats(body, binary, body_type, exc)
     except UnicodeDecodeError as exc:
@@ -68,7 +68,7 @@ _INT64 = range(-(2**63), 2**63)
 # decode in time and memory: only for the error it can fix, and only for bodies small enough that
 # the retry stays short on the event loop (a larger body keeps the typed decode's error).
 INTEGRAL_FLOAT_RETRY_BYTES = 1 << 20
-_INT_GOT_FLOAT = "Expected `int`, got `float`"
+_GOT_FLOAT = ", got `float`"  # where an integer (or a union with one) belongs
 
 
 def _integral_floats_to_ints(document: Any) -> bool:
