@@ -111,7 +111,7 @@ def test_huge_bodies_that_fail_validation_keep_health_quick(tmp_path):
         gateway.stop()
     assert [a.status_code for a in answers] == [400] * 3
     assert all("`str`" in a.json()["error"]["message"] for a in answers)
-    assert max(latencies) < 0.5, sorted(latencies)[-5:]
+    assert max(latencies) < 1.5, sorted(latencies)[-5:]  # 5.6 s before, on 2 cores busy with the suite
 
 
 def _poll_health(gateway, senders: list[threading.Thread], latencies: list[float]) -> None:
