@@ -4,13 +4,14 @@ answer bytes, dense rows of its key's budget)."""
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import asyncio
+from typing import TypeVar
 
-import msgspec
 from litestar import Request
 
 from gateway.access import Access
-from gateway.errors import InvalidRequestError, UnsupportedMediaTypeError
+from gateway.body_decode import BodyDecoder, decode_body
+from gateway.errors import UnsupportedMediaTypeError
 from gateway.guard import ANSWER_BYTES_KEY, KEY_NAME, STREAM_KEY
 from gateway.metrics import set_labels
 from gateway.registry import ModelRegistry, ServedModel
@@ -41,71 +42,26 @@ async def decode_json(request: Request, body_type: type[T]) -> T:
             f"Content-Type {media_type[:100]!r} is not supported: send the body as application/json "
             f"(or {MSGPACK_TYPES[0]})"
         )
-    return decode_body(await request.body(), binary, body_type)
+    body = await request.body()
+    decoder = body_decoder(request)
+    if decoder.inline(body):
+        return decode_body(body, binary, body_type)
+    return await decoder.decode(body, binary, body_type)
 
 
-def decode_body(body: bytes, binary: bool, body_type: type[T]) -> T:
-    """A request body (MessagePack when `binary`, else JSON) as `body_type`; errors become 400s."""
-    try:
-        try:
-            if binary:
-                return msgspec.msgpack.decode(body, type=body_type)
-            return msgspec.json.decode(body, type=body_type)
-        except msgspec.ValidationError as exc:
-            if len(body) > INTEGRAL_FLOAT_RETRY_BYTES or _GOT_FLOAT not in str(exc):
-                raise
-            return _decode_with_integral_floats(body, binary, body_type, exc)
-    except UnicodeDecodeError as exc:
-        # msgspec raises this (not a DecodeError) for a string that is not UTF-8, in either format
-        raise InvalidRequestError(f"request body has a string that is not valid UTF-8: {exc}") from None
-    except RecursionError:
-        # msgspec recurses once per level of nesting, in fields the type ignores too
-        raise InvalidRequestError("request body is nested too deeply") from None
-
-
-_INT64 = range(-(2**63), 2**63)
-# The integral-float retry decodes the body again untyped, which costs several times the typed
-# decode in time and memory: only for the error it can fix, and only for bodies small enough that
-# the retry stays short on the event loop (a larger body keeps the typed decode's error).
-INTEGRAL_FLOAT_RETRY_BYTES = 1 << 20
-_GOT_FLOAT = ", got `float`"  # where an integer (or a union with one) belongs
-
-
-def _integral_floats_to_ints(document: Any) -> bool:
-    """Turn, in place, every finite float with no fractional part (within int64) into an int; True
-    when there was one. Walks with a stack: documents nest as deep as the body does."""
-    changed = False
-    stack = [document]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            items: Any = node.items()
-        elif isinstance(node, list):
-            items = enumerate(node)
-        else:
-            continue
-        for key, value in list(items):
-            if isinstance(value, float) and value.is_integer() and int(value) in _INT64:
-                node[key] = int(value)
-                changed = True
-            elif isinstance(value, (dict, list)):
-                stack.append(value)
-    return changed
-
-
-def _decode_with_integral_floats(
-    body: bytes, binary: bool, body_type: type[T], error: msgspec.ValidationError
-) -> T:
-    """JSON Schema, and so the OpenAPI document, counts 1.0 as an integer: a body the typed decode
-    refused is decoded again with such floats as ints. With none, the typed decode's error stands."""
-    try:
-        document = msgspec.msgpack.decode(body) if binary else msgspec.json.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-        raise error from None
-    if not _integral_floats_to_ints(document):
-        raise error
-    # An error now names a field that is wrong as read, not a 1.0 that the retry accepts.
-    return msgspec.convert(document, type=body_type, strict=True)
+def body_decoder(request: Request) -> BodyDecoder:
+    """The app's decoder of request bodies, made on first use with its settings' threshold (again
+    on another event loop, as an app served in-process by successive test clients is)."""
+    state = request.app.state
+    decoder = getattr(state, "body_decoder", None)
+    if decoder is None or decoder.loop not in (None, asyncio.get_running_loop()):
+        if decoder is not None:
+            decoder.kill_workers()  # their pipes belong to the loop they were started on
+        limits = settings(request).limits
+        decoder = state.body_decoder = BodyDecoder(
+            limits.decode_worker_bytes, limits.decode_workers, limits.decode_queue
+        )
+    return decoder
 
 
 def wants_msgpack(request: Request) -> bool:

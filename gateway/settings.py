@@ -43,8 +43,13 @@
     header_timeout_s = 15          # a request head not complete this long: 408, connection closed
     max_head_bytes = 65536         # request line and headers; 431 beyond, connection closed
     body_timeout_s = 60            # a body (or local socket frame) not whole this long after its head: 408
+    max_unfinished_body_bytes = 536870912  # bodies not yet whole, server-wide; 429 beyond
     local_idle_timeout_s = 300     # a local socket connection with nothing running this long: closed
+    max_local_connections = 1024   # local socket connections open at once; beyond: a 429 frame, closed
     max_local_in_flight = 64       # a local socket connection's requests at once; it reads no more beyond
+    decode_worker_bytes = 262144   # bodies this large or larger are decoded in a worker process; 0: never
+    decode_workers = 1             # such worker processes; bodies wait for a free one
+    decode_queue = 4               # bodies waiting for a decode worker; 429 beyond
 
 Environment: LOGPROB_GATEWAY_CONFIG, _HOST, _PORT, _MODEL, _BACKEND, _SERVED_MODEL_NAME, _DTYPE,
 _DEVICE, _MAX_MODEL_LEN, _LOG_LEVEL, _REDIS_URL, _CACHE (false: no cache), _ADMIN_KEY,
@@ -135,10 +140,20 @@ class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_head_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 * 2**10  # request line + headers (431 beyond)
     # a request body, or a local socket frame, complete this long after its head began (408 beyond)
     body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    # bytes of request bodies received and not yet whole, all connections together (429 beyond)
+    max_unfinished_body_bytes: Annotated[int, msgspec.Meta(gt=0)] = 512 * 2**20
     # a local socket connection with nothing running and nothing sent this long is closed
     local_idle_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    # local socket connections open at once (each a file descriptor); beyond, a 429 frame and closed
+    max_local_connections: Annotated[int, msgspec.Meta(gt=0)] = 1024
     # requests of one local socket connection running at once; it reads no more frames until one ends
     max_local_in_flight: Annotated[int, msgspec.Meta(gt=0)] = 64
+    # bodies (and local socket frames) of this many bytes or more are decoded in a worker process,
+    # off the event loop (msgspec holds the GIL); 0: every body on the loop
+    decode_worker_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 2**10
+    # such worker processes; larger bodies wait for a free one (each peaks at ~5x its body's bytes)
+    decode_workers: Annotated[int, msgspec.Meta(gt=0, le=64)] = 1
+    decode_queue: Annotated[int, msgspec.Meta(ge=0)] = 4  # such bodies waiting for a worker (429 beyond)
 
 
 class CacheSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -40,6 +40,7 @@ import msgspec
 
 from gateway import requests
 from gateway.access import Access
+from gateway.body_decode import BodyDecoder
 from gateway.dense.delivery import answer_nbytes
 from gateway.dense.routes import dense_inputs
 from gateway.dense.service import DenseService
@@ -48,12 +49,14 @@ from gateway.errors import (
     AuthenticationError,
     InvalidRequestError,
     PayloadTooLargeError,
+    RateLimitError,
     RequestTimeoutError,
     ShuttingDownError,
 )
 from gateway.metrics import Metrics
 from gateway.registry import ModelRegistry
 from gateway.schemas.logprobs import NextTokenLogprobsRequest
+from gateway.server.protocol import UnfinishedBodyBytes
 from gateway.server.shutdown import Shutdown
 from gateway.settings import Limits
 
@@ -135,6 +138,11 @@ class LocalSocketServer:
         self.path: str | None = None
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
+        self.body_decoder = BodyDecoder(
+            limits.decode_worker_bytes, limits.decode_workers, limits.decode_queue
+        )
+        # bytes its connections hold of frames not yet handled, against the same budget as HTTP's
+        self.unfinished_bytes = UnfinishedBodyBytes(limits.max_unfinished_body_bytes)
 
     async def start(self) -> str:
         remove_stale_sockets()
@@ -158,6 +166,7 @@ class LocalSocketServer:
                 os.unlink(self.path)
                 os.rmdir(os.path.dirname(self.path))
             self.path = None
+        await self.body_decoder.aclose()
 
     async def answer(self, key: str | None, payload: bytes) -> tuple[int, str, bytes]:
         """(status, Server-Timing, body) for one request frame's body; every error becomes its
@@ -172,7 +181,10 @@ class LocalSocketServer:
             if key is not None:
                 self.access.enter(key)
             try:
-                body = requests.decode_body(payload, True, NextTokenLogprobsRequest)
+                if self.body_decoder.inline(payload):
+                    body = requests.decode_body(payload, True, NextTokenLogprobsRequest)
+                else:
+                    body = await self.body_decoder.decode(payload, True, NextTokenLogprobsRequest)
                 if body.shared_memory is None:
                     raise InvalidRequestError(
                         "the local socket answers into shared memory only: name a segment in "
@@ -220,15 +232,22 @@ class _Connection(asyncio.Protocol):
         # once greeted: a begun frame's deadline, or, with nothing running, the idle one
         self.deadline: asyncio.TimerHandle | None = None
         self.frame_timed = False  # the frame at the buffer's start has its deadline
+        self.counted = 0  # bytes of `buffer` counted in the server's unfinished bytes
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        limit = self.server.limits.max_local_connections
+        if len(self.server._connections) >= limit:  # each holds a file descriptor, greeted or not
+            self._fail(RateLimitError(f"the local socket has {limit} connections open", retry_after=1))
+            return
         self.server._connections.add(self)
         loop = asyncio.get_running_loop()
         self.hello_timer = loop.call_later(self.server.limits.header_timeout_s, self.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server._connections.discard(self)
+        self.buffer.clear()
+        self._count_buffer()
         for timer in (self.hello_timer, self.deadline):
             if timer is not None:
                 timer.cancel()
@@ -250,7 +269,20 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         self._frames()
-        self._watch()
+        if self._count_buffer():
+            self._watch()
+
+    def _count_buffer(self) -> bool:
+        """Count the buffer's bytes in the server's budget; past it, a 429 frame and the end."""
+        budget = self.server.unfinished_bytes
+        budget.give_back(self.counted)
+        self.counted = 0
+        if budget.take(len(self.buffer)):
+            self.counted = len(self.buffer)
+            return True
+        self.buffer.clear()
+        self._fail(RateLimitError(budget.refusal(), retry_after=1))
+        return False
 
     def _watch(self) -> None:
         """Arm the connection's deadline: a frame begun must be whole within `body_timeout_s`,
@@ -353,6 +385,7 @@ class _Connection(asyncio.Protocol):
             self.reading = True
             self.transport.resume_reading()
             self._frames()
+            self._count_buffer()
         elif not reading and self.reading:
             self.reading = False
             self.transport.pause_reading()

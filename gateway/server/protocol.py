@@ -13,6 +13,9 @@ answer in the gateway's error shape; its own warning is still logged. Limits uvi
 - a request body must be complete within `body_timeout_s` of its head, else a 408 (when nothing
   was answered yet) and the connection closes: a client trickling a body, or stopping short of its
   Content-Length, holds neither the connection nor the bytes it sent for longer;
+- the bytes of bodies not yet whole, all connections together, stay within
+  `max_unfinished_body_bytes`: the connection whose bytes would pass it gets a 429 (Retry-After)
+  and closes, so many half-sent bodies cannot hold the server's memory between them;
 - a client that keeps more than the transport's high-water mark of an answer unread for
   `write_stall_timeout_s` is cut off: what the server had buffered for it is dropped, and the
   request's work is cancelled (gateway/guard.py sees the disconnect).
@@ -31,16 +34,41 @@ from gateway.settings import Limits
 log = logging.getLogger(__name__)
 
 
+class UnfinishedBodyBytes:
+    """Bytes of request bodies received and not yet whole, server-wide, against a budget."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.held = budget, 0
+
+    def take(self, nbytes: int) -> bool:
+        if self.held + nbytes > self.budget:
+            return False
+        self.held += nbytes
+        return True
+
+    def give_back(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+    def refusal(self) -> str:
+        return (
+            f"the server is receiving {self.held} bytes of unfinished request bodies, its limit is "
+            f"{self.budget}; send the request again shortly"
+        )
+
+
 class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
     header_timeout_s: float = Limits().header_timeout_s
     write_stall_timeout_s: float = Limits().write_stall_timeout_s
     max_head_bytes: int = Limits().max_head_bytes
     body_timeout_s: float = Limits().body_timeout_s
+    # the server's bytes of unfinished bodies, one counter shared by its connections
+    unfinished_body_bytes = UnfinishedBodyBytes(Limits().max_unfinished_body_bytes)
 
     _head_timer: asyncio.TimerHandle | None = None
     _stall_timer: asyncio.TimerHandle | None = None
     _body_timer: asyncio.TimerHandle | None = None
     _head_bytes = 0  # bytes received since the head being read began
+    _body_bytes = 0  # bytes of the current request's unfinished body counted in the server's budget
 
     def data_received(self, data: bytes) -> None:
         awaiting = self._awaiting_head()
@@ -49,9 +77,20 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
             return
         if not self._awaiting_head():
             self._head_bytes = 0
-            if awaiting and self.cycle.more_body and self._body_timer is None:
+            if not self.cycle.more_body:
+                self._release_body_bytes()
+                return
+            if awaiting and self._body_timer is None:
                 self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_overdue, self.cycle)
+            if not self.unfinished_body_bytes.take(len(data)):
+                self._release_body_bytes()
+                self._abandon_body(
+                    b"429 Too Many Requests", self.unfinished_body_bytes.refusal(), "server_busy"
+                )
+                return
+            self._body_bytes += len(data)
             return
+        self._release_body_bytes()
         self._head_bytes += len(data)
         if self._head_bytes > self.max_head_bytes:
             message = f"the request line and headers are larger than {self.max_head_bytes} bytes"
@@ -64,6 +103,7 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._release_body_bytes()
         for timer in (self._head_timer, self._stall_timer, self._body_timer):
             if timer is not None:
                 timer.cancel()
@@ -71,6 +111,7 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._release_body_bytes()
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
@@ -109,13 +150,22 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         if self.transport.is_closing() or self.cycle is not cycle or not self.cycle.more_body:
             return  # that request's body came in whole
         message = f"the request body did not arrive within {self.body_timeout_s:g} s"
+        self._abandon_body(b"408 Request Timeout", message, "request_timeout")
+
+    def _abandon_body(self, status: bytes, message: str, code: str) -> None:
+        """Answer `status` for a request whose body is still arriving, and close the connection."""
         if self.cycle.response_started:  # an answer is under way: no room for another
             self.transport.abort()
             return
         # The app's reads now end in a disconnect, and nothing it sends is written after this.
         self.cycle.disconnected = True
         self.cycle.message_event.set()
-        self._send_error_and_close(b"408 Request Timeout", message, code="request_timeout")
+        self._send_error_and_close(status, message, code=code)
+
+    def _release_body_bytes(self) -> None:
+        if self._body_bytes:
+            self.unfinished_body_bytes.give_back(self._body_bytes)
+            self._body_bytes = 0
 
     def _write_stalled(self) -> None:
         self._stall_timer = None
@@ -132,9 +182,12 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         self._send_error_and_close(b"400 Bad Request", msg)
 
     def _send_error_and_close(self, status: bytes, message: str, code: str | None = None) -> None:
-        body = error_body(message, "invalid_request_error", code=code)
+        busy = status.startswith(b"429")
+        body = error_body(message, "rate_limit_error" if busy else "invalid_request_error", code=code)
         head = [b"HTTP/1.1 " + status + b"\r\n"]
         head.extend(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers)
+        if busy:
+            head.append(b"retry-after: 1\r\n")
         head.append(b"content-type: application/json\r\n")
         head.append(b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body))
         # Written as bytes by both parsers' protocols: no request is in progress and the connection closes.
@@ -143,7 +196,8 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
 
 
 def protocol_with_limits(limits: Limits) -> type[GatewayHTTPProtocol]:
-    """The protocol class uvicorn instantiates per connection, with the configured time limits."""
+    """The protocol class uvicorn instantiates per connection, with the configured limits (and one
+    budget of unfinished body bytes for all its connections)."""
     return type(
         "GatewayHTTPProtocol",
         (GatewayHTTPProtocol,),
@@ -152,5 +206,6 @@ def protocol_with_limits(limits: Limits) -> type[GatewayHTTPProtocol]:
             "write_stall_timeout_s": limits.write_stall_timeout_s,
             "max_head_bytes": limits.max_head_bytes,
             "body_timeout_s": limits.body_timeout_s,
+            "unfinished_body_bytes": UnfinishedBodyBytes(limits.max_unfinished_body_bytes),
         },
     )

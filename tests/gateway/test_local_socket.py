@@ -127,6 +127,8 @@ body_timeout_s = 1
 local_idle_timeout_s = 3
 rows_per_minute_per_key = 200
 max_local_in_flight = 2
+max_local_connections = 6
+max_unfinished_body_bytes = 100000
 
 """
     gateway = start_mock_gateway(workdir, settings, slow_delay_s=0.5)
@@ -322,6 +324,51 @@ def test_an_idle_connection_is_closed_and_a_busy_one_is_not(raw, segment):
     started = time.monotonic()
     assert raw.receive() is None
     assert 2 <= time.monotonic() - started <= 15
+
+
+def test_unfinished_frames_stay_within_the_servers_budget(socket_path, raw):
+    """Two connections each send 55,000 bytes of a 60,000-byte frame: the second would pass the
+    budget of 100,000 unfinished bytes and is answered 429 and closed; the first's frame runs
+    into its deadline, and its bytes are freed for the next connection."""
+    partial = struct.pack("<I", 60000) + b"\x92" + b"\x00" * 54999
+    raw.hello()
+    raw.sock.sendall(partial)
+    time.sleep(0.2)
+    second = Raw(socket_path)
+    try:
+        second.hello()
+        second.sock.sendall(partial)
+        frame = second.receive()
+        assert frame[:2] == [0, 429] and "unfinished" in error_of(frame)["message"]
+        assert second.receive() is None
+    finally:
+        second.close()
+    assert raw.receive()[:2] == [0, 408]  # body_timeout_s: its bytes held no longer
+    third = Raw(socket_path)
+    try:
+        third.hello()
+        third.sock.sendall(partial)
+        assert third.receive()[:2] == [0, 408]  # room again: its deadline, not the budget
+    finally:
+        third.close()
+
+
+def test_connections_beyond_the_limit_are_a_429_and_closed(socket_path, raw):
+    raw.hello()
+    others = [Raw(socket_path) for _ in range(5)]  # with `raw`: the limit of 6, greeted or not
+    try:
+        extra = Raw(socket_path)
+        frame = extra.receive()
+        assert frame[:2] == [0, 429] and error_of(frame)["type"] == "rate_limit_error"
+        assert extra.receive() is None
+        extra.close()
+        others.pop().close()
+        time.sleep(0.2)
+        others.append(Raw(socket_path))  # a place was freed
+        assert others[-1].hello()[:2] == [0, 200]
+    finally:
+        for other in others:
+            other.close()
 
 
 def test_a_deeply_nested_frame_is_a_400_without_a_traceback(secured, raw):
