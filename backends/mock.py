@@ -26,7 +26,7 @@ from backends.builtin_models import resolve_model_dir
 from backends.distinct_rows import computed_rows, outputs
 from backends.engine import Engine, Out
 from backends.errors import AdapterError, WeightsError, WeightsGroupError
-from backends.grammar import LLGuidanceGrammars
+from backends.grammar.constraint import LLGuidanceGrammars
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
 from backends.types import (
     AnnouncedTensor,

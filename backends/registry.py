@@ -32,13 +32,15 @@ VLLM_INSTALL = (
 
 _BACKENDS: dict[str, Backend] = {
     "transformers": Backend(
-        "backends.transformers", "TransformersEngine", ("torch", "transformers"), "pip install -e ."
+        "backends.transformers.engine", "TransformersEngine", ("torch", "transformers"), "pip install -e ."
     ),
     "mock": Backend("backends.mock", "MockEngine", ("transformers",), "pip install -e ."),
-    "mlx": Backend("backends.mlx", "MlxEngine", ("mlx", "mlx_lm"), 'pip install -e ".[mlx]"'),
-    "vllm": Backend("backends.vllm", "VllmEngine", ("torch", "vllm"), VLLM_INSTALL),
+    "mlx": Backend("backends.mlx.engine", "MlxEngine", ("mlx", "mlx_lm"), 'pip install -e ".[mlx]"'),
+    "vllm": Backend("backends.vllm.engine", "VllmEngine", ("torch", "vllm"), VLLM_INSTALL),
     # its `url` mode needs no sglang here; the other modes import it when they start
-    "sglang": Backend("backends.sglang", "SglangEngine", ("transformers",), 'pip install -e ".[sglang]"'),
+    "sglang": Backend(
+        "backends.sglang.engine", "SglangEngine", ("transformers",), 'pip install -e ".[sglang]"'
+    ),
 }
 
 BACKEND_NAMES = tuple(_BACKENDS)

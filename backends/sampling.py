@@ -13,7 +13,7 @@ from backends.errors import GrammarError
 from backends.types import GREEDY_BELOW, PromptLogprobs, SamplingParams, TokenStep
 
 if TYPE_CHECKING:
-    from backends.grammar import LLGuidanceGrammars
+    from backends.grammar.constraint import LLGuidanceGrammars
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

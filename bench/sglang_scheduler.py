@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
+from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
 from backends.types import EngineConfig  # noqa: E402
 from bench.sglang_rows import add_compare_arguments, compare, run_way  # noqa: E402
 from bench.smc import random_model_dir  # noqa: E402

@@ -61,7 +61,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
-from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
+from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
 from backends.types import EngineConfig  # noqa: E402
 from bench.smc_report import load_report, plot, print_tables, save_report  # noqa: E402
 from bench.smc_ways import (  # noqa: E402

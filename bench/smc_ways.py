@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from backends.engine import Engine
-from backends.host_copy import rows_to_host
+from backends.transformers.host_copy import rows_to_host
 from backends.types import EngineConfig
 from logprob_gateway_client import AsyncGatewayLM
 from tests.launcher import GatewayProcess, start_gateway

@@ -44,7 +44,7 @@ import smc_ways  # noqa: E402
 
 from backends.builtin_models import resolve_model_dir  # noqa: E402
 from backends.mock import MockEngine  # noqa: E402
-from backends.transformers import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
+from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
 from backends.types import EngineConfig  # noqa: E402
 from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
 

@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.types import EngineConfig  # noqa: E402
-from backends.vllm import VllmEngine  # noqa: E402
+from backends.vllm.engine import VllmEngine  # noqa: E402
 
 
 async def vllm_rows(

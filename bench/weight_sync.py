@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.builtin_models import resolve_model_dir  # noqa: E402
-from backends.weights_collective import DTYPES, TRAINER_NCCL_ENV  # noqa: E402
+from backends.transformers.weights_collective import DTYPES, TRAINER_NCCL_ENV  # noqa: E402
 from bench.smc import add_model_arguments, random_model_dir  # noqa: E402
 from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
 from tests.launcher import free_port, start_gateway  # noqa: E402

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from backends.sglang_transport import free_port
+from backends.sglang.transport import free_port
 
 
 @dataclass

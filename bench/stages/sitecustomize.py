@@ -77,11 +77,11 @@ elif os.environ.get("STAGE_OUT"):
     wrap_async(gateway.dense.batcher.RowBatcher, "submit", "batcher", "batcher done")
     engines, host_memories = [backends.mock.MockEngine], [backends.mock.MockHostMemory]
     try:
-        import backends.host_copy
-        import backends.transformers
+        import backends.transformers.engine
+        import backends.transformers.host_copy
 
-        engines.append(backends.transformers.TransformersEngine)
-        host_memories.append(backends.host_copy.CudaHostMemory)
+        engines.append(backends.transformers.engine.TransformersEngine)
+        host_memories.append(backends.transformers.host_copy.CudaHostMemory)
     except Exception:  # noqa: BLE001 (no torch: the mock alone)
         pass
     for engine in engines:

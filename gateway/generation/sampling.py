@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from backends.errors import GrammarError
-from backends.grammar_pool import GrammarBusyError
+from backends.grammar.pool import GrammarBusyError
 from backends.types import Grammar, SamplingParams
 from gateway.errors import ContextLengthError, InvalidRequestError, RateLimitError
 from gateway.registry import ServedModel

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from backends.grammar_text import PARSER_LIMITS
+from backends.grammar.text import PARSER_LIMITS
 from backends.types import Grammar
 from gateway.errors import InvalidRequestError
 from gateway.schemas.common import JsonObjectFormat, JsonSchemaFormat, OutputControls, StructuredOutputs

@@ -124,7 +124,7 @@ def test_without_an_output_cache_the_gpu_writes_only_the_segment(model_dir, monk
 
 @cuda
 def test_rows_land_in_every_array_before_the_write_returns_or_once_waited_for(model_dir):
-    from backends.host_copy import CudaHostMemory, write_rows_into
+    from backends.transformers.host_copy import CudaHostMemory, write_rows_into
 
     memory = CudaHostMemory(1000)
     rows = torch.randn(4, 1000, device="cuda")
@@ -149,7 +149,7 @@ def test_rows_land_in_every_array_before_the_write_returns_or_once_waited_for(mo
 
 @cuda
 def test_rows_that_repeat_are_copied_on_the_device(model_dir):
-    from backends.host_copy import CudaHostMemory, write_rows_into
+    from backends.transformers.host_copy import CudaHostMemory, write_rows_into
 
     memory = CudaHostMemory(1000)
     rows = torch.randn(3, 1000, device="cuda")
@@ -166,7 +166,7 @@ def test_rows_that_repeat_are_copied_on_the_device(model_dir):
 
 @cuda
 async def test_the_engine_writes_rows_that_repeat_into_every_array_of_out(model_dir):
-    from backends.transformers import TransformersEngine
+    from backends.transformers.engine import TransformersEngine
     from backends.types import EngineConfig
 
     engine = TransformersEngine.load(EngineConfig(model=str(model_dir), dtype="float32", device="cuda"))
@@ -187,7 +187,7 @@ def test_a_copy_nobody_waits_for_keeps_its_array_until_it_has_landed():
     import gc
     import weakref
 
-    from backends.host_copy import CudaHostMemory, write_rows_into
+    from backends.transformers.host_copy import CudaHostMemory, write_rows_into
 
     memory = CudaHostMemory(1 << 16)
     rows = torch.randn(64, 1 << 16, device="cuda")

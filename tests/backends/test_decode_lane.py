@@ -1,4 +1,4 @@
-"""The transformers engine's decode lane (backends/decode_lane.py): rows that extend the last
+"""The transformers engine's decode lane (backends/transformers/decode_lane.py): rows that extend the last
 pass's rows by a token, served from a static cache, equal an uncached forward pass of each row."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from backends import decode_lane
 from backends.errors import AdapterError
-from backends.transformers import TransformersEngine
+from backends.transformers import decode_lane
+from backends.transformers.engine import TransformersEngine
 from backends.types import EngineConfig
 from tests.conftest import requires_cuda
 

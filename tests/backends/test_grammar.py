@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from backends.errors import GrammarError
-from backends.grammar import ascii_digits, grammar_text
-from backends.transformers import TransformersEngine
+from backends.grammar.constraint import ascii_digits, grammar_text
+from backends.transformers.engine import TransformersEngine
 from backends.types import EngineConfig, Grammar, SamplingParams
 from tests.gateway.grammar_families import gbnf_chain, lark_chain, ref_chain
 from tests.gateway.structured_cases import ARITHMETIC, REGEXES, SCHEMAS
@@ -186,7 +186,7 @@ def test_digits_are_ascii():
 
 async def test_mlx_engine_holds_grammars(model_dir):
     pytest.importorskip("mlx_lm")
-    from backends.mlx import MlxEngine
+    from backends.mlx.engine import MlxEngine
 
     engine = await asyncio.to_thread(MlxEngine.load, EngineConfig(model=str(model_dir), dtype="float32"))
     try:

@@ -1,4 +1,4 @@
-"""Masked attention over grouped key/value heads (backends/grouped_attention.py) computes what
+"""Masked attention over grouped key/value heads (backends/transformers/grouped_attention.py) computes what
 transformers' SDPA computes, without repeating the heads."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from backends.grouped_attention import NAME, use_grouped_attention
+from backends.transformers.grouped_attention import NAME, use_grouped_attention
 
 IDS = torch.tensor([[0, 0, 504, 3458, 282, 4649], [1, 504, 3458, 282, 4649, 314]])
 MASK = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 from backends.errors import AdapterError, WeightsError  # noqa: E402
-from backends.mlx import MlxEngine  # noqa: E402
+from backends.mlx.engine import MlxEngine  # noqa: E402
 from backends.types import EngineConfig, SamplingParams  # noqa: E402
 from tests.conftest import MODEL, make_lora_adapter  # noqa: E402
 from tests.launcher import start_gateway  # noqa: E402

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from backends.batch_layout import plan_groups
-from backends.prefix_cache import PrefixCache
-from backends.transformers import TransformersEngine, prefix_cache_bytes
+from backends.transformers.batch_layout import plan_groups
+from backends.transformers.engine import TransformersEngine, prefix_cache_bytes
+from backends.transformers.prefix_cache import PrefixCache
 from backends.types import EngineConfig
 from tests.conftest import last_row, load_peft_models, make_lora_adapter
 

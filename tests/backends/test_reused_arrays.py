@@ -1,4 +1,4 @@
-"""The engine's page-locked rows for the output cache are reused (backends/host_copy.py
+"""The engine's page-locked rows for the output cache are reused (backends/transformers/host_copy.py
 ReusedArrays), never while anything still views them: here over plain numpy memory, the same
 logic CudaHostMemory runs over torch's page-locked memory."""
 
@@ -8,7 +8,7 @@ import gc
 
 import numpy as np
 
-from backends.host_copy import ReusedArrays
+from backends.transformers.host_copy import ReusedArrays
 from gateway.dense.row_cache import MemoryRowCache
 from gateway.dense.token_rows import TokenRows
 

@@ -18,9 +18,9 @@ from tests.conftest import require_engine_library
 require_engine_library("sglang")
 
 from backends.errors import AdapterError, GrammarError, RequestRejectedError  # noqa: E402
-from backends.sglang import ScatterError, SglangEngine, scatter_row  # noqa: E402
-from backends.sglang_processor import PROCESSOR  # noqa: E402
-from backends.sglang_transport import ManagedServer, SglangError  # noqa: E402
+from backends.sglang.engine import ScatterError, SglangEngine, scatter_row  # noqa: E402
+from backends.sglang.processor import PROCESSOR  # noqa: E402
+from backends.sglang.transport import ManagedServer, SglangError  # noqa: E402
 from backends.types import EngineConfig, Grammar, SamplingParams  # noqa: E402
 from tests.backends.sglang_standin import distribution  # noqa: E402
 from tests.launcher import free_port  # noqa: E402
@@ -170,7 +170,7 @@ async def test_managed_server_arguments(engine):
     argv = info["argv"]
     assert argv[argv.index("--model-path") + 1] == engine.model_path
     assert argv[argv.index("--max-lora-rank") + 1] == "8" and "--enable-lora" in argv
-    assert "--enable-custom-logit-processor" in argv  # dense rows through backends/sglang_processor.py
+    assert "--enable-custom-logit-processor" in argv  # dense rows through backends/sglang/processor.py
 
 
 async def test_url_mode_connects_to_a_running_server(engine, model_dir, sent):

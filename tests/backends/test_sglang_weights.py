@@ -26,7 +26,7 @@ from tests.conftest import require_engine_library
 require_engine_library("sglang")
 
 from backends.errors import WeightsError, WeightsGroupError  # noqa: E402
-from backends.sglang import SglangEngine  # noqa: E402
+from backends.sglang.engine import SglangEngine  # noqa: E402
 from backends.types import AnnouncedTensor, EngineConfig, WeightsGroup  # noqa: E402
 from tests.backends.sglang_standin import distribution  # noqa: E402
 from tests.backends.sglang_standin_weights import directory_version, weights_version  # noqa: E402
@@ -207,7 +207,7 @@ import asyncio, json, sys
 sys.path.insert(0, sys.argv[1])
 from tests.backends.sglang_standin import _load_sglang_types
 _load_sglang_types()  # sglang's request types without its CUDA-only imports
-from backends.sglang_transport import EngineTransport, WEIGHTS_CALLS
+from backends.sglang.transport import EngineTransport, WEIGHTS_CALLS
 
 class TokenizerManager:  # SGLang's signatures: (obj, request) -> (success, message, ...)
     def __getattr__(self, name):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from backends.step_scheduler import StepScheduler
-from backends.transformers import TransformersEngine
+from backends.transformers.engine import TransformersEngine
 from backends.types import EngineConfig, SamplingParams
 from tests.conftest import requires_cuda
 

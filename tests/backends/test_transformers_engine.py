@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from transformers.utils import logging as hf_logging
 
-from backends.cache_argument import CACHE_ARGUMENT
-from backends.transformers import TransformersEngine
+from backends.transformers.cache_argument import CACHE_ARGUMENT
+from backends.transformers.engine import TransformersEngine
 from backends.types import EngineConfig, SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality  # noqa: E402
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
 
-from backends.vllm_capture import CAPTURE_KEY, SUPPORTED_VLLM, DenseRowCapture  # noqa: E402
+from backends.vllm.capture import CAPTURE_KEY, SUPPORTED_VLLM, DenseRowCapture  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 VOCAB = 50
@@ -29,7 +29,7 @@ VOCAB = 50
 
 def test_installed_vllm_is_in_the_supported_range():
     assert vllm.__version__ in SpecifierSet(",".join(SUPPORTED_VLLM)), (
-        f"vLLM {vllm.__version__} is outside {SUPPORTED_VLLM}: re-check backends/vllm_capture.py"
+        f"vLLM {vllm.__version__} is outside {SUPPORTED_VLLM}: re-check backends/vllm/capture.py"
     )
 
 

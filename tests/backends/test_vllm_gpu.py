@@ -34,7 +34,7 @@ def _rows(reference, model=None):
 
 
 async def _loaded(model_dir, **config):
-    from backends.vllm import VllmEngine
+    from backends.vllm.engine import VllmEngine
 
     options = {"gpu_memory_utilization": 0.3}
     return await asyncio.to_thread(

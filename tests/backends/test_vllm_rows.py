@@ -19,7 +19,7 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 
 
 def test_an_unknown_dense_rows_value_is_refused_before_loading(model_dir):
-    from backends.vllm import VllmEngine
+    from backends.vllm.engine import VllmEngine
 
     with pytest.raises(EngineUnavailableError, match="dense_rows must be one of capture, logprobs"):
         VllmEngine.load(EngineConfig(model=str(model_dir), options={"dense_rows": "fast"}))
@@ -27,7 +27,7 @@ def test_an_unknown_dense_rows_value_is_refused_before_loading(model_dir):
 
 @pytest.mark.slow
 async def test_rows_through_vllms_own_logprobs_equal_a_forward_pass(model_dir, reference):
-    from backends.vllm import VllmEngine
+    from backends.vllm.engine import VllmEngine
 
     config = EngineConfig(model=str(model_dir), options={"dense_rows": "logprobs"})
     engine = await asyncio.to_thread(VllmEngine.load, config)

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 async def engine(model_dir):
-    from backends.vllm import VllmEngine
+    from backends.vllm.engine import VllmEngine
 
     engine = await asyncio.to_thread(VllmEngine.load, EngineConfig(model=str(model_dir), dtype="float32"))
     yield engine

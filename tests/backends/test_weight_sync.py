@@ -19,14 +19,14 @@ import torch
 from backends.engine import Collective, Engine
 from backends.errors import WeightsError
 from backends.registry import engine_class
-from backends.types import AnnouncedTensor, WeightsGroup
-from backends.weights_collective import (
+from backends.transformers.weights_collective import (
     DTYPES,
     TRAINER_NCCL_ENV,
     CollectiveGroups,
     match_trainer_nccl_env,
     mismatch,
 )
+from backends.types import AnnouncedTensor, WeightsGroup
 from gateway.errors import NotSupportedError
 from gateway.registry import ServedModel
 from gateway.schemas.weight_sync import TensorDtype

@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from backends.errors import WeightsError
-from backends.transformers import TransformersEngine
+from backends.transformers.engine import TransformersEngine
 from backends.types import EngineConfig
 from backends.weights_in_place import check_same_tensors
 

@@ -234,7 +234,7 @@ def test_compile_workers_end_with_the_gateway(tmp_path):
             f"first grammar {first_took:.2f} s (a worker's start); /health worst {health.worst * 1000:.0f} ms"
         )
         workers = psutil.Process(gateway.process.pid).children(recursive=True)
-        assert workers and all("backends.grammar_worker" in " ".join(w.cmdline()) for w in workers)
+        assert workers and all("backends.grammar.worker" in " ".join(w.cmdline()) for w in workers)
         os.kill(gateway.process.pid, signal.SIGKILL)  # no shutdown at all: the workers notice
         gateway.process.wait()
         gone, alive = psutil.wait_procs(workers, timeout=5)
@@ -247,14 +247,14 @@ def test_compile_workers_end_with_the_gateway(tmp_path):
 def test_a_grammar_failing_mid_stream_is_a_grammar_error_event(monkeypatch, caplog):
     """A mask past a limit of the grammar engine at some later token (the checks take only the
     first ones) ends the stream with a 400's error event, not internal_error and a traceback."""
-    import backends.grammar
+    import backends.grammar.constraint
     from backends.errors import GrammarError
     from tests.conftest import mock_app_client
 
     def fails(self):
         raise GrammarError("Parser Error: Current row has 3001 items; max is 2000")
 
-    monkeypatch.setattr(backends.grammar.Constraint, "_allowed", fails)
+    monkeypatch.setattr(backends.grammar.constraint.Constraint, "_allowed", fails)
     body = {
         "model": "mock",
         "prompt": "hi",

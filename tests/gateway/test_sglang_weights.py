@@ -19,7 +19,7 @@ from tests.launcher import free_port, start_gateway
 
 require_engine_library("sglang")
 
-from backends.sglang_transport import ManagedServer  # noqa: E402
+from backends.sglang.transport import ManagedServer  # noqa: E402
 from tests.backends.sglang_standin import distribution  # noqa: E402
 from tests.backends.sglang_standin_weights import directory_version  # noqa: E402
 from tests.backends.test_sglang_weights import STANDIN, GlooTrainer, received_version  # noqa: E402

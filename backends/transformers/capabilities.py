@@ -12,8 +12,8 @@ import torch
 
 from backends import engine as contract
 from backends.errors import AdapterError
+from backends.transformers.weights_collective import CollectiveGroups
 from backends.types import AnnouncedTensor, WeightsGroup
-from backends.weights_collective import CollectiveGroups
 from backends.weights_in_place import copy_tensors_in_place, copy_weights_in_place, model_parameters
 
 log = logging.getLogger(__name__)
@@ -21,7 +21,7 @@ T = TypeVar("T")
 
 
 class TransformersEngine(Protocol):
-    """What the capabilities use of backends.transformers.TransformersEngine (imported from
+    """What the capabilities use of backends.transformers.engine.TransformersEngine (imported from
     there, this module would close an import cycle)."""
 
     model: Any

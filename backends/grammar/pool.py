@@ -1,4 +1,4 @@
-"""Grammar compile worker processes (backends/grammar_worker.py), a few per engine, shared by
+"""Grammar compile worker processes (backends/grammar/worker.py), a few per engine, shared by
 all its requests: what a grammar can cost the gateway is what such a process can, and that can
 be killed.
 
@@ -30,12 +30,12 @@ from typing import Any, TypeVar
 import msgspec
 
 from backends.errors import GrammarError
-from backends.grammar_worker import FRAME_HEADER
+from backends.grammar.worker import FRAME_HEADER
 from backends.types import Grammar
 
 START_TIMEOUT_S = 60.0  # a worker's start (Python, llguidance, its tokenizer): ~1 s
 MIN_STACK_BYTES = 512 * 1024
-_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 T = TypeVar("T")
 
 
@@ -58,7 +58,7 @@ def worker_stack_bytes() -> int:
 def start_worker_process(hello: bytes) -> subprocess.Popen[bytes]:
     """A worker process that has read `hello` and said it is ready; GrammarError if it cannot."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "backends.grammar_worker"],
+        [sys.executable, "-m", "backends.grammar.worker"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env={

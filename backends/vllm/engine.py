@@ -5,7 +5,7 @@ clients share vLLM's continuous batching and prefix cache (on by default). LoRA 
 one `LoRARequest` per request, never as a global switch.
 
 Dense rows (option `dense_rows`): each row is a `max_tokens=1` request. "capture" (the default)
-tags it for `DenseRowCapture` (backends/vllm_capture.py), which writes the row's full log_softmax
+tags it for `DenseRowCapture` (backends/vllm/capture.py), which writes the row's full log_softmax
 from inside the engine into a file-backed array. A custom logits processor makes vLLM's GPU worker
 fall back from its newer model runner (V2) to the V1 runner, which generates more slowly at high
 concurrency; "logprobs" registers none and asks vLLM's own `logprobs=-1` instead, which builds one
@@ -53,7 +53,7 @@ from backends.builtin_models import resolve_model_dir
 from backends.distinct_rows import computed_rows
 from backends.engine import Engine, Out
 from backends.errors import AdapterError, EngineUnavailableError, RequestRejectedError
-from backends.grammar import LLGuidanceGrammars, ascii_digits
+from backends.grammar.constraint import LLGuidanceGrammars, ascii_digits
 from backends.types import (
     EngineConfig,
     Grammar,
@@ -62,7 +62,7 @@ from backends.types import (
     TokenStep,
     resolve_auto_dtype,
 )
-from backends.vllm_capture import CAPTURE_KEY, DenseRowCapture
+from backends.vllm.capture import CAPTURE_KEY, DenseRowCapture
 from backends.weights_in_place import check_same_tensors
 
 try:  # vLLM >= 0.27: one base class for the errors a request causes
@@ -109,7 +109,7 @@ def _engine_args(config: EngineConfig, path: Path) -> AsyncEngineArgs:
     }
     options.pop("dense_rows", None)
     # Grammars enforced by llguidance, which the gateway's check uses, and JSON without free
-    # whitespace (backends/grammar.py), unless the options choose otherwise.
+    # whitespace (backends/grammar/constraint.py), unless the options choose otherwise.
     options.setdefault(
         "structured_outputs_config", StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
     )
@@ -309,7 +309,7 @@ class VllmEngine(Engine):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)
         if (result[:, :2] == 0).all(axis=1).any():
-            raise CaptureError("vLLM did not call the dense-row capture hook; see backends/vllm_capture.py")
+            raise CaptureError("vLLM did not call the dense-row capture hook; see backends/vllm/capture.py")
         return result
 
     async def _logprobs_row(self, ids: Sequence[int], adapter: str | None) -> np.ndarray:

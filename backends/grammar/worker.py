@@ -1,6 +1,6 @@
 """A grammar compile worker: a process of its own that does the untrusted part of a compile.
 
-Started by backends/grammar_pool.py as `python -m backends.grammar_worker`; it speaks frames on
+Started by backends/grammar/pool.py as `python -m backends.grammar.worker`; it speaks frames on
 its stdin and stdout, each a 4-byte big-endian length and a MessagePack body:
 
     in:  {"tokenizer": <llguidance tokenizer JSON>, "n_vocab": int, "eos": [int], "stack_bytes": int}
@@ -76,7 +76,7 @@ def compile_grammar(tokenizer: Any, n_vocab: int, kind: str, source: str) -> lis
     import llguidance
 
     from backends.errors import GrammarError
-    from backends.grammar_text import grammar_text, one_line_error, parser_limits
+    from backends.grammar.text import grammar_text, one_line_error, parser_limits
     from backends.types import Grammar
 
     try:

@@ -1,7 +1,7 @@
 """A request's grammar as llguidance's grammar text, and the limits llguidance enforces itself.
 
 This is the untrusted part of a compile (parsing a JSON schema, converting GBNF to Lark in pure
-Python, reading a regex): it runs in a grammar worker process (backends/grammar_worker.py),
+Python, reading a regex): it runs in a grammar worker process (backends/grammar/worker.py),
 never in the gateway's own, which only builds matchers from the text a worker returned.
 """
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from transformers import StaticCache
 
-from backends.cache_argument import with_cache
+from backends.transformers.cache_argument import with_cache
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ vocabulary it compiles a JSON schema in 1-3 ms where xgrammar takes 1-70 ms, fil
 masks faster, and refuses the schema keywords it cannot enforce instead of dropping them
 (docs/performance.md, "Grammar engines on our vocabulary"; docs/api.md).
 
-A grammar is compiled first in a worker process (backends/grammar_pool.py), within its timeout,
+A grammar is compiled first in a worker process (backends/grammar/pool.py), within its timeout,
 one compile per grammar however many requests ask for it at once: a grammar that crashes the
 grammar engine or overruns costs a process that is killed, never the gateway. Only the grammar
 text a worker compiled, whose first mask it computed, is then built into a matcher here (on a
@@ -39,8 +39,8 @@ import numpy as np
 
 from backends.engine import StructuredOutputs
 from backends.errors import GrammarError
-from backends.grammar_pool import CompilePool, GrammarBusyError, worker_stack_bytes
-from backends.grammar_text import ascii_digits, grammar_text, one_line_error, parser_limits
+from backends.grammar.pool import CompilePool, GrammarBusyError, worker_stack_bytes
+from backends.grammar.text import ascii_digits, grammar_text, one_line_error, parser_limits
 from backends.types import Grammar
 
 __all__ = ["Constraint", "GrammarBusyError", "LLGuidanceGrammars", "ascii_digits", "grammar_text"]

@@ -1,7 +1,7 @@
 """SGLang engine: one SGLang request per row or prompt, submitted concurrently so they share
 SGLang's continuous batching and radix (prefix) cache. LoRA adapters travel per request
 (`lora_path` holds the adapter's name), never as a global switch. New weights, from disk or a
-trainer's collective, go through SGLang's own calls (backends/sglang_weights.py).
+trainer's collective, go through SGLang's own calls (backends/sglang/weights.py).
 
 Modes (`EngineConfig.options["mode"]`), one request format (GenerateReqInput field names):
 - "engine" (default): `sglang.Engine` in this process; CUDA only.
@@ -14,7 +14,7 @@ Other options: `request_timeout_s`, `max_connections`, `vocab_size`, and in "eng
 `ServerArgs` field (e.g. `mem_fraction_static`).
 
 Dense rows: one request per row with max_new_tokens = 1 and the custom logit processor of
-backends/sglang_processor.py, which SGLang runs in its scheduler on the batch's logits and which
+backends/sglang/processor.py, which SGLang runs in its scheduler on the batch's logits and which
 hands each request its whole log_softmax row (raw float32 in process, base64 over HTTP). The "engine"
 and "server" modes start SGLang with `enable_custom_logit_processor`; a "url" server is asked that
 way only with the option `dense_rows = "processor"` (it must have the flag and be able to import
@@ -28,7 +28,7 @@ Grammars (`SamplingParams.grammar`) go to SGLang's own structured-output machine
 `regex`, `json_schema` or `ebnf` (Lark too, which its llguidance backend reads there). The
 "engine" and "server" modes start SGLang with the llguidance grammar backend (unless told another),
 the library the gateway checks grammars with, and JSON without free whitespace (as
-backends/grammar.py), so what the check accepts SGLang enforces alike; a
+backends/grammar/constraint.py), so what the check accepts SGLang enforces alike; a
 "url" server enforces with whatever backend it was started with.
 
 Sampled-token logprobs: SGLang reports them after temperature unless SGLANG_RETURN_ORIGINAL_LOGPROB
@@ -58,10 +58,10 @@ from backends.builtin_models import resolve_model_dir
 from backends.distinct_rows import computed_rows
 from backends.engine import Engine, Out
 from backends.errors import AdapterError, EngineUnavailableError, RequestRejectedError
-from backends.grammar import LLGuidanceGrammars, ascii_digits
-from backends.sglang_processor import PROCESSOR
-from backends.sglang_transport import EngineTransport, HttpTransport, ManagedServer, Transport, free_port
-from backends.sglang_weights import SglangWeights
+from backends.grammar.constraint import LLGuidanceGrammars, ascii_digits
+from backends.sglang.processor import PROCESSOR
+from backends.sglang.transport import EngineTransport, HttpTransport, ManagedServer, Transport, free_port
+from backends.sglang.weights import SglangWeights
 from backends.types import EngineConfig, PromptLogprobs, SamplingParams, TokenStep, resolve_auto_dtype
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class SglangEngine(Engine):
     def _launch(config: EngineConfig, path: Path, options: dict[str, Any], http: dict) -> HttpTransport:
         command = list(options.get("server_command") or [sys.executable, "-m", "sglang.launch_server"])
         command += ["--model-path", str(path), "--dtype", config.dtype, "--skip-server-warmup"]
-        # Dense rows through backends/sglang_processor.py; streamed chunks with the new tokens only,
+        # Dense rows through backends/sglang/processor.py; streamed chunks with the new tokens only,
         # not every token so far (which makes a stream's JSON quadratic in its length).
         command += ["--enable-custom-logit-processor", "--incremental-streaming-output"]
         if config.max_model_len:

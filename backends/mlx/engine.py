@@ -42,8 +42,8 @@ from backends.builtin_models import resolve_model_dir
 from backends.distinct_rows import computed_rows
 from backends.engine import Engine, Out
 from backends.errors import WeightsError
-from backends.grammar import LLGuidanceGrammars
-from backends.mlx_lora import AdapterSet
+from backends.grammar.constraint import LLGuidanceGrammars
+from backends.mlx.lora import AdapterSet
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
 from backends.step_scheduler import StepScheduler, split_rows
 from backends.types import EngineConfig, PromptLogprobs, SamplingParams, TokenStep, resolve_auto_dtype

@@ -3,7 +3,7 @@
 All model calls run on one worker thread per engine, so concurrent requests interleave at
 forward-pass granularity without blocking the event loop.
 
-Dense rows reuse the attention keys/values of their longest cached prefix (backends/prefix_cache.py),
+Dense rows reuse the attention keys/values of their longest cached prefix (backends/transformers/prefix_cache.py),
 so a row one token longer than an earlier one costs one decode step. Its byte budget is
 `options = {prefix_cache_bytes = N}`: 0 turns it off; by default 1 GiB on CPU and a tenth of the
 GPU's memory on CUDA; the decode lane's shapes count against it too. Models with attention other than plain full attention (sliding windows,
@@ -16,7 +16,7 @@ power-of-two size, so a mix of request sizes can leave a cache's worth of blocks
 past `options = {pinned_host_bytes = N}` (1 GiB) page-locked, the blocks in no use are released.
 On CUDA the engine also offers `host_memory` (backends.engine.HostMemory): host memory registered
 with the driver (a client's shared memory, as the gateway maps it), into which a request's rows
-are copied from the GPU straight (backends/host_copy.py).
+are copied from the GPU straight (backends/transformers/host_copy.py).
 """
 
 from __future__ import annotations
@@ -32,29 +32,30 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, DynamicLayer
 
 from backends.builtin_models import resolve_model_dir
-from backends.cache_argument import output_cache, with_cache
-from backends.decode_lane import DecodeLane, lane_supported
-from backends.dense_rows import DenseRows
 from backends.distinct_rows import DistinctRows, outputs, write_out
 from backends.engine import Engine, Out
 from backends.errors import AdapterError
-from backends.grammar import LLGuidanceGrammars
-from backends.grouped_attention import use_grouped_attention
-from backends.host_copy import (
+from backends.grammar.constraint import LLGuidanceGrammars
+from backends.sampling import Pick, greedy_alternatives, sample_tokens
+from backends.step_scheduler import StepScheduler, split_rows
+from backends.transformers.cache_argument import output_cache, with_cache
+from backends.transformers.capabilities import (
+    TransformersAdapters,
+    TransformersPrefixCache,
+    TransformersWeights,
+)
+from backends.transformers.decode_lane import DecodeLane, lane_supported
+from backends.transformers.dense_rows import DenseRows
+from backends.transformers.grouped_attention import use_grouped_attention
+from backends.transformers.host_copy import (
     CudaHostMemory,
     greedy_picks,
     release_pinned_memory,
     rows_to_host,
     write_rows_into,
 )
-from backends.prefix_cache import PrefixCache as PrefixKeysValues
-from backends.sampling import Pick, greedy_alternatives, sample_tokens
-from backends.step_scheduler import StepScheduler, split_rows
-from backends.transformers_capabilities import (
-    TransformersAdapters,
-    TransformersPrefixCache,
-    TransformersWeights,
-)
+from backends.transformers.prefix_cache import PrefixCache as PrefixKeysValues
+from backends.transformers.weights_collective import CollectiveGroups
 from backends.types import (
     EngineConfig,
     PromptLogprobs,
@@ -62,7 +63,6 @@ from backends.types import (
     TokenStep,
     resolve_auto_dtype,
 )
-from backends.weights_collective import CollectiveGroups
 
 log = logging.getLogger(__name__)
 

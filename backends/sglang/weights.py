@@ -12,7 +12,7 @@ the weights, and SGLang's tokenizer manager takes its own writer lock (its reque
 drained) unless SGLang itself is paused. So SGLang's own `/pause_generation` (in_place, retract)
 must never be combined with these calls; the gateway's pause never reaches SGLang.
 
-SGLang forms the group the way backends/weights_collective.py does (a TCP rendezvous, no default
+SGLang forms the group the way backends/transformers/weights_collective.py does (a TCP rendezvous, no default
 group), but in its scheduler, which serves nothing while it waits: a join or a broadcast bounded
 by SGLang's process-group timeout, not the gateway's. A join is answered at the group's timeout
 here all the same; SGLang's late success is then undone. SGLang asserts that an update's group
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from backends import engine as contract
 from backends.errors import WeightsError, WeightsGroupError
-from backends.sglang_transport import Transport
+from backends.sglang.transport import Transport
 from backends.types import AnnouncedTensor, WeightsGroup
 
 log = logging.getLogger(__name__)

@@ -1,10 +1,10 @@
 """The transformers engine's dense rows: next-token log-probabilities of batches of token rows.
 
 A pass serves each row the cheapest way it can. Rows one token longer than rows of the last pass
-take the decode lane (backends/decode_lane.py: one fixed-shape step). The others reuse the
-attention keys/values of their longest cached prefix (backends/prefix_cache.py) and are grouped
+take the decode lane (backends/transformers/decode_lane.py: one fixed-shape step). The others reuse the
+attention keys/values of their longest cached prefix (backends/transformers/prefix_cache.py) and are grouped
 into forward passes by how many tokens each must compute, at most `max_batch_tokens` padded
-tokens per pass (backends/batch_layout.py); their K/V then fill the lane for the next pass.
+tokens per pass (backends/transformers/batch_layout.py); their K/V then fill the lane for the next pass.
 Without a prefix cache (attention it cannot hold) every row runs whole.
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from backends.batch_layout import left_padded, mask_if_padded, plan_groups
-from backends.cache_argument import output_cache, with_cache
-from backends.decode_lane import DecodeLane
-from backends.prefix_cache import PrefixCache
+from backends.transformers.batch_layout import left_padded, mask_if_padded, plan_groups
+from backends.transformers.cache_argument import output_cache, with_cache
+from backends.transformers.decode_lane import DecodeLane
+from backends.transformers.prefix_cache import PrefixCache
 
 
 class DenseRows:

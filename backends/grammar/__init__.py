@@ -1,0 +1,1 @@
+"""Grammars on llguidance, shared by every engine: compiled in worker processes, checked once."""

@@ -1,0 +1,1 @@
+"""The MLX engine: mlx-lm models on Apple silicon (and MLX's CPU backend)."""
