@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -25,6 +24,7 @@ from backends.types import (
     AnnouncedTensor,
     EngineConfig,
     Grammar,
+    ModelInfo,
     PromptLogprobs,
     SamplingParams,
     TokenStep,
@@ -133,12 +133,7 @@ class StructuredOutputs(ABC):
 class Engine(ABC):
     """One loaded model. Token ids given to an engine are already validated (0 <= id < vocab_size)."""
 
-    tokenizer: Any  # a Hugging Face (fast) tokenizer
-    vocab_size: int  # width of the logits; may exceed len(tokenizer)
-    eos_token_ids: frozenset[int]
-    max_model_len: int
-    model_path: str  # where the weights were loaded from
-    dtype: str  # the dtype computations run in, e.g. "float32"
+    info: ModelInfo  # the model's facts: tokenizer, vocabulary, context length, dtype, path
     adapters: Adapters | None = None
     weights: Weights | None = None
     host_memory: HostMemory | None = None

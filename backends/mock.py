@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,7 @@ from backends.sampling import log_softmax, prompt_scores, sample_tokens
 from backends.types import (
     AnnouncedTensor,
     EngineConfig,
+    ModelInfo,
     PromptLogprobs,
     SamplingParams,
     TokenStep,
@@ -59,7 +61,7 @@ class MockHostMemory(engine_contract.HostMemory):
         self.calls.append(("unregister", address))
 
     def empty(self, rows: int) -> np.ndarray:
-        return np.empty((rows, self.vocab_size), np.float32)
+        return np.empty((rows, self.info.vocab_size), np.float32)
 
     def land_later(self, array: np.ndarray, rows: np.ndarray) -> None:
         """`rows` land in `array` once waited for, as a device's copy may land after the call."""
@@ -107,7 +109,7 @@ class MockCollective(engine_contract.Collective):
         self.groups[group_name] += 1
         digest = hashlib.sha256(repr((group_name, self.groups[group_name], tensors)).encode()).digest()
         await asyncio.sleep(self.engine.delay_s)
-        self.engine._base = _base_row(int.from_bytes(digest[:8], "little"), self.engine.vocab_size)
+        self.engine._base = _base_row(int.from_bytes(digest[:8], "little"), self.engine.info.vocab_size)
 
     async def leave(self, group_name: str) -> None:
         if self.groups.pop(group_name, None) is None:
@@ -132,8 +134,10 @@ class MockWeights(engine_contract.Weights):
             if file.is_file():
                 digest.update(file.name.encode() + b"\0" + file.read_bytes())
         await asyncio.sleep(self.engine.delay_s)
-        self.engine._base = _base_row(int.from_bytes(digest.digest()[:8], "little"), self.engine.vocab_size)
-        self.engine.model_path = str(path)
+        self.engine._base = _base_row(
+            int.from_bytes(digest.digest()[:8], "little"), self.engine.info.vocab_size
+        )
+        self.engine.info = replace(self.engine.info, path=str(path))
 
 
 class MockEngine(Engine):
@@ -150,13 +154,15 @@ class MockEngine(Engine):
         model_path: str,
         options: dict | None = None,
     ) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
         eos = getattr(tokenizer, "eos_token_id", None)
-        self.eos_token_ids = frozenset([eos] if eos is not None else [])
-        self.max_model_len = max_model_len
-        self.model_path = model_path
-        self.dtype = "float32"
+        self.info = ModelInfo(
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+            eos_token_ids=frozenset([eos] if eos is not None else []),
+            max_model_len=max_model_len,
+            path=model_path,
+            dtype="float32",
+        )
         self.adapters = MockAdapters()
         self.weights = MockWeights(self)
         self.calls = 0  # engine invocations, for tests of batching
@@ -169,7 +175,7 @@ class MockEngine(Engine):
         self.dead = False
         self.host_memory = MockHostMemory(vocab_size) if options.get("host_memory") else None
         self._base = _base_row(0, vocab_size)
-        self.structured_outputs = LLGuidanceGrammars(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured_outputs = LLGuidanceGrammars(tokenizer, self.info.vocab_size, self.info.eos_token_ids)
 
     @classmethod
     def load(cls, config: EngineConfig) -> MockEngine:
@@ -198,7 +204,7 @@ class MockEngine(Engine):
         digest = hashlib.blake2b(
             np.asarray(prefix, dtype=np.int64).tobytes(), digest_size=8, person=(adapter or "").encode()[:16]
         ).digest()
-        return np.roll(self._base, int.from_bytes(digest, "little") % self.vocab_size)
+        return np.roll(self._base, int.from_bytes(digest, "little") % self.info.vocab_size)
 
     async def next_token_logprobs(
         self,
@@ -229,7 +235,7 @@ class MockEngine(Engine):
         self, ids: Sequence[int], top_k: int, adapter: str | None = None
     ) -> PromptLogprobs:
         self.calls += 1
-        rows = np.zeros((0, self.vocab_size), np.float32)
+        rows = np.zeros((0, self.info.vocab_size), np.float32)
         if len(ids) > 1:
             rows = np.stack([self.logits(ids[:i], adapter) for i in range(1, len(ids))])
         return prompt_scores(rows, ids, top_k)
@@ -248,6 +254,6 @@ class MockEngine(Engine):
             return self.logits(prefix, adapter)
 
         async for step in sample_tokens(
-            params, self.eos_token_ids, next_logits, grammars=self.structured_outputs
+            params, self.info.eos_token_ids, next_logits, grammars=self.structured_outputs
         ):
             yield step

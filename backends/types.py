@@ -53,6 +53,18 @@ class EngineConfig:
     options: Mapping[str, Any] = field(default_factory=dict)  # backend-specific
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What an engine's loaded model is: the facts the gateway reads of it."""
+
+    tokenizer: Any  # a Hugging Face (fast) tokenizer
+    vocab_size: int  # width of the logits; may exceed len(tokenizer)
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    path: str  # where the weights were loaded from (the last weights loaded in place)
+    dtype: str  # the dtype computations run in, e.g. "float32"
+
+
 def resolve_auto_dtype(dtype: str, on_gpu: bool) -> str:
     """The dtype an engine computes in for the `dtype` setting, the same rule for every engine:
     `auto` is float32 on a CPU (exact numbers) and bfloat16 on a GPU (fast); others are themselves."""

@@ -186,7 +186,10 @@ def recorded_requests(engine: Any, ids: list[int]) -> dict[str, dict[str, Any]]:
         "prompt_top0": engine.prompt_request(ids, 0, None),
         "generate": {**generation, "stream": False},
         "generate_stream": {**generation, "stream": True},
-        "too_long": {**engine.prompt_request(ids, 0, None), "input_ids": [1] * (engine.max_model_len + 10)},
+        "too_long": {
+            **engine.prompt_request(ids, 0, None),
+            "input_ids": [1] * (engine.info.max_model_len + 10),
+        },
         "unknown_adapter": {**engine.prompt_request(ids, 0, None), "lora_path": "no-such-adapter"},
     }
 
@@ -222,7 +225,7 @@ def record(model_dir: Path, dtype: str, path: Path) -> None:
     )
     engine = SglangEngine.load(config)
     try:
-        ids = engine.tokenizer(PROMPTS[0]).input_ids
+        ids = engine.info.tokenizer(PROMPTS[0]).input_ids
         shapes = answer_shapes(engine.transport.base_url, recorded_requests(engine, ids))
     finally:
         asyncio.run(engine.aclose())

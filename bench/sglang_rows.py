@@ -75,12 +75,12 @@ def processor_file_rows(engine: SglangEngine, directory: Path) -> Rows:
         )
 
     async def rows(prefixes: list[list[int]]) -> np.ndarray:
-        nbytes = len(prefixes) * engine.vocab_size * 4
+        nbytes = len(prefixes) * engine.info.vocab_size * 4
         if not path.exists() or path.stat().st_size < nbytes:
             with path.open("wb") as f:
                 f.truncate(nbytes)
         await asyncio.gather(*(one(p, i) for i, p in enumerate(prefixes)))
-        mapped = np.memmap(path, dtype=np.float32, mode="r").reshape(-1, engine.vocab_size)
+        mapped = np.memmap(path, dtype=np.float32, mode="r").reshape(-1, engine.info.vocab_size)
         return np.array(mapped[: len(prefixes)])
 
     return rows

@@ -117,7 +117,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[int, dict[str, dict[s
             # The output cache filled with blocks of this step's size: a served gateway's steady state
             for next_rows, _ in ways.values():
                 warm = prompt_ids(f"warm up {p}")
-                fill = bench.cache_fill_steps(p, engine.vocab_size, args.cache_bytes)
+                fill = bench.cache_fill_steps(p, engine.info.vocab_size, args.cache_bytes)
                 await bench.smc(next_rows, warm, p, fill, 4, 1)
 
             def timed_step(way, next_rows, parts_of, parts=parts):

@@ -40,7 +40,7 @@ async def vllm_rows(
     async def one(ids: list[int]) -> np.ndarray:
         async for out in engine.engine.generate(TokensPrompt(prompt_token_ids=ids), params, uuid.uuid4().hex):
             final = out
-        row = np.empty(engine.vocab_size, np.float32)
+        row = np.empty(engine.info.vocab_size, np.float32)
         if logprobs is None:
             return row
         entries = final.outputs[0].logprobs[0]
@@ -82,7 +82,9 @@ async def main(args: argparse.Namespace) -> None:
         rows = fresh(4)
         ours, theirs = await engine.next_token_logprobs(rows), await vllm_rows(engine, rows)
         assert np.max(np.abs(ours - theirs)) <= 1e-5, "the two paths disagree"
-        print(f"vLLM {engine.dtype}, vocab {engine.vocab_size}, prefixes of {args.length + 1} tokens;")
+        print(
+            f"vLLM {engine.info.dtype}, vocab {engine.info.vocab_size}, prefixes of {args.length + 1} tokens;"
+        )
         print("seconds per batch (median); in brackets: seconds beyond the forward pass\n")
         print("| rows | " + " | ".join(paths) + " | time vs capture: logprobs=-1 / +detokenize |")
         print("|---:|" + "---:|" * (len(paths) + 1))

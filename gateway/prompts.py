@@ -26,7 +26,7 @@ def max_text_chars(served: ServedModel, limits: Limits) -> int:
     DEFAULT_CHARS_PER_TOKEN per token of the model's context."""
     if limits.max_text_chars is not None:
         return limits.max_text_chars
-    return served.require_engine().max_model_len * DEFAULT_CHARS_PER_TOKEN
+    return served.require_engine().info.max_model_len * DEFAULT_CHARS_PER_TOKEN
 
 
 def check_text_chars(served: ServedModel, limits: Limits, chars: int, param: str) -> None:
@@ -50,7 +50,7 @@ def tokenize(
 ) -> list[int]:
     """Blocks for as long as the text takes: call it off the event loop (asyncio.to_thread), where
     fast tokenizers release the GIL while they encode."""
-    ids = list(served.require_engine().tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+    ids = list(served.require_engine().info.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
     if not ids and not allow_empty:  # a model cannot continue nothing
         raise InvalidRequestError(f"{param} is empty after tokenization", param=param)
     return ids
@@ -65,7 +65,7 @@ def check_token_rows(served: ServedModel, rows: list[list[int]], param: str) -> 
     """`rows` as they are, once every id is known to the model: they come decoded as the schemas'
     TokenId, never negative, so only the largest is compared (one pass in C over every row, not
     one in Python); the first row at fault is named."""
-    vocab = served.require_engine().vocab_size
+    vocab = served.require_engine().info.vocab_size
     if not all(rows) or max(map(max, rows)) >= vocab:
         fault = next(ids for ids in rows if not ids or max(ids) >= vocab)
         if not fault:

@@ -200,7 +200,7 @@ class ServedModel:
 
         def fingerprint() -> str:
             try:
-                extra = (self.settings.backend, engine.dtype, str(engine.vocab_size))
+                extra = (self.settings.backend, engine.info.dtype, str(engine.info.vocab_size))
                 return weights_fingerprint(path, *extra, *weight_files_stat(path))
             except OSError:  # the files changed since they were loaded: a key no other replica shares
                 return hashlib.sha256(f"{self.fingerprint}:disk:{uuid.uuid4().hex}".encode()).hexdigest()
@@ -296,16 +296,16 @@ class ModelRegistry:
             cls = engine_class(served.settings.backend)
             engine = await asyncio.to_thread(cls.load, served.settings.engine_config())
             served.token_bytes = await asyncio.to_thread(
-                token_bytes_table, engine.tokenizer, engine.vocab_size
+                token_bytes_table, engine.info.tokenizer, engine.info.vocab_size
             )
-            served.special_ids = special_token_ids(engine.tokenizer) | engine.eos_token_ids
-            served.tokenizer_files = await asyncio.to_thread(_tokenizer_files, engine.tokenizer)
+            served.special_ids = special_token_ids(engine.info.tokenizer) | engine.info.eos_token_ids
+            served.tokenizer_files = await asyncio.to_thread(_tokenizer_files, engine.info.tokenizer)
             served.fingerprint = await asyncio.to_thread(
                 weights_fingerprint,
-                engine.model_path,
+                engine.info.path,
                 served.settings.backend,
-                engine.dtype,
-                str(engine.vocab_size),
+                engine.info.dtype,
+                str(engine.info.vocab_size),
             )
             served.engine = engine
             served.weights.hold_at_steps = engine.weights is not None and engine.weights.held_between_steps
@@ -323,8 +323,8 @@ class ModelRegistry:
             "model %r ready in %.1f s (vocab %d, context %d)",
             served.name,
             elapsed,
-            engine.vocab_size,
-            engine.max_model_len,
+            engine.info.vocab_size,
+            engine.info.max_model_len,
         )
 
     def resolve(self, name: str) -> tuple[ServedModel, str | None]:

@@ -34,7 +34,7 @@ async def openapi_document(request: Request) -> Response:
     """The document; once every model has loaded, token ids bounded by the largest vocabulary (a
     request naming a smaller model's id beyond its own vocabulary gets a 400)."""
     models = registry(request).models.values()
-    sizes = [m.engine.vocab_size for m in models if m.ready and m.engine is not None]
+    sizes = [m.engine.info.vocab_size for m in models if m.ready and m.engine is not None]
     vocab = max(sizes) if sizes and len(sizes) == len(models) else None
     state = request.app.state
     return json_response(build_openapi(state.route_handlers, state.settings, vocab))

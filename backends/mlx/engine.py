@@ -27,6 +27,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -46,7 +47,14 @@ from backends.grammar.constraint import LLGuidanceGrammars
 from backends.mlx.lora import AdapterSet
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
 from backends.step_scheduler import StepScheduler, split_rows
-from backends.types import EngineConfig, PromptLogprobs, SamplingParams, TokenStep, resolve_auto_dtype
+from backends.types import (
+    EngineConfig,
+    ModelInfo,
+    PromptLogprobs,
+    SamplingParams,
+    TokenStep,
+    resolve_auto_dtype,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -133,7 +141,7 @@ class MlxWeights(contract.Weights):
         mx.eval(engine.model.parameters())
         engine._head = engine._float32_head()
         engine._prompt_cache.trim_to(n_sequences=0)  # keys/values of the old weights
-        engine.model_path = path
+        engine.info = replace(engine.info, path=path)
 
 
 class MlxPrefixCache(contract.PrefixCache):
@@ -161,13 +169,15 @@ class MlxEngine(Engine):
         prompt_cache_bytes: int = 256 * 2**20,
     ) -> None:
         self.model = model
-        self.tokenizer = tokenizer
-        self.vocab_size = int(model.args.vocab_size)
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-        self.eos_token_ids = frozenset(eos)
-        self.max_model_len = max_model_len
-        self.model_path = model_path
-        self.dtype = dtype
+        self.info = ModelInfo(
+            tokenizer=tokenizer,
+            vocab_size=int(model.args.vocab_size),
+            eos_token_ids=frozenset(eos),
+            max_model_len=max_model_len,
+            path=model_path,
+            dtype=dtype,
+        )
         self._executor = executor
         self._head = executor.submit(self._float32_head).result()
         self._adapters = AdapterSet(model)
@@ -179,12 +189,12 @@ class MlxEngine(Engine):
         self.adapters = MlxAdapters(self)
         self.weights = MlxWeights(self)
         self.prefix_cache = MlxPrefixCache(self)
-        self.structured_outputs = LLGuidanceGrammars(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured_outputs = LLGuidanceGrammars(tokenizer, self.info.vocab_size, self.info.eos_token_ids)
 
     def _float32_head(self) -> mx.array | None:
         """The output projection in float32, for llama-family models run in a 16-bit dtype."""
         inner = getattr(self.model, "model", None)
-        if self.dtype == "float32" or inner is None:
+        if self.info.dtype == "float32" or inner is None:
             return None
         if getattr(self.model.args, "tie_word_embeddings", False):
             weight = inner.embed_tokens.weight
@@ -271,7 +281,7 @@ class MlxEngine(Engine):
             return (await self.steps.submit([(stream, list(ids) if token is None else [token])]))[0]
 
         async for step in sample_tokens(
-            params, self.eos_token_ids, next_logits, grammars=self.structured_outputs
+            params, self.info.eos_token_ids, next_logits, grammars=self.structured_outputs
         ):
             yield step
 
@@ -280,7 +290,7 @@ class MlxEngine(Engine):
         next tokens in one forward pass over their merged K/V (alone when a cache is not plain
         KVCache, e.g. a sliding window's)."""
         steps = [step for group in groups for step in group]
-        out = np.empty((len(steps), self.vocab_size), dtype=np.float32)
+        out = np.empty((len(steps), self.info.vocab_size), dtype=np.float32)
         decoding = []
         for i, (stream, ids) in enumerate(steps):
             if not stream.cache:

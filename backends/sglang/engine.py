@@ -62,7 +62,14 @@ from backends.grammar.constraint import LLGuidanceGrammars, ascii_digits
 from backends.sglang.processor import PROCESSOR
 from backends.sglang.transport import EngineTransport, HttpTransport, ManagedServer, Transport, free_port
 from backends.sglang.weights import SglangWeights
-from backends.types import EngineConfig, PromptLogprobs, SamplingParams, TokenStep, resolve_auto_dtype
+from backends.types import (
+    EngineConfig,
+    ModelInfo,
+    PromptLogprobs,
+    SamplingParams,
+    TokenStep,
+    resolve_auto_dtype,
+)
 
 log = logging.getLogger(__name__)
 
@@ -149,18 +156,20 @@ class SglangEngine(Engine):
     ) -> None:
         self.transport = transport
         self.dense_rows = dense_rows  # "raw" or "b64" through the processor, or "sorted"
-        self.tokenizer = tokenizer
         own_vocab, context, eos = _model_facts(model_path)
-        self.vocab_size = int(vocab_size or own_vocab)
-        self.max_model_len = int(max_model_len or context or 2048) - 1  # room for the placeholder
         eos_id = getattr(tokenizer, "eos_token_id", None)
-        self.eos_token_ids = eos | ({eos_id} if eos_id is not None else set())
-        self.model_path = str(model_path)
-        self.dtype = dtype
+        self.info = ModelInfo(
+            tokenizer=tokenizer,
+            vocab_size=int(vocab_size or own_vocab),
+            eos_token_ids=eos | ({eos_id} if eos_id is not None else set()),
+            max_model_len=int(max_model_len or context or 2048) - 1,  # room for the placeholder
+            path=str(model_path),
+            dtype=dtype,
+        )
         self._adapters: set[str] = set()
         self.adapters = SglangAdapters(self)
         self.weights = SglangWeights(self)
-        self.structured_outputs = LLGuidanceGrammars(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured_outputs = LLGuidanceGrammars(tokenizer, self.info.vocab_size, self.info.eos_token_ids)
 
     @classmethod
     def load(cls, config: EngineConfig) -> SglangEngine:
@@ -277,7 +286,7 @@ class SglangEngine(Engine):
             "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
             "return_logprob": True,
             "logprob_start_len": len(row) - 1,  # entries: [None for row[-1], dist after row]
-            "top_logprobs_num": self.vocab_size,
+            "top_logprobs_num": self.info.vocab_size,
             "return_flat_raw_top_logprobs": True,
             "return_flat_raw_top_logprobs_b64": True,
             "lora_path": self._lora(adapter),
@@ -287,11 +296,13 @@ class SglangEngine(Engine):
         meta = (await self.transport.generate(self.dense_request(row, adapter)))["meta_info"]
         if self.dense_rows == "sorted":
             values, ids = _top_rows(meta)
-            return scatter_row(values[-1], ids[-1], self.vocab_size)
+            return scatter_row(values[-1], ids[-1], self.info.vocab_size)
         payload = meta["dense"][0]
         data = base64.b64decode(payload) if isinstance(payload, str) else payload
-        if len(data) != 4 * self.vocab_size:
-            raise ScatterError(f"expected {self.vocab_size} floats in SGLang's row, got {len(data) / 4:g}")
+        if len(data) != 4 * self.info.vocab_size:
+            raise ScatterError(
+                f"expected {self.info.vocab_size} floats in SGLang's row, got {len(data) / 4:g}"
+            )
         return np.frombuffer(data, dtype="<f4")
 
     async def next_token_logprobs(
@@ -304,7 +315,7 @@ class SglangEngine(Engine):
 
     async def _distinct_rows(self, rows: list[Sequence[int]], adapters: list[str | None]) -> np.ndarray:
         if not rows:
-            return np.zeros((0, self.vocab_size), np.float32)
+            return np.zeros((0, self.info.vocab_size), np.float32)
         done = await asyncio.gather(*(self._dense_row(row, a) for row, a in zip(rows, adapters, strict=True)))
         return np.stack(done)
 
@@ -345,7 +356,7 @@ class SglangEngine(Engine):
             "frequency_penalty": params.frequency_penalty,
             "logit_bias": {str(t): float(b) for t, b in params.logit_bias.items()} or None,
             "sampling_seed": params.seed,
-            "stop_token_ids": sorted(self.eos_token_ids),
+            "stop_token_ids": sorted(self.info.eos_token_ids),
         }
         grammar = params.grammar
         if grammar is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from backends import engine as contract
@@ -161,4 +162,4 @@ class SglangWeights(contract.Weights):
         # SGLang reloads its original weights itself when loading new ones fails
         body = {"model_path": path, "flush_cache": True}
         await _call(self.engine.transport, "update_weights_from_disk", body)
-        self.engine.model_path = path
+        self.engine.info = replace(self.engine.info, path=path)

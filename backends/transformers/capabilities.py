@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -121,7 +122,7 @@ class TransformersWeights(contract.Weights):
     def _load(self, path: str) -> None:
         copy_weights_in_place(self.engine.model, path)
         self.engine._forget_old_weights()
-        self.engine.model_path = str(path)
+        self.engine.info = replace(self.engine.info, path=str(path))
 
 
 class TransformersPrefixCache(contract.PrefixCache):

@@ -58,6 +58,7 @@ from backends.transformers.prefix_cache import PrefixCache as PrefixKeysValues
 from backends.transformers.weights_collective import CollectiveGroups
 from backends.types import (
     EngineConfig,
+    ModelInfo,
     PromptLogprobs,
     SamplingParams,
     TokenStep,
@@ -149,17 +150,19 @@ class TransformersEngine(Engine):
         decode_lane_compile: bool = False,
     ) -> None:
         self.model = model
-        self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.max_model_len = max_model_len
-        self.model_path = model_path
-        self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        self.info = ModelInfo(
+            tokenizer=tokenizer,
+            vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+            eos_token_ids=eos_token_ids(model, tokenizer),
+            max_model_len=max_model_len,
+            path=model_path,
+            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-engine")
         self._peft: Any = None  # the PeftModel wrapping `model` once an adapter is loaded
         self.pinned_host_bytes = pinned_host_bytes
-        self.host_memory = CudaHostMemory(self.vocab_size) if self.device.type == "cuda" else None
+        self.host_memory = CudaHostMemory(self.info.vocab_size) if self.device.type == "cuda" else None
         self.adapters = TransformersAdapters(self)
         self.weights = TransformersWeights(self)
         # Dense rows and generation steps of concurrent requests share forward passes.
@@ -181,12 +184,12 @@ class TransformersEngine(Engine):
                 compiled=decode_lane_compile,
                 on_bytes=self.prefix_kv.hold_elsewhere,
             )
-        self.structured_outputs = LLGuidanceGrammars(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured_outputs = LLGuidanceGrammars(tokenizer, self.info.vocab_size, self.info.eos_token_ids)
         self.groups = CollectiveGroups(self.device)  # collectives new weights come over
         self.dense = DenseRows(
             self._call,
             model.config,
-            self.vocab_size,
+            self.info.vocab_size,
             self.device,
             max_batch_tokens=max_batch_tokens,
             prefix_cache=self.prefix_kv,
@@ -351,7 +354,7 @@ class TransformersEngine(Engine):
 
         normalized = self.prefix_kv is not None
         grammars = self.structured_outputs
-        async for step in sample_tokens(params, self.eos_token_ids, next_logits, normalized, grammars):
+        async for step in sample_tokens(params, self.info.eos_token_ids, next_logits, normalized, grammars):
             yield step
 
     @torch.inference_mode()

@@ -31,6 +31,7 @@ import os
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ from backends.grammar.constraint import LLGuidanceGrammars, ascii_digits
 from backends.types import (
     EngineConfig,
     Grammar,
+    ModelInfo,
     PromptLogprobs,
     SamplingParams,
     TokenStep,
@@ -201,12 +203,12 @@ class VllmWeights(contract.Weights):
     async def load(self, path: str) -> None:
         engine = self.engine
         # Checked first, as vLLM's reload would fail halfway.
-        await asyncio.to_thread(check_same_tensors, engine.model_path, path)
+        await asyncio.to_thread(check_same_tensors, engine.info.path, path)
         await engine.engine.collective_rpc(
             "reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True}
         )
         await engine.engine.reset_prefix_cache()  # keys/values of the old weights
-        engine.model_path = path
+        engine.info = replace(engine.info, path=path)
 
 
 class VllmPrefixCache(contract.PrefixCache):
@@ -221,13 +223,15 @@ class VllmEngine(Engine):
     def __init__(self, engine: AsyncLLM, tokenizer: Any, *, model_path: Path, capture: bool = True) -> None:
         self.engine = engine
         self.capture = capture  # dense rows through DenseRowCapture, else vLLM's logprobs=-1
-        self.tokenizer = tokenizer
         model_config = engine.model_config
-        self.vocab_size = int(model_config.get_vocab_size())
-        self.max_model_len = int(model_config.max_model_len)
-        self.eos_token_ids = _eos_token_ids(model_path, tokenizer)
-        self.model_path = str(model_path)
-        self.dtype = str(model_config.dtype).removeprefix("torch.")
+        self.info = ModelInfo(
+            tokenizer=tokenizer,
+            vocab_size=int(model_config.get_vocab_size()),
+            eos_token_ids=_eos_token_ids(model_path, tokenizer),
+            max_model_len=int(model_config.max_model_len),
+            path=str(model_path),
+            dtype=str(model_config.dtype).removeprefix("torch."),
+        )
         self._loras: dict[str, LoRARequest] = {}
         self._lora_ids = itertools.count(1)
         self._capture_dir = _SHM if _SHM.is_dir() else Path(tempfile.gettempdir())
@@ -237,7 +241,7 @@ class VllmEngine(Engine):
         reloads = engine.vllm_config.lora_config is None or Version(vllm_version).release >= (0, 32)
         self.weights = VllmWeights(self) if reloads else None
         self.prefix_cache = VllmPrefixCache(self)
-        self.structured_outputs = LLGuidanceGrammars(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured_outputs = LLGuidanceGrammars(tokenizer, self.info.vocab_size, self.info.eos_token_ids)
 
     @classmethod
     def load(cls, config: EngineConfig) -> VllmEngine:
@@ -294,7 +298,7 @@ class VllmEngine(Engine):
         try:
             # Zeros until written, which no row is in two entries at once (their probabilities
             # would sum to 2): a capture that silently stopped working is caught.
-            os.ftruncate(fd, len(rows) * self.vocab_size * 4)
+            os.ftruncate(fd, len(rows) * self.info.vocab_size * 4)
             os.close(fd)
             await asyncio.gather(
                 *(
@@ -304,7 +308,9 @@ class VllmEngine(Engine):
             )
             # Mapped, not read: the rows are copied once, where they go. Copy-on-write, so that
             # nobody downstream writes into the file.
-            result = np.asarray(np.memmap(name, np.float32, mode="c", shape=(len(rows), self.vocab_size)))
+            result = np.asarray(
+                np.memmap(name, np.float32, mode="c", shape=(len(rows), self.info.vocab_size))
+            )
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)
@@ -315,7 +321,7 @@ class VllmEngine(Engine):
     async def _logprobs_row(self, ids: Sequence[int], adapter: str | None) -> np.ndarray:
         params = VllmSamplingParams(max_tokens=1, temperature=0.0, logprobs=-1, detokenize=False)
         entries = (await self._final(ids, params, adapter)).outputs[0].logprobs[0]
-        row = np.full(self.vocab_size, -np.inf, np.float32)
+        row = np.full(self.info.vocab_size, -np.inf, np.float32)
         row[list(entries)] = [entry.logprob for entry in entries.values()]
         return row
 
@@ -360,7 +366,7 @@ class VllmEngine(Engine):
                 frequency_penalty=params.frequency_penalty,
                 logit_bias=dict(params.logit_bias) or None,
                 logprobs=params.top_logprobs,  # vLLM adds the chosen token's own logprob
-                stop_token_ids=sorted(self.eos_token_ids),
+                stop_token_ids=sorted(self.info.eos_token_ids),
                 detokenize=False,
                 output_kind=RequestOutputKind.DELTA,
                 structured_outputs=_structured(params.grammar),

@@ -195,7 +195,7 @@ class LocalSocketServer:
                 model, adapter_label = served.name, adapter or ""
                 ids = await dense_inputs(served, body, self.limits)
                 self.access.take_rows(key, len(ids))
-                reserved = answer_nbytes(len(ids), served.require_engine().vocab_size, body, True, True)
+                reserved = answer_nbytes(len(ids), served.require_engine().info.vocab_size, body, True, True)
                 self.access.reserve_answer_bytes(reserved)
                 answer = await self.dense.answer(served, adapter, ids, body, True, body_allowed=False)
             finally:

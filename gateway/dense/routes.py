@@ -90,7 +90,7 @@ async def next_token_logprobs(request: Request) -> Response:
     dense = _dense(request)
     # Before any row is computed: its size is known, and a server full of unread answers says so.
     shared = body.shared_memory is not None and dense.shared_memory is not None
-    vocab_size = served.require_engine().vocab_size
+    vocab_size = served.require_engine().info.vocab_size
     requests.reserve_answer_bytes(request, answer_nbytes(len(rows), vocab_size, body, binary, shared))
     answer = await dense.answer(served, adapter, rows, body, binary)
     media_type = requests.MSGPACK_TYPES[0] if binary else "application/json"
@@ -109,7 +109,7 @@ async def dense_inputs(served: ServedModel, body: NextTokenLogprobsRequest, limi
             raise InvalidRequestError("input.lengths must name at least one row", param="input")
         if len(value.lengths) > limits.max_rows:
             raise InvalidRequestError(f"at most {limits.max_rows} inputs per request in input", param="input")
-        return TokenRows.unpack(value.ids, value.lengths, served.require_engine().vocab_size, "input")
+        return TokenRows.unpack(value.ids, value.lengths, served.require_engine().info.vocab_size, "input")
     prepare = partial(
         token_inputs,
         served,

@@ -96,9 +96,9 @@ class DenseService:
         begun = time.perf_counter()
         engine = served.require_engine()
         longest = max(map(len, rows.ids))
-        if longest > engine.max_model_len:
+        if longest > engine.info.max_model_len:
             raise ContextLengthError(
-                f"an input has {longest} tokens; this model's maximum context length is {engine.max_model_len}",
+                f"an input has {longest} tokens; this model's maximum context length is {engine.info.max_model_len}",
                 param="input",
             )
         # Checked before any row is computed: a segment too small is the client's error.
@@ -109,7 +109,7 @@ class DenseService:
                 "PID namespace, or not this process's to inspect): ask over HTTP",
                 param="shared_memory",
             )
-        into = _engine_target(body, destination, engine.vocab_size)
+        into = _engine_target(body, destination, engine.info.vocab_size)
         started = time.perf_counter()
         times = EngineTimes()
         try:
@@ -172,7 +172,7 @@ class DenseService:
             raise InvalidRequestError('shared_memory needs layout: "matrix"', param="shared_memory")
         if self.shared_memory is None:
             return None
-        nbytes = count * engine.vocab_size * ITEMSIZE[body.dtype]
+        nbytes = count * engine.info.vocab_size * ITEMSIZE[body.dtype]
         return self.shared_memory.target(body.shared_memory, nbytes, engine.host_memory)
 
     async def rows(
@@ -201,7 +201,7 @@ class DenseService:
         if new and not cache.shared:
             cache.missed(len(keys))
             return await self._written_uncached(batcher, rows, adapter, into, keys, times), 0
-        vocab_size = served.require_engine().vocab_size
+        vocab_size = served.require_engine().info.vocab_size
         cached = await cache.lookup(keys, vocab_size)
         if not any(map(is_not, cached, repeat(None))):  # nothing cached (every SMC step): rows as they come
             if into is None:

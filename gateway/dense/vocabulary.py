@@ -43,10 +43,10 @@ async def vocabulary(request: Request, model: str) -> Response:
     engine = served.require_engine()
     fields = {
         "model": served.name,
-        "vocab_size": engine.vocab_size,
-        "tokenizer_size": len(engine.tokenizer),
-        "eos_token_ids": sorted(engine.eos_token_ids),
-        "bos_token_id": engine.tokenizer.bos_token_id,
+        "vocab_size": engine.info.vocab_size,
+        "tokenizer_size": len(engine.info.tokenizer),
+        "eos_token_ids": sorted(engine.info.eos_token_ids),
+        "bos_token_id": engine.info.tokenizer.bos_token_id,
         "special_token_ids": sorted(served.special_ids),
     }
     if wants_msgpack(request):
@@ -107,7 +107,7 @@ def _tokenized(served: ServedModel, body: TokenizeRequest, limits: Limits) -> To
             allow_empty=True,
         )
     strs = [token_display(served.token_bytes[i]) for i in ids] if body.return_token_strs else None
-    max_model_len = served.require_engine().max_model_len
+    max_model_len = served.require_engine().info.max_model_len
     return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
 
 

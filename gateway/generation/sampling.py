@@ -93,7 +93,7 @@ def check_stop(stop: str | list[str] | None, limits: Limits) -> list[str]:
 
 def check_logit_bias(served: ServedModel, bias: dict[str, float] | None) -> dict[int, float]:
     parsed: dict[int, float] = {}
-    vocab = served.require_engine().vocab_size
+    vocab = served.require_engine().info.vocab_size
     for key, value in (bias or {}).items():
         # ASCII digits only: str.isdigit() also accepts "²" and "١", and int() rejects very long keys
         if not (key.isascii() and key.isdigit()) or len(key) > 20 or int(key) >= vocab:
@@ -111,7 +111,7 @@ def check_context(served: ServedModel, prompt_len: int, max_tokens: int | None, 
     prompt + completion exceed the context or max_tokens exceeds the configured limit."""
     if max_tokens is not None and max_tokens > limits.max_tokens:
         raise InvalidRequestError(f"max_tokens must be at most {limits.max_tokens}", param="max_tokens")
-    context = served.require_engine().max_model_len
+    context = served.require_engine().info.max_model_len
     too_long = prompt_len > context if max_tokens is not None else prompt_len >= context
     if too_long or (max_tokens is not None and prompt_len + max_tokens > context):
         asked = "" if max_tokens is None else f" and asks for {max_tokens} completion tokens"

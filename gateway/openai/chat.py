@@ -74,7 +74,7 @@ def chat_prompt_ids(
     `limits.max_text_chars`."""
     if not messages:
         raise InvalidRequestError("messages must not be empty", param="messages")
-    tokenizer = served.require_engine().tokenizer
+    tokenizer = served.require_engine().info.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
             f"model {served.name!r} has no chat template; use /v1/completions", param="model"

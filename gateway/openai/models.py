@@ -17,10 +17,10 @@ def _card(served: ServedModel) -> ModelCard:
     return ModelCard(
         id=served.name,
         created=served.created,
-        root=engine.model_path if engine else served.settings.model,
-        max_model_len=engine.max_model_len if engine else None,
-        vocab_size=engine.vocab_size if engine else None,
-        dtype=engine.dtype if engine else None,
+        root=engine.info.path if engine else served.settings.model,
+        max_model_len=engine.info.max_model_len if engine else None,
+        vocab_size=engine.info.vocab_size if engine else None,
+        dtype=engine.info.dtype if engine else None,
         backend=served.settings.backend,
         ready=served.ready,
     )

@@ -69,7 +69,7 @@ def requested_calls(body: ChatCompletionRequest, served: ServedModel) -> ToolCal
         if tool.function.name in functions:
             raise InvalidRequestError(f"two tools are named {tool.function.name!r}", param="tools")
         functions[tool.function.name] = tool.function
-    template = getattr(served.require_engine().tokenizer, "chat_template", None) or ""
+    template = getattr(served.require_engine().info.tokenizer, "chat_template", None) or ""
     if isinstance(template, dict):  # named templates ("default", "tool_use"): any may show calls
         template = "\n".join(str(text) for text in template.values())
     fmt = template_format(template)
@@ -116,7 +116,7 @@ def _special_token(served: ServedModel, text: str) -> int | None:
     no text the model can spell, only that token)."""
     if not text:
         return None
-    tokenizer = served.require_engine().tokenizer
+    tokenizer = served.require_engine().info.tokenizer
     token_id = tokenizer.convert_tokens_to_ids(text)
     if not isinstance(token_id, int) or tokenizer.convert_ids_to_tokens(token_id) != text:
         return None  # not one token (the unknown token's id comes back for any text)

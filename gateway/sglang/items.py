@@ -155,7 +155,7 @@ def sampling_of(
     """Our sampling parameters for SGLang's (`top_k`: top_logprobs_num), with the stop strings
     and stop ids; max_new_tokens is the parameters' max_tokens."""
     sp = sp or SglangSamplingParams()
-    vocab_size = served.require_engine().vocab_size
+    vocab_size = served.require_engine().info.vocab_size
     _check_unsupported(sp, vocab_size)
     stop_ids = frozenset(sp.stop_token_ids or ())
     if stop_ids and max(stop_ids) >= vocab_size:

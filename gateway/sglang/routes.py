@@ -120,7 +120,7 @@ def _count(runs: list[native.ItemRun]) -> None:
 
 def _config(served: ServedModel) -> dict:
     try:
-        return json.loads((Path(served.require_engine().model_path) / "config.json").read_text())
+        return json.loads((Path(served.require_engine().info.path) / "config.json").read_text())
     except (OSError, ValueError):
         return {}
 
@@ -135,7 +135,7 @@ def _config(served: ServedModel) -> dict:
 )
 async def sglang_model_info(request: Request, model: str | None = None) -> Response:
     served, _ = _model(request, model)
-    path = served.require_engine().model_path
+    path = served.require_engine().info.path
     config = _config(served)
     return json_response(
         ModelInfo(
@@ -161,12 +161,12 @@ async def sglang_server_info(request: Request, model: str | None = None) -> Resp
     engine = served.require_engine()
     return json_response(
         ServerInfo(
-            model_path=engine.model_path,
-            tokenizer_path=engine.model_path,
+            model_path=engine.info.path,
+            tokenizer_path=engine.info.path,
             weight_version=served.weight_version,
             served_model_name=served.name,
-            context_length=engine.max_model_len,
-            max_req_input_len=engine.max_model_len - 1,
+            context_length=engine.info.max_model_len,
+            max_req_input_len=engine.info.max_model_len - 1,
             status="ready" if registry(request).healthy else "loading",
             startup_time=_STARTED,
             version=SGLANG_VERSION,

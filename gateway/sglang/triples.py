@@ -23,7 +23,7 @@ class Triples:
 
     def __init__(self, item: Item) -> None:
         self.item = item
-        self.tokenizer = item.served.require_engine().tokenizer
+        self.tokenizer = item.served.require_engine().info.tokenizer
 
     def texts(self, ids: Sequence[int]) -> list[str | None]:
         if not self.item.with_text:

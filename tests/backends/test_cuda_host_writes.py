@@ -81,7 +81,7 @@ def test_the_gpu_writes_rows_into_a_registered_segment_and_keeps_a_copy_for_the_
         engine = litestar_app.state.registry.models["m"].engine
         assert engine.host_memory is not None and engine.device.type == "cuda"
         writes, copies = _recording(engine, monkeypatch)
-        vocab = engine.vocab_size
+        vocab = engine.info.vocab_size
         fd, name, key = memfd(len(ROWS) * vocab * 4)
         target = {"pid": os.getpid(), "fd": fd, "name": name, "key": key}
         document = ask(client, ROWS, target, "m")
@@ -110,7 +110,7 @@ def test_without_an_output_cache_the_gpu_writes_only_the_segment(model_dir, monk
         _ready(client)
         engine = litestar_app.state.registry.models["m"].engine
         writes, copies = _recording(engine, monkeypatch)
-        vocab = engine.vocab_size
+        vocab = engine.info.vocab_size
         fd, name, key = memfd(len(ROWS) * vocab * 4)
         try:
             document = ask(client, ROWS, {"pid": os.getpid(), "fd": fd, "name": name, "key": key}, "m")
@@ -172,7 +172,7 @@ async def test_the_engine_writes_rows_that_repeat_into_every_array_of_out(model_
     engine = TransformersEngine.load(EngineConfig(model=str(model_dir), dtype="float32", device="cuda"))
     try:
         rows = [ROWS[0], ROWS[1], ROWS[0], ROWS[2], ROWS[1]]
-        out = np.zeros((len(rows), engine.vocab_size), np.float32), engine.host_memory.empty(len(rows))
+        out = np.zeros((len(rows), engine.info.vocab_size), np.float32), engine.host_memory.empty(len(rows))
         written = await engine.next_token_logprobs(rows, None, out)
         assert written is out[0] and np.array_equal(out[0], out[1])
         np.testing.assert_allclose(out[0], _expected(engine, rows), rtol=0, atol=1e-4)

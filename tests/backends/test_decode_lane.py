@@ -36,7 +36,7 @@ def tight(monkeypatch):
 
 
 def ids(engine, text: str) -> list[int]:
-    return engine.tokenizer(text).input_ids
+    return engine.info.tokenizer(text).input_ids
 
 
 async def smc_run(engine, reference, steps: int, seed: int) -> tuple[float, int]:

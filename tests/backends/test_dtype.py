@@ -44,7 +44,7 @@ def test_transformers_engine_on_cpu_defaults_to_float32(model_dir):
     from backends.transformers.engine import TransformersEngine
 
     engine = TransformersEngine.load(EngineConfig(model=str(model_dir), device="cpu"))
-    assert engine.dtype == "float32"
+    assert engine.info.dtype == "float32"
     assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
 
 
@@ -83,7 +83,7 @@ def test_sglang_passes_bfloat16_for_auto(model_dir, monkeypatch):
 
     monkeypatch.setattr(sglang.SglangEngine, "_in_process", staticmethod(fake_in_process))
     engine = sglang.SglangEngine.load(EngineConfig(model=str(model_dir)))
-    assert seen["dtype"] == engine.dtype == "bfloat16"
+    assert seen["dtype"] == engine.info.dtype == "bfloat16"
 
 
 def test_models_list_reports_the_mock_engines_dtype():

@@ -45,7 +45,7 @@ async def generate(engine, ids, grammar=None, max_tokens=48, **params):
 
 
 def text_of(engine, steps) -> str:
-    return engine.tokenizer.decode([s.token_id for s in steps], skip_special_tokens=True)
+    return engine.info.tokenizer.decode([s.token_id for s in steps], skip_special_tokens=True)
 
 
 def allowed_masks(tokenizer, vocab_size, eos, grammar: Grammar, tokens: list[int]) -> list[np.ndarray]:
@@ -63,13 +63,15 @@ def allowed_masks(tokenizer, vocab_size, eos, grammar: Grammar, tokens: list[int
 
 
 async def test_each_token_is_the_best_allowed_and_reports_the_raw_logprob(engine, reference):
-    ids = chat_ids(engine.tokenizer, "Describe a person you know as a JSON object.")
+    ids = chat_ids(engine.info.tokenizer, "Describe a person you know as a JSON object.")
     steps = await generate(engine, ids, PERSON, max_tokens=64, top_logprobs=3)
     assert steps[-1].finish_reason == "stop"
     jsonschema.validate(json.loads(text_of(engine, steps)), SCHEMAS[3])
     tokens = [s.token_id for s in steps]
     rows = reference.logprobs(ids + tokens)[len(ids) - 1 : -1]
-    masks = allowed_masks(engine.tokenizer, engine.vocab_size, engine.eos_token_ids, PERSON, tokens)
+    masks = allowed_masks(
+        engine.info.tokenizer, engine.info.vocab_size, engine.info.eos_token_ids, PERSON, tokens
+    )
     for step, row, mask in zip(steps, rows, masks, strict=True):
         assert mask[step.token_id]
         # the most likely allowed token (a near tie may go either way in float32)
@@ -82,11 +84,14 @@ async def test_each_token_is_the_best_allowed_and_reports_the_raw_logprob(engine
 
 async def test_regexes_and_an_arithmetic_grammar_hold(engine):
     for name, (pattern, question) in REGEXES.items():
-        steps = await generate(engine, chat_ids(engine.tokenizer, question), Grammar("regex", pattern))
+        steps = await generate(engine, chat_ids(engine.info.tokenizer, question), Grammar("regex", pattern))
         assert steps[-1].finish_reason == "stop", name
         assert re.fullmatch(pattern, text_of(engine, steps), re.ASCII), name
     steps = await generate(
-        engine, chat_ids(engine.tokenizer, "Write a sum of three numbers."), Grammar("ebnf", ARITHMETIC), 64
+        engine,
+        chat_ids(engine.info.tokenizer, "Write a sum of three numbers."),
+        Grammar("ebnf", ARITHMETIC),
+        64,
     )
     text = text_of(engine, steps)
     assert steps[-1].finish_reason == "stop" and re.fullmatch(r"[0-9+\-*/()]+", text), text
@@ -95,7 +100,8 @@ async def test_regexes_and_an_arithmetic_grammar_hold(engine):
 
 async def test_constrained_streams_share_passes_and_leave_others_unchanged(engine):
     prompts = [
-        chat_ids(engine.tokenizer, f"Tell me about {topic}.") for topic in ("cats", "rain", "tea", "jazz")
+        chat_ids(engine.info.tokenizer, f"Tell me about {topic}.")
+        for topic in ("cats", "rain", "tea", "jazz")
     ]
     alone = [await generate(engine, ids, max_tokens=16) for ids in prompts]
     passes = engine.steps.passes
@@ -146,7 +152,7 @@ async def test_generation_uses_what_the_check_compiled(engine, monkeypatch):
         raise AssertionError("compiled a second time")
 
     monkeypatch.setattr(grammars, "_compile", compile_again)
-    ids = chat_ids(engine.tokenizer, "Write a JSON object.")
+    ids = chat_ids(engine.info.tokenizer, "Write a JSON object.")
     steps = await generate(engine, ids, checked, max_tokens=96)
     assert steps[-1].finish_reason == "stop"
     jsonschema.validate(json.loads(text_of(engine, steps)), schema)
@@ -190,10 +196,10 @@ async def test_mlx_engine_holds_grammars(model_dir):
 
     engine = await asyncio.to_thread(MlxEngine.load, EngineConfig(model=str(model_dir), dtype="float32"))
     try:
-        ids = chat_ids(engine.tokenizer, "Describe a person you know as a JSON object.")
+        ids = chat_ids(engine.info.tokenizer, "Describe a person you know as a JSON object.")
         person, date = await asyncio.gather(
             generate(engine, ids, PERSON, max_tokens=64),
-            generate(engine, chat_ids(engine.tokenizer, REGEXES["date"][1]), DATE),
+            generate(engine, chat_ids(engine.info.tokenizer, REGEXES["date"][1]), DATE),
         )
         jsonschema.validate(json.loads(text_of(engine, person)), SCHEMAS[3])
         assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text_of(engine, date))

@@ -70,7 +70,7 @@ async def test_a_greedy_stream_equals_the_host_sampler_on_each_prefix_row(engine
         return greedy_picks(logprobs, alternatives)
 
     monkeypatch.setattr(backends.transformers.engine, "greedy_picks", counting)
-    prompt = engine.tokenizer("The capital of France is").input_ids
+    prompt = engine.info.tokenizer("The capital of France is").input_ids
     params = SamplingParams(max_tokens=12, temperature=0.0, top_logprobs=3)
     steps = [step async for step in engine.generate(prompt, params)]
     assert sum(picked) == len(steps)  # every step chosen on the device

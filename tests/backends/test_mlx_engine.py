@@ -94,7 +94,7 @@ async def test_bfloat16_engine_keeps_rows_unquantised(bf16_engine, reference):
     """The whole network in bfloat16 moves top-100 logprobs by 0.2-0.5 nats on these prompts
     (measured), so bfloat16 is for speed, float32 for exact numbers. The output head stays in
     float32: rows are not bucketed to bfloat16 steps, and clear winners stay winners."""
-    assert bf16_engine.dtype == "bfloat16"
+    assert bf16_engine.info.dtype == "bfloat16"
     rows = [reference.tokenizer(t).input_ids for t in TEXTS]
     for row, ids in zip(await bf16_engine.next_token_logprobs(rows), rows, strict=True):
         want = reference.logprobs(ids)[-1]

@@ -61,9 +61,9 @@ async def adapter(engine, tmp_path_factory):
 async def test_dense_rows_are_the_full_distribution_in_token_id_order(engine, sent):
     rows = [[1, 2, 3], [5], [7, 8, 9, 10]]
     out = await engine.next_token_logprobs(rows)
-    assert out.shape == (3, engine.vocab_size) and out.dtype == np.float32
+    assert out.shape == (3, engine.info.vocab_size) and out.dtype == np.float32
     for row, got in zip(rows, out, strict=True):  # the processor's own log_softmax, in float32
-        np.testing.assert_allclose(got, distribution(row, None, engine.vocab_size), rtol=0, atol=2e-5)
+        np.testing.assert_allclose(got, distribution(row, None, engine.info.vocab_size), rtol=0, atol=2e-5)
     bodies = sent()
     assert sorted(b["input_ids"] for b in bodies) == sorted(rows)
     assert {b["custom_logit_processor"] for b in bodies} == {PROCESSOR}
@@ -73,8 +73,10 @@ async def test_dense_rows_are_the_full_distribution_in_token_id_order(engine, se
 
 async def test_lora_routing_is_per_request(engine, adapter, sent):
     out = await engine.next_token_logprobs([[4, 5], [4, 5]], [None, adapter])
-    np.testing.assert_allclose(out[0], distribution([4, 5], None, engine.vocab_size), rtol=0, atol=2e-5)
-    np.testing.assert_allclose(out[1], distribution([4, 5], adapter, engine.vocab_size), rtol=0, atol=2e-5)
+    np.testing.assert_allclose(out[0], distribution([4, 5], None, engine.info.vocab_size), rtol=0, atol=2e-5)
+    np.testing.assert_allclose(
+        out[1], distribution([4, 5], adapter, engine.info.vocab_size), rtol=0, atol=2e-5
+    )
     assert sorted(b["lora_path"] or "" for b in sent()) == ["", adapter]
     with pytest.raises(AdapterError):
         await engine.next_token_logprobs([[1]], ["missing"])
@@ -92,7 +94,7 @@ async def test_adapter_load_errors_and_unload(engine, tmp_path):
 async def test_prompt_logprobs(engine, adapter):
     ids = [3, 1, 4, 1, 5]
     scores = await engine.prompt_logprobs(ids, 3, adapter)
-    dists = [distribution(ids[:i], adapter, engine.vocab_size) for i in range(1, len(ids))]
+    dists = [distribution(ids[:i], adapter, engine.info.vocab_size) for i in range(1, len(ids))]
     np.testing.assert_allclose(scores.token_logprobs, [d[t] for d, t in zip(dists, ids[1:], strict=True)])
     for d, top_ids, top_values in zip(dists, scores.top_ids, scores.top_logprobs, strict=True):
         np.testing.assert_array_equal(top_ids, np.argsort(-d, kind="stable")[:3])
@@ -108,7 +110,7 @@ async def test_generation_streams_token_steps(engine, sent):
     steps = [step async for step in engine.generate([2, 7], params)]
     prefix = [2, 7]
     for step in steps:  # the stand-in decodes greedily
-        d = distribution(prefix, None, engine.vocab_size)
+        d = distribution(prefix, None, engine.info.vocab_size)
         assert step.token_id == int(np.argmax(d)) and step.logprob == pytest.approx(d[step.token_id])
         np.testing.assert_array_equal(step.top_ids, np.argsort(-d, kind="stable")[:2])
         prefix.append(step.token_id)
@@ -116,7 +118,7 @@ async def test_generation_streams_token_steps(engine, sent):
     assert [s.finish_reason for s in steps] == [None] * 4 + ["length"]
     (body,) = sent()
     assert body["stream"] and body["sampling_params"]["logit_bias"] == {"3": 1.0}
-    assert body["sampling_params"]["stop_token_ids"] == sorted(engine.eos_token_ids)
+    assert body["sampling_params"]["stop_token_ids"] == sorted(engine.info.eos_token_ids)
 
 
 async def test_grammars_go_to_sglangs_own_fields(engine, sent):
@@ -154,7 +156,7 @@ async def test_stopping_a_stream_early(engine):
 
 
 async def test_refusals(engine):
-    too_long = list(range(engine.max_model_len + 5))
+    too_long = list(range(engine.info.max_model_len + 5))
     with pytest.raises(RequestRejectedError, match="context length"):
         await engine.next_token_logprobs([too_long])
     with pytest.raises(RequestRejectedError, match="context length"):
@@ -168,7 +170,7 @@ async def test_managed_server_arguments(engine):
     info = httpx.get(engine.transport.base_url + "/server_info").json()
     assert info["env"]["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"  # raw-distribution logprobs
     argv = info["argv"]
-    assert argv[argv.index("--model-path") + 1] == engine.model_path
+    assert argv[argv.index("--model-path") + 1] == engine.info.path
     assert argv[argv.index("--max-lora-rank") + 1] == "8" and "--enable-lora" in argv
     assert "--enable-custom-logit-processor" in argv  # dense rows through backends/sglang/processor.py
 
@@ -179,9 +181,9 @@ async def test_url_mode_connects_to_a_running_server(engine, model_dir, sent):
         assert other.is_healthy() and other.transport.server is None
         # A server the gateway did not start may lack the processor: rows come sorted, exact.
         np.testing.assert_array_equal(
-            (await other.next_token_logprobs([[9, 9]]))[0], distribution([9, 9], None, other.vocab_size)
+            (await other.next_token_logprobs([[9, 9]]))[0], distribution([9, 9], None, other.info.vocab_size)
         )
-        assert [(b["input_ids"], b["top_logprobs_num"]) for b in sent()] == [([9, 9, 0], other.vocab_size)]
+        assert [(b["input_ids"], b["top_logprobs_num"]) for b in sent()] == [([9, 9, 0], other.info.vocab_size)]
     finally:
         await other.aclose()
     assert engine.is_healthy()  # closing a url-mode engine leaves the server alone
@@ -191,7 +193,7 @@ async def test_url_mode_connects_to_a_running_server(engine, model_dir, sent):
     try:
         np.testing.assert_allclose(
             (await told.next_token_logprobs([[9, 8]]))[0],
-            distribution([9, 8], None, told.vocab_size),
+            distribution([9, 8], None, told.info.vocab_size),
             rtol=0,
             atol=2e-5,
         )
@@ -263,7 +265,7 @@ async def test_standin_answers_are_shaped_as_real_sglangs(engine):
     from bench.sglang_check import answer_shapes, recorded_requests
 
     real = json.loads(Path(__file__).with_name("sglang_real_answers.json").read_text())
-    ids = engine.tokenizer(real["prompt"]).input_ids
+    ids = engine.info.tokenizer(real["prompt"]).input_ids
     requests = recorded_requests(engine, ids)
     assert set(requests) == set(real["answers"])
     ours = await asyncio.to_thread(answer_shapes, engine.transport.base_url, requests)

@@ -116,7 +116,7 @@ async def assert_rows(engine, version):
     rows = await engine.next_token_logprobs(ROWS)
     for row, got in zip(ROWS, rows, strict=True):
         np.testing.assert_allclose(
-            got, distribution(row, None, engine.vocab_size, version), rtol=0, atol=2e-5
+            got, distribution(row, None, engine.info.vocab_size, version), rtol=0, atol=2e-5
         )
 
 
@@ -126,7 +126,7 @@ async def test_weights_from_disk_are_served(engine, original, model_dir, scaled_
     await engine.weights.load(str(scaled_dir))
     new = directory_version(scaled_dir)
     await assert_rows(engine, new)
-    assert engine.model_path == str(scaled_dir)
+    assert engine.info.path == str(scaled_dir)
     assert new and np.abs(distribution(ROWS[0], None, 100, new) - distribution(ROWS[0], None, 100)).max() > 0
     body = sent(engine, "/update_weights_from_disk")[-1]
     assert body == {"path": "/update_weights_from_disk", "model_path": str(scaled_dir), "flush_cache": True}
@@ -145,7 +145,7 @@ async def test_sglangs_refusal_is_a_weights_error_with_its_message(
     with pytest.raises(WeightsError, match="(?s)deserializing header of extra.safetensors.*Rolling back"):
         await engine.weights.load(str(broken))
     await assert_rows(engine, "")
-    assert engine.model_path == str(model_dir)
+    assert engine.info.path == str(model_dir)
 
 
 async def test_weights_over_a_collective_are_served(engine, original):

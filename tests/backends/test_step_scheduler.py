@@ -96,7 +96,7 @@ async def test_a_failing_submission_fails_alone():
 
 
 def ids(engine, text: str) -> list[int]:
-    return engine.tokenizer(text).input_ids
+    return engine.info.tokenizer(text).input_ids
 
 
 async def stream(engine, text: str, params: SamplingParams = GREEDY, stop_after: int | None = None):

@@ -26,7 +26,7 @@ async def test_batched_rows_equal_unpadded_forward_passes(engine, reference):
     texts = ["The capital of France is", "Hi", "A longer sentence about the weather in Paris today"]
     rows = [reference.tokenizer(t).input_ids for t in texts]
     got = await engine.next_token_logprobs(rows)
-    assert got.shape == (3, engine.vocab_size) and got.dtype == np.float32
+    assert got.shape == (3, engine.info.vocab_size) and got.dtype == np.float32
     for row, ids in zip(got, rows, strict=True):
         assert np.max(np.abs(row - reference.logprobs(ids)[-1])) <= 1e-4
         assert abs(np.exp(row.astype(np.float64)).sum() - 1) <= 1e-4
@@ -51,7 +51,7 @@ async def test_generation_with_kv_cache_matches_greedy_reference(engine, referen
 def test_defaults_pick_float32_on_cpu(engine):
     assert next(engine.model.parameters()).dtype.is_floating_point
     assert str(next(engine.model.parameters()).dtype) == "torch.float32"
-    assert engine.eos_token_ids == {2}
+    assert engine.info.eos_token_ids == {2}
 
 
 async def test_the_kv_cache_goes_by_the_installed_transformers_name(engine, reference):

@@ -48,7 +48,7 @@ async def test_gpu_engine_matches_transformers_and_loads_new_weights(
 ):
     engine = await _loaded(model_dir)
     try:
-        assert engine.dtype == "bfloat16"  # the default dtype on a GPU
+        assert engine.info.dtype == "bfloat16"  # the default dtype on a GPU
         ids, want = _rows(reference)
         got = await engine.next_token_logprobs(ids)
         assert np.max(np.abs(got - want)) <= TOLERANCE

@@ -35,7 +35,7 @@ async def test_rows_through_vllms_own_logprobs_equal_a_forward_pass(model_dir, r
         assert not engine.capture
         ids = [reference.tokenizer(p).input_ids for p in PROMPTS]
         rows = await engine.next_token_logprobs(ids + ids[:1])  # a repeated row is answered once
-        assert rows.shape == (4, engine.vocab_size)
+        assert rows.shape == (4, engine.info.vocab_size)
         for row, prefix in zip(rows, ids + ids[:1], strict=True):
             assert np.max(np.abs(row - reference.logprobs(prefix)[-1])) <= 1e-2
     finally:

@@ -39,11 +39,11 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 async def test_vllm_holds_schemas_regexes_and_a_grammar(engine, reference):
     async def run(text: str, grammar: Grammar, max_tokens: int = 120):
-        ids = chat_ids(engine.tokenizer, text)
+        ids = chat_ids(engine.info.tokenizer, text)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, grammar=grammar)
         await engine.structured_outputs.check(grammar, 10.0)
         steps = [s async for s in engine.generate(ids, params)]
-        return ids, steps, engine.tokenizer.decode([s.token_id for s in steps], skip_special_tokens=True)
+        return ids, steps, engine.info.tokenizer.decode([s.token_id for s in steps], skip_special_tokens=True)
 
     cases = [
         run("Describe a person you know as a JSON object.", Grammar("json_schema", json.dumps(SCHEMAS[3]))),

@@ -33,7 +33,7 @@ async def test_rows_after_an_update_are_the_new_weights_and_no_old_keys_values_a
     for row, ids in zip(before, PREFIXES, strict=True):
         np.testing.assert_allclose(row, reference.logprobs(ids)[-1], rtol=0, atol=1e-4)
     await engine.weights.load(str(scaled_dir))
-    assert engine.model_path == str(scaled_dir)
+    assert engine.info.path == str(scaled_dir)
     extended = [ids + [13] for ids in PREFIXES]  # would extend cached prefixes of the old weights
     after = await rows(engine, PREFIXES + extended)
     for row, ids in zip(after, PREFIXES + extended, strict=True):
@@ -110,5 +110,5 @@ async def test_weights_that_do_not_fit_change_nothing(
         await engine.weights.load(str(path))
     for row, ids in zip(await rows(engine, PREFIXES), PREFIXES, strict=True):
         np.testing.assert_allclose(row, reference.logprobs(ids)[-1], rtol=0, atol=1e-4)
-    assert engine.model_path != str(path)
+    assert engine.info.path != str(path)
     await engine.aclose()

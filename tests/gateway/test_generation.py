@@ -20,8 +20,8 @@ def served(model_dir) -> ServedModel:
     engine = MockEngine.load(EngineConfig(model=str(model_dir)))
     model = ServedModel(ModelSettings(model=str(model_dir), name="mock", backend="mock"))
     model.engine = engine
-    model.token_bytes = token_bytes_table(engine.tokenizer, engine.vocab_size)
-    model.special_ids = frozenset(engine.tokenizer.all_special_ids)
+    model.token_bytes = token_bytes_table(engine.info.tokenizer, engine.info.vocab_size)
+    model.special_ids = frozenset(engine.info.tokenizer.all_special_ids)
     return model
 
 
@@ -83,7 +83,7 @@ async def test_merge_keeps_each_choice_in_order(served):
 
 
 def test_context_check(served):
-    context = served.engine.max_model_len
+    context = served.engine.info.max_model_len
     limits = Limits(max_tokens=context)
     assert sampling.check_context(served, 10, None, limits) == context - 10
     assert sampling.check_context(served, 10, None, Limits(max_tokens=100)) == 100
@@ -129,5 +129,7 @@ def test_sampling_params_defaults_and_checks(served):
             sampling.sampling_params(served, limits, max_tokens=1, top_logprobs=6, top_logprobs_field=field)
         assert raised.value.param == field
     with pytest.raises(InvalidRequestError, match="is not a token id") as raised:
-        sampling.sampling_params(served, limits, max_tokens=1, logit_bias={str(served.engine.vocab_size): 1})
+        sampling.sampling_params(
+            served, limits, max_tokens=1, logit_bias={str(served.engine.info.vocab_size): 1}
+        )
     assert raised.value.param == "logit_bias"
