@@ -61,7 +61,7 @@ class MockHostMemory(engine_contract.HostMemory):
         self.calls.append(("unregister", address))
 
     def empty(self, rows: int) -> np.ndarray:
-        return np.empty((rows, self.info.vocab_size), np.float32)
+        return np.empty((rows, self.vocab_size), np.float32)
 
     def land_later(self, array: np.ndarray, rows: np.ndarray) -> None:
         """`rows` land in `array` once waited for, as a device's copy may land after the call."""
