@@ -15,6 +15,7 @@ if os.environ.get("STAGE_OUT") and any(arg.endswith("step_parts.py") for arg in 
     from _stamps import STAMPS, clock, dump, wrap, wrap_async
 
     import logprob_gateway_client.buffer_lru
+    import logprob_gateway_client.dense_requests
     import logprob_gateway_client.lm
     import logprob_gateway_client.local_socket
     import logprob_gateway_client.shared_memory
@@ -33,7 +34,7 @@ if os.environ.get("STAGE_OUT") and any(arg.endswith("step_parts.py") for arg in 
     lm.AsyncGatewayLM.batch_next_token_logprobs = stamped_batch
     wrap(lm.AsyncGatewayLM, "_request", "request", "requested")
     wrap(logprob_gateway_client.shared_memory.SharedSegments, "lease", "lease", "leased")
-    wrap(lm, "encode_request", "encode", "encoded")
+    wrap(logprob_gateway_client.dense_requests, "encode_request", "encode", "encoded")
     wrap_async(logprob_gateway_client.local_socket.LocalSocket, "call", "socket call", "socket answered")
     wrap(lm.AsyncGatewayLM, "_matrix", "matrix", "matrixed")
     wrap(logprob_gateway_client.buffer_lru.BufferLRU, "put_rows", "row cache", "row cache done")

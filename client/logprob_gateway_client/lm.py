@@ -5,15 +5,15 @@ batch, sync and uncached variants, all with a per-call `lora_name`; set_lora, cl
 add_new_lora, remove_lora; byte_vocab, str_vocab, tokenizer, clear_cache, sample, batch_sample)
 over HTTP, and passes `isinstance(lm, AsyncLM)` where genlm-backend is installed. Concurrent
 `next_token_logprobs` calls are merged into one request, the way genlm's local backends
-auto-batch. The answer is one float32 matrix: written by a gateway on the same host straight
-into this process's memory (shared_memory.py), else one MessagePack body in one buffer. Requests
-go through one `httpx.AsyncClient`; for plain-http URLs without a proxy its transport is
-socket_transport.py's, which reads each body off the socket into that buffer (and hands answers
-it does not read to httpx's own transport), else httpx's own. Every row returned is a view of
-the buffer, never a copy, and shared with the client's cache, as genlm's own backends share rows
-with theirs: do not write into them. Errors: the gateway's error answers raise
-`GatewayClientError`, network failures httpx's exceptions. Needs only httpx, msgspec and numpy;
-returns torch tensors when torch is installed (like genlm), numpy arrays otherwise.
+auto-batch. The answer is one float32 matrix (dense_requests.py): written by a gateway on the
+same host straight into this process's memory (shared_memory.py), else one MessagePack body in
+one buffer. Requests go through one `httpx.AsyncClient`; for plain-http URLs without a proxy
+its transport is socket_transport.py's, which reads each body off the socket into that buffer
+(and hands answers it does not read to httpx's own transport), else httpx's own. Every row
+returned is a view of the buffer, never a copy, and shared with the client's cache, as genlm's
+own backends share rows with theirs: do not write into them. Errors: the gateway's error answers
+raise `GatewayClientError`, network failures httpx's exceptions. Needs only httpx, msgspec and
+numpy; returns torch tensors when torch is installed (like genlm), numpy arrays otherwise.
 
     from logprob_gateway_client import AsyncGatewayLM
     from genlm.control import PromptedLLM
@@ -25,7 +25,6 @@ returns torch tensors when torch is installed (like genlm), numpy arrays otherwi
 from __future__ import annotations
 
 import asyncio
-import logging
 import tempfile
 from collections.abc import Sequence
 from functools import cache, cached_property
@@ -37,25 +36,11 @@ import msgspec
 import numpy as np
 
 from logprob_gateway_client.buffer_lru import BufferLRU
-from logprob_gateway_client.encoding import ITEMSIZE, Dtype
-from logprob_gateway_client.local_socket import HEADER as LOCAL_SOCKET_HEADER
-from logprob_gateway_client.local_socket import LocalSocket, LocalSocketLost
+from logprob_gateway_client.dense_requests import DenseRequests
+from logprob_gateway_client.encoding import Dtype
 from logprob_gateway_client.lora import LoraManagement
 from logprob_gateway_client.sampling import HAS_TORCH, Sampling
-from logprob_gateway_client.schemas import NextTokenLogprobsSharedMemoryResponse
-from logprob_gateway_client.shared_memory import Segment, SharedSegments, memfd_supported
-from logprob_gateway_client.socket_transport import SocketTransport, usable_for
-from logprob_gateway_client.wire import (
-    GatewayClientError,
-    RowKey,
-    body_matrix,
-    decode_dense_answer,
-    encode_request,
-    pack_ids,
-    packed_rows,
-    raise_for_error,
-    read_into_buffer,
-)
+from logprob_gateway_client.wire import GatewayClientError, RowKey, pack_ids, raise_for_error
 
 __all__ = ["AsyncGatewayLM", "GatewayClientError"]
 
@@ -64,7 +49,6 @@ GENLM_EXTRA = (
     'llm.tokenizer needs transformers, in the genlm extra: pip install "logprob-gateway-client[genlm]" '
     '(from a clone of the gateway: pip install "./client[genlm]")'
 )
-log = logging.getLogger(__name__)
 
 
 def _genlm_tokens(byte_vocab: list[bytes]) -> list[bytes]:
@@ -95,7 +79,7 @@ def _as_output(array: np.ndarray) -> Any:
     return array
 
 
-class AsyncGatewayLM(LoraManagement, Sampling):
+class AsyncGatewayLM(DenseRequests, LoraManagement, Sampling):
     """genlm's `AsyncLM`, served remotely. `model` may name an adapter: "base:adapter";
     `set_lora`/`clear_lora` change it. `admin_key` (the gateway's) enables `add_new_lora` and
     `remove_lora`.
@@ -129,31 +113,12 @@ class AsyncGatewayLM(LoraManagement, Sampling):
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._admin_key = admin_key
-        self._timeout = timeout
         self._sync = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout)
-        self._async: httpx.AsyncClient | None = None
-        self._async_loop: asyncio.AbstractEventLoop | None = None
-        self._transport: SocketTransport | None = None  # the async client's, where it reads sockets
-        # Until an answer needs httpx's own transport (then the transport stops reading sockets).
-        self._socket_usable = usable_for(self.base_url)
         # Rows seen, by (model, ids); sized in rows and in the bytes of the matrices they keep alive.
         self._cache = BufferLRU(cache_size, cache_bytes)
         self._pending: dict[RowKey, asyncio.Future[np.ndarray]] = {}
         self._flusher: asyncio.Task[None] | None = None
-        self.requests_sent = 0  # dense-row HTTP requests, for diagnostics
-        self.server_timing: str | None = None  # the last dense answer's Server-Timing header
-        if shared_memory and not memfd_supported():
-            raise ValueError("shared_memory needs Linux's memfd_create")
-        use = shared_memory is not False and memfd_supported()
-        self._segments = SharedSegments(evict=self._cache.drop_owner) if use else None
-        self._ask_shared_memory = self._segments is not None  # until the gateway answers in the body
-        self._api_key = api_key
-        # The gateway's Unix socket, once an answer in this process's memory names it (local_socket.py)
-        self._local_allowed = local_socket and self._segments is not None
-        self._use_local_socket = self._local_allowed
-        self._local: LocalSocket | None = None
-        self.local_socket_answers = 0  # dense answers that came over the local socket
-        self.shared_memory_answers = 0  # dense answers the gateway wrote into shared memory
+        self._open_connections(timeout, api_key, shared_memory, local_socket, self._cache)
         vocab = self._get(f"/v1/models/{self._base_model}/vocabulary")
         self.vocab_size: int = vocab["vocab_size"]
         self.byte_vocab: list[bytes] = _genlm_tokens(vocab["tokens"])
@@ -201,155 +166,6 @@ class AsyncGatewayLM(LoraManagement, Sampling):
         return self.model if lora_name is None else f"{self._base_model}:{lora_name}"
 
     # -- dense rows ------------------------------------------------------------------------------
-
-    def _chunks(self, rows: list[bytes]) -> list[list[bytes]]:
-        step = self.max_rows_per_request
-        return [rows[start : start + step] for start in range(0, len(rows), step)]
-
-    def _answer_bytes(self, rows: int) -> int:
-        return rows * self.vocab_size * ITEMSIZE[self.dtype]
-
-    def _request(self, model: str, rows: list[bytes]) -> tuple[bytes, Segment | None]:
-        """The request's body for rows of packed ids (`pack_ids`), and the segment it asks the
-        gateway to write the answer into."""
-        body: dict[str, Any] = {
-            "model": model,
-            "input": packed_rows(rows),
-            "dtype": self.dtype,
-            "layout": "matrix",
-        }
-        segment = None
-        if self._segments is not None and self._ask_shared_memory:
-            segment = self._segments.lease(self._answer_bytes(len(rows)))
-            if segment is not None:
-                body["shared_memory"] = segment.target()
-        self.requests_sent += 1
-        return encode_request(body), segment
-
-    def _matrix(
-        self, content: bytes | bytearray | memoryview, count: int, segment: Segment | None
-    ) -> np.ndarray:
-        document = decode_dense_answer(content, count)
-        if not isinstance(document, NextTokenLogprobsSharedMemoryResponse):
-            if segment is not None and self._segments is not None:
-                # The gateway cannot see this process's memory (another host): stop asking.
-                self._ask_shared_memory = False
-                self._segments.release(segment)
-                self._segments.drop_idle()
-            return body_matrix(document, count)
-        if (
-            segment is None
-            or document.offset != 0
-            or document.nbytes != self._answer_bytes(count)
-            or document.dtype != self.dtype
-        ):
-            raise ValueError("a shared memory answer that does not match the request")
-        self.shared_memory_answers += 1
-        assert self._segments is not None
-        return self._segments.matrix(segment, count, self.vocab_size, self.dtype)
-
-    def _retire(self, segment: Segment | None) -> None:
-        """A request that failed after it was sent: the gateway may still write into its segment,
-        so no later answer may go there."""
-        if segment is not None and self._segments is not None:
-            self._segments.retire(segment)
-
-    def _fetch_sync(self, model: str, rows: list[bytes]) -> np.ndarray:
-        parts = []
-        for chunk in self._chunks(rows):
-            body, segment = self._request(model, chunk)
-            try:
-                response = self._sync.post("/v1/next_token_logprobs", content=body)
-                self.server_timing = response.headers.get("server-timing")
-                raise_for_error(response)
-                parts.append(self._matrix(response.content, len(chunk), segment))
-            except BaseException:
-                self._retire(segment)
-                raise
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    async def _fetch(self, model: str, rows: list[bytes]) -> np.ndarray:
-        parts = []
-        for chunk in self._chunks(rows):
-            body, segment = self._request(model, chunk)
-            try:
-                try:
-                    content = await self._post_dense(body, segment is not None)
-                except LocalSocketLost:  # the gateway restarted, say: this call goes over HTTP
-                    self._retire(segment)
-                    body, segment = self._request(model, chunk)
-                    content = await self._post_dense(body, segment is not None)
-                parts.append(self._matrix(content, len(chunk), segment))
-            except BaseException:
-                self._retire(segment)
-                raise
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    async def _post_dense(self, body: bytes, shared: bool) -> bytes | bytearray | memoryview:
-        """The body of a successful dense answer, in one buffer (the transport's own where it
-        read the socket): over the gateway's local socket once it named one, for a request whose
-        answer goes into shared memory (`shared`), else over HTTP."""
-        if self._local is not None and shared:
-            try:
-                content, self.server_timing = await self._local.call(body)
-            except LocalSocketLost:
-                self._local.close()
-                self._local = None
-                self._use_local_socket = self._local_allowed  # connect again once an answer says where
-                raise
-            self.local_socket_answers += 1
-            return content
-        client = self._async_client()
-        async with client.stream("POST", "/v1/next_token_logprobs", content=body) as response:
-            self.server_timing = response.headers.get("server-timing")
-            if response.status_code >= 400:
-                await response.aread()
-                raise_for_error(response)
-            content = await read_into_buffer(response)
-            path = response.headers.get(LOCAL_SOCKET_HEADER)
-        if path and self._use_local_socket:
-            await self._open_local(path)
-        return content
-
-    async def _open_local(self, path: str) -> None:
-        """Connect to the socket an answer named; one that cannot be reached or greeted is not
-        tried again (a gateway in another container, say): HTTP serves every call."""
-        self._use_local_socket = False
-        local = LocalSocket(path, self._api_key, min(self._timeout, 10.0))
-        try:
-            await local.connect()
-        except (OSError, TimeoutError, GatewayClientError) as exc:
-            log.info("the gateway's local socket %s is out of reach (%s); staying on HTTP", path, exc)
-            return
-        self._local = local
-
-    def _same_loop(self) -> None:
-        """Connections belong to the event loop that opened them: a new loop starts afresh."""
-        loop = asyncio.get_running_loop()
-        if self._async_loop is not loop:
-            self._drop_async()
-            self._async_loop = loop
-
-    def _drop_async(self) -> None:
-        """Forgets the async client, closing the sockets its transport pooled (which needs no
-        event loop); httpx's own connections go with the client."""
-        if self._transport is not None:
-            self._socket_usable = self._transport.reads_sockets
-            self._transport.close_sockets()
-        self._transport = None
-        self._async = None
-
-    def _async_client(self) -> httpx.AsyncClient:
-        self._same_loop()
-        if self._async is None:
-            self._transport = SocketTransport() if self._socket_usable else None
-            self._async = httpx.AsyncClient(
-                base_url=self.base_url,
-                headers=self._headers,
-                timeout=self._timeout,
-                transport=self._transport,
-            )
-        return self._async
 
     async def next_token_logprobs(self, token_ids: Sequence[int], lora_name: str | None = None) -> Any:
         """log_softmax over the whole vocabulary after `token_ids`; concurrent calls share one request."""
@@ -453,18 +269,11 @@ class AsyncGatewayLM(LoraManagement, Sampling):
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        if self._async is not None:
-            await self._async.aclose()  # its transport too: pooled sockets, httpx's connections
-        self._drop_async()
+        await self._close_async()
         self.close()
 
     def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close_sockets()
-        if self._local is not None:
-            self._local.close()
-        if self._segments is not None:
-            self._segments.close()
+        self._close_connections()
         self._sync.close()
 
     async def __aenter__(self) -> AsyncGatewayLM:
