@@ -3,7 +3,8 @@
 In place, so whatever holds the parameters' memory stays valid: torch.compile's code and the
 CUDA graphs the decode lane captured read the parameters where they lie. Every tensor is found and
 checked before the first one is copied: a directory whose weights do not fit changes nothing.
-Tensors received from a trainer (backends/weight_sync.py) are checked there, then copied here.
+Tensors received from a trainer (backends/transformers/weights_collective.py) are checked there,
+then copied here.
 """
 
 from __future__ import annotations

@@ -166,7 +166,8 @@ def serve(settings: Settings) -> int:
 
     litestar_app, app = serving_app(settings, on_loaded=loaded, on_load_failed=stop_serving)
     # SIGTERM: /health turns 503 while in-flight requests finish for up to the grace period; then
-    # what is left ends cleanly and the app's shutdown runs (engines, cache): gateway/shutdown.py.
+    # what is left ends cleanly and the app's shutdown runs (engines, cache):
+    # gateway/server/shutdown.py.
     # The protocol answers malformed HTTP in the error shape and bounds header reads and stalled writes.
     server = draining_server(
         app,

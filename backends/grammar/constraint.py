@@ -12,8 +12,8 @@ grammar engine or overruns costs a process that is killed, never the gateway. On
 text a worker compiled, whose first mask it computed, is then built into a matcher here (on a
 thread: llguidance releases the GIL), and `check` returns the grammar carrying that matcher,
 which its generation uses: nothing is compiled a second time, whatever the cache has dropped.
-Verdicts are kept by content, failures included. llguidance's own limits (backends/
-grammar_text.py) bound the work of a compile and of every mask.
+Verdicts are kept by content, failures included. llguidance's own limits
+(backends/grammar/text.py) bound the work of a compile and of every mask.
 
 A stream under a grammar has a `Constraint`: its own matcher, copied from the compiled one. The
 mask of its next token is computed on a thread while the engine's forward pass runs, so a

@@ -16,7 +16,7 @@ streams that wait for a token into one mlx-lm BatchKVCache, runs one forward pas
 stream its K/V back; a stream that starts joins at its next step, one that stops is dropped.
 
 LoRA adapters (PEFT format) apply per row, so one forward pass serves several adapters and the
-base (see mlx_lora.py).
+base (see backends/mlx/lora.py).
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def _null_or(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
-    """Write what the routes check beyond the types (gateway/prompts.py, gateway/generation.py and
+    """Write what the routes check beyond the types (gateway/prompts.py, gateway/generation/ and
     the routes themselves) into the schemas, so that a request the document allows is served. Only
     what each model decides stays out: prompts within its context (GET /v1/models/{model}), texts its
     tokenizer has a token for (its vocabulary); token ids below its vocab_size are stated by the

@@ -3,7 +3,7 @@ around an update (0.5.17, `srt/managers/io_struct.py`; `/get_load` of `srt/entry
 
 Field names and defaults are SGLang's; unknown fields are ignored, as SGLang does. This gateway
 adds `model` (a served base model; may be omitted when only one is served) and its error object
-on failures. gateway/weight_sync.py says what each field does here.
+on failures. gateway/weights/group.py says what each field does here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import msgspec
 
 from gateway.schemas.common import ModelName, Name
 
-# The dtypes a trainer may announce (torch's names; backends/weight_sync.py maps them).
+# The dtypes a trainer may announce (torch's names; backends/transformers/weights_collective.py
+# maps them).
 TensorDtype = Literal[
     "float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"
 ]

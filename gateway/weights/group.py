@@ -5,9 +5,10 @@ The trainer forms a torch.distributed group and asks the gateway to join it
 (`/init_weights_update_group`); each update, it pauses generation (`/pause_generation`), waits
 for `/get_load` to report nothing running, announces the tensors
 (`/update_weights_from_distributed`) while it broadcasts them, and resumes (`/continue_generation`).
-The engine joins and receives (backends/weight_sync.py for the transformers engine); the model's
-`WeightsLock` keeps requests and the update apart (gateway/weights.py); the update changes the
-model's fingerprint and version as a load from disk does (gateway/registry.py).
+The engine joins and receives (backends/transformers/weights_collective.py for the transformers
+engine); the model's `WeightsLock` keeps requests and the update apart (gateway/weights/lock.py);
+the update changes the model's fingerprint and version as a load from disk does
+(gateway/registry.py).
 
 Operations that talk to the trainer run to their end even if the HTTP client goes away: the
 trainer is broadcasting into them.

@@ -1,5 +1,5 @@
 """SGLang's endpoints for an RL trainer: its weights over a collective, and generation paused
-around an update (gateway/weight_sync.py). Replacing the weights of a shared service needs the
+around an update (gateway/weights/group.py). Replacing the weights of a shared service needs the
 admin key; `trusted_weight_sync` (a gateway dedicated to one trainer, which sends no key) waives
 it. `/get_load` only reads, and needs no more than any other request."""
 

@@ -108,7 +108,7 @@ async def unload_lora_adapter(request: Request) -> Response:
 async def update_weights_from_disk(request: Request) -> Response:
     """New weights of the same architecture, without a restart. Requests reading the old weights
     finish on them first; the model's fingerprint, and every output-cache key, changes with them.
-    The directory must lie inside the model's `weights_root` (gateway/weights_root.py). Answers
+    The directory must lie inside the model's `weights_root` (gateway/weights/root.py). Answers
     SGLang's {success, message}; a failure (4xx, 501) adds this API's error object."""
     require_admin(request)
     body = await decode_json(request, UpdateWeightsFromDiskRequest)

@@ -1,6 +1,7 @@
 """Weights over a collective, at the engine layer: the answer for engines without the capability,
-and backends/weight_sync.py against a trainer made of TorchRL's own group code, in this process
-(gloo on threads). The real engine and a trainer process: tests/gateway/test_weight_sync.py."""
+and backends/transformers/weights_collective.py against a trainer made of TorchRL's own group
+code, in this process (gloo on threads). The real engine and a trainer process:
+tests/gateway/test_weight_sync.py."""
 
 from __future__ import annotations
 

@@ -178,7 +178,8 @@ def test_queued_dense_rows_of_a_departed_client_are_never_computed(gateway, refe
 
 
 def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path):
-    """Draining: /health and new requests get a 503 (gateway/shutdown.py), in-flight ones finish."""
+    """Draining: /health and new requests get a 503 (gateway/server/shutdown.py), in-flight ones
+    finish."""
     gateway = mock_gateway(tmp_path, "{delay_s = 0.2}", extra="shutdown_grace_s = 20")
     result = {}
 
