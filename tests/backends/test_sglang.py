@@ -183,7 +183,9 @@ async def test_url_mode_connects_to_a_running_server(engine, model_dir, sent):
         np.testing.assert_array_equal(
             (await other.next_token_logprobs([[9, 9]]))[0], distribution([9, 9], None, other.info.vocab_size)
         )
-        assert [(b["input_ids"], b["top_logprobs_num"]) for b in sent()] == [([9, 9, 0], other.info.vocab_size)]
+        assert [(b["input_ids"], b["top_logprobs_num"]) for b in sent()] == [
+            ([9, 9, 0], other.info.vocab_size)
+        ]
     finally:
         await other.aclose()
     assert engine.is_healthy()  # closing a url-mode engine leaves the server alone
