@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
+from backends.rows import PackedRows
 from backends.types import (
     AnnouncedTensor,
     EngineConfig,
@@ -30,9 +31,6 @@ from backends.types import (
     TokenStep,
     WeightsGroup,
 )
-
-# `out` of Engine.next_token_logprobs: arrays the rows land in, each float32 [len(rows), vocab].
-Out = np.ndarray | tuple[np.ndarray, ...]
 
 
 class Adapters(ABC):
@@ -97,6 +95,20 @@ class HostMemory(ABC):
         """Undo `register`; the caller ensures no write into that memory is under way."""
 
     @abstractmethod
+    async def write_rows(
+        self,
+        rows: PackedRows,
+        adapters: Sequence[str | None],
+        arrays: Sequence[np.ndarray],
+        positions: Sequence[int] | None,
+    ) -> None:
+        """`Engine.next_token_logprobs` of the distinct `rows`, written from the device into every
+        one of `arrays` (float32 [asked rows, vocab]; asked row i is distinct row positions[i]),
+        each registered with `register` or from `empty`. Returns once the copies are queued:
+        the caller waits for each array with `wait_landed` before reading it, the first array's
+        rows landing first."""
+
+    @abstractmethod
     def empty(self, rows: int) -> np.ndarray:
         """float32 [rows, vocab] of the engine's own page-locked memory, uninitialised; it lives
         as long as the array does."""
@@ -146,25 +158,10 @@ class Engine(ABC):
         """Load the model. Blocking; the gateway calls it in a worker thread."""
 
     @abstractmethod
-    async def next_token_logprobs(
-        self,
-        rows: Sequence[Sequence[int]],
-        adapters: Sequence[str | None] | None = None,
-        out: Out | None = None,
-    ) -> np.ndarray:
-        """log_softmax of the logits after each row: float32 [len(rows), vocab_size].
-
-        `adapters[i]` names the LoRA adapter for row i (None: the base model); one call may mix
-        them. Rows may repeat: each distinct (adapter, row) is computed once (see
-        backends/distinct_rows.py). With `out` (an array, or a tuple of arrays, each float32
-        [len(rows), vocab_size]) the rows are in every array of it when the call returns, which
-        returns `out` (its first array); with `host_memory`, arrays in memory registered with it
-        or from its `empty` are written from the device in one copy, and may still be landing
-        when the call returns: the caller waits for each with `host_memory.wait_landed` before
-        reading it (the first lands first). So the caller's thread, asleep through the call,
-        wakes while the device finishes rather than after, and its answer does not wait for the
-        copies it does not read at once.
-        """
+    async def next_token_logprobs(self, rows: PackedRows, adapters: Sequence[str | None]) -> np.ndarray:
+        """log_softmax of the logits after each row: float32 [len(rows), vocab_size]. Row i under
+        the LoRA adapter `adapters[i]` (None: the base model); one call may mix them. The rows are
+        distinct: callers come through backends/placement.py, which computes repeats once."""
 
     @abstractmethod
     async def prompt_logprobs(

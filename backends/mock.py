@@ -24,10 +24,10 @@ from transformers import AutoTokenizer
 
 from backends import engine as engine_contract
 from backends.builtin_models import resolve_model_dir
-from backends.distinct_rows import computed_rows, outputs
-from backends.engine import Engine, Out
+from backends.engine import Engine
 from backends.errors import AdapterError, WeightsError, WeightsGroupError
 from backends.grammar.constraint import LLGuidanceGrammars
+from backends.rows import PackedRows
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
 from backends.types import (
     AnnouncedTensor,
@@ -48,8 +48,9 @@ def _base_row(seed: int, vocab_size: int) -> np.ndarray:
 class MockHostMemory(engine_contract.HostMemory):
     """Offered as a GPU engine offers it: registrations are recorded (`calls`), not made."""
 
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
+    def __init__(self, engine: MockEngine) -> None:
+        self.engine = engine
+        self.vocab_size = engine.info.vocab_size
         self.calls: list[tuple[str, int]] = []
         self._landing: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -63,9 +64,19 @@ class MockHostMemory(engine_contract.HostMemory):
     def empty(self, rows: int) -> np.ndarray:
         return np.empty((rows, self.vocab_size), np.float32)
 
-    def land_later(self, array: np.ndarray, rows: np.ndarray) -> None:
-        """`rows` land in `array` once waited for, as a device's copy may land after the call."""
-        self._landing[array.ctypes.data] = (array, rows)
+    async def write_rows(
+        self,
+        rows: PackedRows,
+        adapters: Sequence[str | None],
+        arrays: Sequence[np.ndarray],
+        positions: Sequence[int] | None,
+    ) -> None:
+        """The rows land in each array once waited for, as a device's copy may land after the call."""
+        self.engine.writes.append(len(arrays))
+        computed = await self.engine.next_token_logprobs(rows, adapters)
+        answer = computed if positions is None else computed[list(positions)]
+        for array in arrays:
+            self._landing[array.ctypes.data] = (array, answer)
 
     def wait_landed(self, array: np.ndarray) -> None:
         self.calls.append(("wait_landed", array.ctypes.data))
@@ -173,7 +184,7 @@ class MockEngine(Engine):
         self.fail_token = options.get("fail_token")
         self.fatal_token = options.get("fatal_token")
         self.dead = False
-        self.host_memory = MockHostMemory(vocab_size) if options.get("host_memory") else None
+        self.host_memory = MockHostMemory(self) if options.get("host_memory") else None
         self._base = _base_row(0, vocab_size)
         self.structured_outputs = LLGuidanceGrammars(tokenizer, self.info.vocab_size, self.info.eos_token_ids)
 
@@ -206,27 +217,13 @@ class MockEngine(Engine):
         ).digest()
         return np.roll(self._base, int.from_bytes(digest, "little") % self.info.vocab_size)
 
-    async def next_token_logprobs(
-        self,
-        rows: Sequence[Sequence[int]],
-        adapters: Sequence[str | None] | None = None,
-        out: Out | None = None,
-    ) -> np.ndarray:
-        if out is not None:
-            self.writes.append(len(outputs(out)))
-        if out is None or self.host_memory is None:
-            return await computed_rows(self._distinct_rows, rows, adapters, out)
-        first, *later = outputs(out)
-        answer = await computed_rows(self._distinct_rows, rows, adapters, None)
-        for array in (first, *later):  # the rows land when waited for, as from a device
-            self.host_memory.land_later(array, answer)
-        return first
-
-    async def _distinct_rows(self, rows: list[Sequence[int]], adapters: list[str | None]) -> np.ndarray:
+    async def next_token_logprobs(self, rows: PackedRows, adapters: Sequence[str | None]) -> np.ndarray:
         self.calls += 1
         self.rows_computed += len(rows)
         await asyncio.sleep(self.delay_s)
-        return np.stack([self.logits(row, a) for row, a in zip(rows, adapters, strict=True)])
+        if not len(rows):
+            return np.zeros((0, self.info.vocab_size), np.float32)
+        return np.stack([self.logits(row, a) for row, a in zip(rows.lists(), adapters, strict=True)])
 
     def is_healthy(self) -> bool:
         return not self.dead

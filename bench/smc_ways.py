@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from backends.engine import Engine
+from backends.placement import place_rows
+from backends.rows import PackedRows
 from backends.transformers.host_copy import rows_to_host
 from backends.types import EngineConfig
 from logprob_gateway_client import AsyncGatewayLM
@@ -36,7 +38,7 @@ def engine_rows(engine: Engine) -> NextRows:
         index: dict[tuple[int, ...], int] = {}  # identical rows once, as the gateway's batcher does
         for row in rows:
             index.setdefault(tuple(row), len(index))
-        out = await engine.next_token_logprobs(list(index))
+        out = (await place_rows(engine, PackedRows.of(list(index)))).rows
         if len(index) == len(rows):  # no particle repeats: the engine's matrix as it is
             return out
         return out[[index[tuple(r)] for r in rows]]

@@ -2,7 +2,7 @@
 
     python bench/wake_cost.py --particles 64
 
-Times `TokenRows.unpack` (a dense request's token checks, 64 rows of 30 ids) right after: nothing
+Times `unpack_rows` (a dense request's token checks, 64 rows of 30 ids) right after: nothing
 (back to back), sleeping 2 ms (as the event loop sleeps through an engine call), a busy 2 ms,
 reading 12 MB (an SMC step's rows), and torch's inverse-CDF sampling of the rows. Prints the
 median wall-clock and thread CPU µs of each: where they differ from back to back, the code ran
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.dense.token_rows import TokenRows  # noqa: E402
+from gateway.dense.token_rows import unpack_rows  # noqa: E402
 from logprob_gateway_client.wire import pack_ids  # noqa: E402
 
 VOCAB = 49152
@@ -58,14 +58,14 @@ def main() -> None:
         "read 12 MB": rows_read.sum,
         "torch sampling": sample,
     }
-    print(f"\n### TokenRows.unpack of {p} rows, median µs, after ({torch.get_num_threads()} torch threads)\n")
+    print(f"\n### unpack_rows of {p} rows, median µs, after ({torch.get_num_threads()} torch threads)\n")
     print("| before it | wall | thread CPU |\n| --- | ---: | ---: |")
     for name, step in before.items():
         wall, cpu = [], []
         for _ in range(args.repeats):
             step()
             started, started_cpu = time.perf_counter(), time.thread_time()
-            TokenRows.unpack(packed, lengths, VOCAB, "input")
+            unpack_rows(packed, lengths, VOCAB, "input")
             wall.append(time.perf_counter() - started)
             cpu.append(time.thread_time() - started_cpu)
         print(f"| {name} | {statistics.median(wall) * 1e6:.1f} | {statistics.median(cpu) * 1e6:.1f} |")

@@ -124,3 +124,17 @@ def reserve_answer_bytes(request: Request, nbytes: int) -> None:
 def charge_rows(request: Request, rows: int) -> None:
     """Count dense rows against the API key's per-minute budget (429 when spent)."""
     access(request).take_rows(request.scope.get(KEY_NAME), rows)  # type: ignore[arg-type]
+
+
+class Admission:
+    """gateway.dense.service.Admission of an HTTP request: its key's budgets (gateway.guard gives
+    the answer's bytes back once the response is sent or abandoned)."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+
+    def take_rows(self, rows: int) -> None:
+        charge_rows(self.request, rows)
+
+    def reserve_answer_bytes(self, nbytes: int) -> None:
+        reserve_answer_bytes(self.request, nbytes)

@@ -277,3 +277,15 @@ def last_row(model, ids):
 
     with torch.inference_mode():
         return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1).numpy()
+
+
+async def engine_rows(engine, rows, adapters=None, out=None) -> Any:
+    """An engine's dense rows of token-id lists as every caller gets them (backends/placement.py:
+    repeats computed once, placed in `out` when given), landed."""
+    from backends.placement import outputs, place_rows
+    from backends.rows import PackedRows
+
+    placed = await place_rows(engine, PackedRows.of(rows), adapters, out)
+    for array in outputs(out) if out is not None else ():
+        placed.wait_landed(array)
+    return placed.rows

@@ -40,11 +40,11 @@ from transformers import AutoTokenizer
 
 from backends import engine as contract
 from backends.builtin_models import resolve_model_dir
-from backends.distinct_rows import computed_rows
-from backends.engine import Engine, Out
+from backends.engine import Engine
 from backends.errors import WeightsError
 from backends.grammar.constraint import LLGuidanceGrammars
 from backends.mlx.lora import AdapterSet
+from backends.rows import PackedRows
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
 from backends.step_scheduler import StepScheduler, split_rows
 from backends.types import (
@@ -236,19 +236,11 @@ class MlxEngine(Engine):
 
     # -- dense rows -----------------------------------------------------------------------------
 
-    async def next_token_logprobs(
-        self,
-        rows: Sequence[Sequence[int]],
-        adapters: Sequence[str | None] | None = None,
-        out: Out | None = None,
-    ) -> np.ndarray:
-        return await computed_rows(
-            lambda rows, adapters: self._run(self._next_token_logprobs, rows, adapters), rows, adapters, out
-        )
+    async def next_token_logprobs(self, rows: PackedRows, adapters: Sequence[str | None]) -> np.ndarray:
+        return await self._run(self._next_token_logprobs, rows, adapters)
 
-    def _next_token_logprobs(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]
-    ) -> np.ndarray:
+    def _next_token_logprobs(self, packed: PackedRows, adapters: Sequence[str | None]) -> np.ndarray:
+        rows = packed.lists()
         self._adapters.set_rows(adapters)
         width = max(len(r) for r in rows)
         padding = [width - len(r) for r in rows]

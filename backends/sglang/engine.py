@@ -55,10 +55,10 @@ from transformers import AutoTokenizer
 
 from backends import engine as contract
 from backends.builtin_models import resolve_model_dir
-from backends.distinct_rows import computed_rows
-from backends.engine import Engine, Out
+from backends.engine import Engine
 from backends.errors import AdapterError, EngineUnavailableError, RequestRejectedError
 from backends.grammar.constraint import LLGuidanceGrammars, ascii_digits
+from backends.rows import PackedRows
 from backends.sglang.processor import PROCESSOR
 from backends.sglang.transport import EngineTransport, HttpTransport, ManagedServer, Transport, free_port
 from backends.sglang.weights import SglangWeights
@@ -305,18 +305,13 @@ class SglangEngine(Engine):
             )
         return np.frombuffer(data, dtype="<f4")
 
-    async def next_token_logprobs(
-        self,
-        rows: Sequence[Sequence[int]],
-        adapters: Sequence[str | None] | None = None,
-        out: Out | None = None,
-    ) -> np.ndarray:
-        return await computed_rows(self._distinct_rows, rows, adapters, out)
-
-    async def _distinct_rows(self, rows: list[Sequence[int]], adapters: list[str | None]) -> np.ndarray:
-        if not rows:
+    async def next_token_logprobs(self, rows: PackedRows, adapters: Sequence[str | None]) -> np.ndarray:
+        if not len(rows):
             return np.zeros((0, self.info.vocab_size), np.float32)
-        done = await asyncio.gather(*(self._dense_row(row, a) for row, a in zip(rows, adapters, strict=True)))
+        lists = rows.lists()
+        done = await asyncio.gather(
+            *(self._dense_row(row, a) for row, a in zip(lists, adapters, strict=True))
+        )
         return np.stack(done)
 
     # -- prompt scoring -------------------------------------------------------------------------

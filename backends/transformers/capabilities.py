@@ -9,10 +9,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from backends import engine as contract
 from backends.errors import AdapterError
+from backends.rows import PackedRows
+from backends.transformers.host_copy import CudaHostMemory
 from backends.transformers.weights_collective import CollectiveGroups
 from backends.types import AnnouncedTensor, WeightsGroup
 from backends.weights_in_place import copy_tensors_in_place, copy_weights_in_place, model_parameters
@@ -133,3 +136,20 @@ class TransformersPrefixCache(contract.PrefixCache):
         kept = self.engine.prefix_kv
         if kept is not None:  # on the worker thread: never during a forward pass
             await self.engine._run(kept.clear)
+
+
+class TransformersHostMemory(CudaHostMemory, contract.HostMemory):
+    """CudaHostMemory's copies, with rows the engine computes for them."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine.info.vocab_size)
+        self.engine = engine
+
+    async def write_rows(
+        self,
+        rows: PackedRows,
+        adapters: Sequence[str | None],
+        arrays: Sequence[np.ndarray],
+        positions: Sequence[int] | None,
+    ) -> None:
+        await self.engine.write_rows(rows, adapters, arrays, positions)

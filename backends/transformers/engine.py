@@ -25,6 +25,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -32,15 +33,16 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, DynamicLayer
 
 from backends.builtin_models import resolve_model_dir
-from backends.distinct_rows import DistinctRows, outputs, write_out
-from backends.engine import Engine, Out
+from backends.engine import Engine
 from backends.errors import AdapterError
 from backends.grammar.constraint import LLGuidanceGrammars
+from backends.rows import PackedRows
 from backends.sampling import Pick, greedy_alternatives, sample_tokens
 from backends.step_scheduler import StepScheduler, split_rows
 from backends.transformers.cache_argument import output_cache, with_cache
 from backends.transformers.capabilities import (
     TransformersAdapters,
+    TransformersHostMemory,
     TransformersPrefixCache,
     TransformersWeights,
 )
@@ -48,7 +50,6 @@ from backends.transformers.decode_lane import DecodeLane, lane_supported
 from backends.transformers.dense_rows import DenseRows
 from backends.transformers.grouped_attention import use_grouped_attention
 from backends.transformers.host_copy import (
-    CudaHostMemory,
     greedy_picks,
     release_pinned_memory,
     rows_to_host,
@@ -74,9 +75,22 @@ T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PROMPT_CHUNK = 512  # positions whose full-vocabulary log_softmax is held at once
-# A row to compute, its adapter, and for a greedy stream's step the alternatives its Pick needs
-# (None: the whole row, to the host).
-StepItem = tuple[Sequence[int], str | None, int | None]
+
+
+@dataclass(frozen=True)
+class WrittenRows:
+    """Where a dense call's rows go from the device: into every one of `arrays`, asked row i being
+    the call's row positions[i] (None: in order)."""
+
+    arrays: Sequence[np.ndarray]
+    positions: Sequence[int] | None
+
+
+# A row to compute, its adapter, and what its caller needs of it: None, the whole row on the host;
+# a number, a greedy stream's Pick with that many alternatives; WrittenRows, the call's rows
+# written into host memory from the device (the same for every row of the call).
+StepItem = tuple[Sequence[int] | np.ndarray, str | None, int | WrittenRows | None]
+StepResult = np.ndarray | Pick | None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -162,11 +176,11 @@ class TransformersEngine(Engine):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-engine")
         self._peft: Any = None  # the PeftModel wrapping `model` once an adapter is loaded
         self.pinned_host_bytes = pinned_host_bytes
-        self.host_memory = CudaHostMemory(self.info.vocab_size) if self.device.type == "cuda" else None
+        self.host_memory = TransformersHostMemory(self) if self.device.type == "cuda" else None
         self.adapters = TransformersAdapters(self)
         self.weights = TransformersWeights(self)
         # Dense rows and generation steps of concurrent requests share forward passes.
-        self.steps: StepScheduler[StepItem, np.ndarray | Pick] = StepScheduler(self._pass)
+        self.steps: StepScheduler[StepItem, StepResult] = StepScheduler(self._pass)
         self.prefix_kv: PrefixKeysValues | None = None  # prefixes' keys/values, reused by dense rows
         if prefix_cache_bytes and supports_prefix_cache(model):
             self.prefix_kv = PrefixKeysValues(prefix_cache_bytes)
@@ -253,50 +267,59 @@ class TransformersEngine(Engine):
 
     # -- dense rows -----------------------------------------------------------------------------
 
-    async def next_token_logprobs(
-        self,
-        rows: Sequence[Sequence[int]],
-        adapters: Sequence[str | None] | None = None,
-        out: Out | None = None,
-    ) -> np.ndarray:
-        distinct = DistinctRows.of(rows, adapters)
-        if out is not None and self.host_memory is not None:
-            # Outside the scheduler's shared passes: the copies are this call's alone. Returns once
-            # they are queued: the caller's wake-up, after sleeping through the call, overlaps the
-            # device's last work instead of following it (host_memory.wait_landed).
-            return await self._run(self._write_rows, distinct, outputs(out))
+    async def next_token_logprobs(self, rows: PackedRows, adapters: Sequence[str | None]) -> np.ndarray:
         computed = await self.steps.submit(
-            [(r, a, None) for r, a in zip(distinct.rows, distinct.adapters, strict=True)]
+            [(r, a, None) for r, a in zip(rows.views(), adapters, strict=True)]
         )
         assert isinstance(computed, np.ndarray)
-        if out is None:
-            return distinct.spread(computed)
-        return await asyncio.to_thread(write_out, distinct, computed, out)
+        return computed
 
-    async def _pass(self, groups: list[Sequence[StepItem]]) -> list[np.ndarray | Pick]:
+    async def write_rows(
+        self,
+        rows: PackedRows,
+        adapters: Sequence[str | None],
+        arrays: Sequence[np.ndarray],
+        positions: Sequence[int] | None,
+    ) -> None:
+        """TransformersHostMemory.write_rows: the rows in a pass shared like any other, written
+        from the device where they go; returns once the copies are queued."""
+        into = WrittenRows(arrays, positions)
+        await self.steps.submit([(r, a, into) for r, a in zip(rows.views(), adapters, strict=True)])
+
+    async def _pass(self, groups: list[Sequence[StepItem]]) -> list[StepResult]:
         return await self._run(self._step_results, groups)
 
-    def _step_results(self, groups: list[Sequence[StepItem]]) -> list[np.ndarray | Pick]:
-        """Each group's rows, or its greedy stream's Pick: only rows a caller reads cross to the host."""
+    def _step_results(self, groups: list[Sequence[StepItem]]) -> list[StepResult]:
+        """Each group's rows on the host, its greedy stream's Pick, or (None) its rows written
+        into host memory from the device: only rows a caller reads cross to the host, once."""
         items = [item for group in groups for item in group]
-        dense = self.dense([r for r, _, _ in items], [a for _, a, _ in items], use_lane=self._peft is None)
-        picked = [i for i, (_, _, k) in enumerate(items) if k is not None]
-        if not picked:
-            results: list[np.ndarray | Pick] = list(split_rows(rows_to_host(dense), groups))
-        else:
-            picks = iter(greedy_picks(dense[picked], [items[i][2] for i in picked]))  # type: ignore[misc]
-            wanted = [group for group in groups if group[0][2] is None]
-            kept = [i for i, (_, _, k) in enumerate(items) if k is None]
-            rows = iter(split_rows(rows_to_host(dense[kept]), wanted) if wanted else [])
-            results = [next(rows) if group[0][2] is None else next(picks) for group in groups]
+        # Dense calls' rows come as views of their packed ids: lists here, off the event loop.
+        rows = [r.tolist() if isinstance(r, np.ndarray) else r for r, _, _ in items]
+        dense = self.dense(rows, [a for _, a, _ in items], use_lane=self._peft is None)
+        results: list[StepResult] = [None] * len(groups)
+        ends = np.cumsum([len(group) for group in groups]).tolist()
+        spans = [(end - len(group), end) for group, end in zip(groups, ends, strict=True)]
+        picked = [i for i, group in enumerate(groups) if isinstance(group[0][2], int)]
+        if picked:  # one item per generation step
+            first = [spans[i][0] for i in picked]
+            picks = greedy_picks(dense[first], [groups[i][0][2] for i in picked])  # type: ignore[misc]
+            for i, pick in zip(picked, picks, strict=True):
+                results[i] = pick
+        for (start, end), group in zip(spans, groups, strict=True):
+            into = group[0][2]
+            if isinstance(into, WrittenRows):  # repeats copied on the device
+                write_rows_into(dense[start:end], into.arrays, into.positions, self.host_memory)
+        wanted = [i for i, group in enumerate(groups) if group[0][2] is None]
+        if wanted:
+            kept = (
+                dense if len(wanted) == len(groups) else dense[[r for i in wanted for r in range(*spans[i])]]
+            )
+            for i, rows_of_group in zip(
+                wanted, split_rows(rows_to_host(kept), [groups[i] for i in wanted]), strict=True
+            ):
+                results[i] = rows_of_group
         self._release_pinned_memory()
         return results
-
-    def _write_rows(self, distinct: DistinctRows, arrays: tuple[np.ndarray, ...]) -> np.ndarray:
-        dense = self.dense(distinct.rows, distinct.adapters, use_lane=self._peft is None)
-        write_rows_into(dense, arrays, distinct.positions, self.host_memory)  # repeats copied on the device
-        self._release_pinned_memory()
-        return arrays[0]
 
     def _release_pinned_memory(self) -> None:
         if self.device.type == "cuda" and release_pinned_memory(self.pinned_host_bytes):

@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from backends.engine import HostMemory
 from backends.sampling import Pick
 
 log = logging.getLogger(__name__)
@@ -146,7 +145,7 @@ class ReusedArrays:
                 self._free_bytes += buffer.nbytes
 
 
-class CudaHostMemory(HostMemory):
+class CudaHostMemory:
     """Host memory registered with the CUDA driver, and page-locked rows of the engine's own."""
 
     def __init__(self, vocab_size: int, max_reused_bytes: int = 128 << 20) -> None:

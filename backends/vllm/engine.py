@@ -51,10 +51,10 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from backends import engine as contract
 from backends.builtin_models import resolve_model_dir
-from backends.distinct_rows import computed_rows
-from backends.engine import Engine, Out
+from backends.engine import Engine
 from backends.errors import AdapterError, EngineUnavailableError, RequestRejectedError
 from backends.grammar.constraint import LLGuidanceGrammars, ascii_digits
+from backends.rows import PackedRows
 from backends.types import (
     EngineConfig,
     Grammar,
@@ -281,18 +281,13 @@ class VllmEngine(Engine):
 
     # -- dense rows -----------------------------------------------------------------------------
 
-    async def next_token_logprobs(
-        self,
-        rows: Sequence[Sequence[int]],
-        adapters: Sequence[str | None] | None = None,
-        out: Out | None = None,
-    ) -> np.ndarray:
-        return await computed_rows(self._distinct_rows, rows, adapters, out)
-
-    async def _distinct_rows(self, rows: list[Sequence[int]], adapters: list[str | None]) -> np.ndarray:
+    async def next_token_logprobs(self, rows: PackedRows, adapters: Sequence[str | None]) -> np.ndarray:
+        lists = rows.lists()
         if not self.capture:
             return np.stack(
-                await asyncio.gather(*(self._logprobs_row(r, a) for r, a in zip(rows, adapters, strict=True)))
+                await asyncio.gather(
+                    *(self._logprobs_row(r, a) for r, a in zip(lists, adapters, strict=True))
+                )
             )
         fd, name = tempfile.mkstemp(prefix="logprob-gateway-", dir=self._capture_dir)
         try:
@@ -303,7 +298,7 @@ class VllmEngine(Engine):
             await asyncio.gather(
                 *(
                     self._final(row, self._dense_params(name, i), adapter)
-                    for i, (row, adapter) in enumerate(zip(rows, adapters, strict=True))
+                    for i, (row, adapter) in enumerate(zip(lists, adapters, strict=True))
                 )
             )
             # Mapped, not read: the rows are copied once, where they go. Copy-on-write, so that

@@ -13,10 +13,10 @@ rows that the engine de-duplicates anyway. It first lets the event loop turn onc
 that arrive with it still share its call (they queue, and it joins them).
 
 A request may name arrays `out` for its rows (numpy's `out=`: a client's shared memory registered
-with the engine, and page-locked memory of the engine's own for the output cache). Alone in its
-engine call, it goes to the engine as it is, rows that repeat included, and the engine writes
-them into `out` itself (a GPU engine from its device: backends.engine.HostMemory); the request
-gets `out` (its first array) back. Sharing an engine call, it gets its rows as any request does.
+with the engine, and page-locked memory of the engine's own for the output cache); its rows are
+in them when it is answered. Alone in its engine call, `out` goes down with it
+(backends/placement.py: a GPU engine writes there from its device); sharing an engine call, its
+rows are copied there from the call's.
 
 Requests whose clients have gone (their futures cancelled) are dropped before each engine call.
 When an engine call fails, its requests are retried one by one, so only the request that causes
@@ -29,26 +29,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
-from backends.engine import Out
-from gateway.dense.token_rows import TokenRows
+from backends.engine import Engine
+from backends.placement import Out, Placed, outputs, place_rows
+from backends.rows import PackedRows
 
 log = logging.getLogger(__name__)
 
-Row = tuple[str | None, bytes]  # (adapter, the row's packed ids: TokenRows.packed)
-
-
-class EngineCall(Protocol):
-    """backends.engine.Engine.next_token_logprobs."""
-
-    def __call__(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], out: Out | None = None
-    ) -> Awaitable[np.ndarray]: ...
+Row = tuple[str | None, bytes]  # (adapter, the row's key: PackedRows.keys)
 
 
 @dataclass
@@ -62,10 +54,10 @@ class EngineTimes:
 
 @dataclass
 class _Request:
-    rows: TokenRows
+    rows: PackedRows
     adapter: str | None
     keys: list[Row]
-    future: asyncio.Future[np.ndarray]
+    future: asyncio.Future[Placed]
     out: Out | None = None
     times: EngineTimes | None = None
     enqueued: float = field(default_factory=lambda: asyncio.get_running_loop().time())
@@ -83,14 +75,14 @@ class BatchStats:
 class RowBatcher:
     def __init__(
         self,
-        engine_call: EngineCall,
+        engine: Engine,
         *,
         max_batch_rows: int = 256,
         window_s: float = 0.002,
         on_batch: Callable[[int], None] | None = None,
         on_wait: Callable[[float], None] | None = None,
     ) -> None:
-        self._engine_call = engine_call
+        self._engine = engine
         self._on_batch = on_batch or (lambda rows: None)  # distinct rows of each engine call
         self._on_wait = on_wait or (lambda seconds: None)  # queueing time of each request
         self.max_batch_rows = max_batch_rows
@@ -105,15 +97,14 @@ class RowBatcher:
 
     async def submit(
         self,
-        rows: TokenRows,
+        rows: PackedRows,
         adapter: str | None = None,
         out: Out | None = None,
         times: EngineTimes | None = None,
-    ) -> np.ndarray:
-        """float32 [len(rows), vocab]: each row equal to what the engine computes for it alone.
-        With `out`, the engine wrote them there when the request was alone in its engine call,
-        and the answer is `out` (its first array); otherwise the caller copies them. `times`, if
-        given, is filled in with when the engine call began and ended."""
+    ) -> Placed:
+        """The rows, float32 [len(rows), vocab], each equal to what the engine computes for it
+        alone; in every array of `out` when given. `times`, if given, is filled in with when the
+        engine call began and ended."""
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run(), name="row-batcher")
         self.stats.requests += 1
@@ -133,7 +124,7 @@ class RowBatcher:
                 others = [self._queue.get_nowait() for _ in range(self._queue.qsize())]
             finally:
                 self._release_engine()
-        keys = [(adapter, packed) for packed in rows.packed]
+        keys = [(adapter, key) for key in rows.keys]
         request = _Request(rows, adapter, keys, asyncio.get_running_loop().create_future(), out, times)
         for queued in (request, *others):  # in the order they came
             self._queue.put_nowait(queued)
@@ -148,20 +139,16 @@ class RowBatcher:
         self._engine_free.set()
 
     async def _call_alone(
-        self, rows: TokenRows, adapter: str | None, out: Out | None, times: EngineTimes | None
-    ) -> np.ndarray:
+        self, rows: PackedRows, adapter: str | None, out: Out | None, times: EngineTimes | None
+    ) -> Placed:
         """A lone request's engine call, made by its own task: rows as they are (the engine
         computes each distinct row once), into `out` when given."""
         self._concurrent = False
         self._on_wait(0.0)
-        distinct = len(set(rows.packed))
-        self.stats.batches += 1
-        self.stats.engine_rows += distinct
-        self.stats.largest_batch = max(self.stats.largest_batch, distinct)
-        self._on_batch(distinct)
+        self._count_batch(len(set(rows.keys)))
         began = time.perf_counter()
         try:
-            return await self._engine_call(rows.ids, [adapter] * len(rows), out=out)
+            return await place_rows(self._engine, rows, [adapter] * len(rows), out)
         finally:
             if times is not None:
                 times.began, times.ended = began, time.perf_counter()
@@ -215,39 +202,35 @@ class RowBatcher:
                 self._release_engine()
 
     async def _serve(self, batch: list[_Request]) -> None:
-        ids: dict[Row, Sequence[int]] = {}  # the distinct rows, in the order first asked
+        distinct: dict[Row, None] = {}  # the distinct rows, in the order first asked
         for request in batch:
-            ids.update(zip(request.keys, request.rows.ids, strict=True))
-        unique = list(ids)
-        unique_ids = list(ids.values())
+            distinct.update(dict.fromkeys(request.keys))
+        unique = list(distinct)
         try:
+            if len(batch) == 1 and len(unique) <= self.max_batch_rows:
+                # One request: its rows go down as they are, into its `out` (repeats included:
+                # placement computes each distinct row once).
+                alone = batch[0]
+                self._count_batch(len(unique))
+                began = time.perf_counter()
+                placed = await place_rows(
+                    self._engine, alone.rows, [alone.adapter] * len(alone.rows), alone.out
+                )
+                _timed(batch, began)
+                if not alone.future.done():
+                    alone.future.set_result(placed)
+                return
             # A request larger than max_batch_rows is split over several engine calls.
             parts: list[np.ndarray] = []
             for start in range(0, len(unique), self.max_batch_rows):
                 if all(request.future.done() for request in batch):
                     return  # every client waiting for these rows has gone
-                chunk = slice(start, start + self.max_batch_rows)
-                chunk_ids = unique_ids[chunk]
-                self.stats.batches += 1
-                self.stats.largest_batch = max(self.stats.largest_batch, len(chunk_ids))
-                self._on_batch(len(chunk_ids))
-                out = batch[0].out if len(batch) == 1 else None
-                if out is not None and len(unique) <= self.max_batch_rows:
-                    # The engine's rows are the answer: written where it goes, repeats included
-                    # (the engine computes each distinct row once).
-                    alone = batch[0]
-                    adapters = [alone.adapter] * len(alone.rows)
-                    began = time.perf_counter()
-                    written = await self._engine_call(alone.rows.ids, adapters, out=out)
-                    _timed(batch, began)
-                    self.stats.engine_rows += len(unique)
-                    if not batch[0].future.done():
-                        batch[0].future.set_result(written)
-                    return
+                chunk = unique[start : start + self.max_batch_rows]
+                self._count_batch(len(chunk))
+                rows = PackedRows.from_keys([key for _, key in chunk])
                 began = time.perf_counter()
-                parts.append(await self._engine_call(chunk_ids, [a for a, _ in unique[chunk]]))
+                parts.append((await place_rows(self._engine, rows, [a for a, _ in chunk])).rows)
                 _timed(batch, began)
-            self.stats.engine_rows += len(unique)
             results = parts[0] if len(parts) == 1 else np.concatenate(parts)
         except Exception as exc:
             if len(batch) > 1:  # find the request that fails: the others must not fail with it
@@ -260,14 +243,29 @@ class RowBatcher:
             if not batch[0].future.done():
                 batch[0].future.set_exception(exc)
             return
-        if len(batch) == 1 and len(unique) == len(batch[0].keys):  # one request, rows distinct
-            if not batch[0].future.done():
-                batch[0].future.set_result(results)
-            return
         index = dict(zip(unique, range(len(unique)), strict=True))
         for request in batch:
+            if request.future.done():
+                continue
+            rows = _take(results, [index[key] for key in request.keys])
+            if request.out is None:
+                request.future.set_result(Placed(rows))
+                continue
+            arrays = outputs(request.out)
+            await asyncio.to_thread(_copy_into, rows, arrays)  # megabytes: off the event loop
             if not request.future.done():
-                request.future.set_result(_take(results, [index[key] for key in request.keys]))
+                request.future.set_result(Placed(arrays[0]))
+
+    def _count_batch(self, rows: int) -> None:
+        self.stats.batches += 1
+        self.stats.engine_rows += rows
+        self.stats.largest_batch = max(self.stats.largest_batch, rows)
+        self._on_batch(rows)
+
+
+def _copy_into(rows: np.ndarray, arrays: tuple[np.ndarray, ...]) -> None:
+    for array in arrays:
+        array[...] = rows
 
 
 def _timed(batch: list[_Request], began: float) -> None:

@@ -41,8 +41,6 @@ import msgspec
 from gateway import requests
 from gateway.access import Access
 from gateway.body_decode import BodyDecoder
-from gateway.dense.delivery import answer_nbytes
-from gateway.dense.routes import dense_inputs
 from gateway.dense.service import DenseService
 from gateway.errors import (
     EXCEPTION_HANDLERS,
@@ -173,7 +171,7 @@ class LocalSocketServer:
         HTTP status and error body, as the HTTP route's would."""
         started = time.perf_counter()
         status, model, adapter_label = 500, "", ""
-        reserved = 0
+        admission = _Admission(self.access, key)
         self.metrics.in_flight.inc()
         try:
             if self.shutdown.draining:
@@ -193,11 +191,9 @@ class LocalSocketServer:
                     )
                 served, adapter = self.registry.resolve(body.model)
                 model, adapter_label = served.name, adapter or ""
-                ids = await dense_inputs(served, body, self.limits)
-                self.access.take_rows(key, len(ids))
-                reserved = answer_nbytes(len(ids), served.require_engine().info.vocab_size, body, True, True)
-                self.access.reserve_answer_bytes(reserved)
-                answer = await self.dense.answer(served, adapter, ids, body, True, body_allowed=False)
+                answer = await self.dense.serve(
+                    served, adapter, body, True, self.limits, admission, body_allowed=False
+                )
             finally:
                 if key is not None:
                     self.access.leave(key)
@@ -210,12 +206,28 @@ class LocalSocketServer:
             status = 499  # the client closed the connection first (nginx's code, as over HTTP)
             raise
         finally:
-            if reserved:
-                self.access.release_answer_bytes(reserved)
+            if admission.reserved:
+                self.access.release_answer_bytes(admission.reserved)
             self.metrics.in_flight.dec()
             metrics = self.metrics
             metrics.child(metrics.requests, ROUTE, "LOCAL", model, adapter_label, str(status)).inc()
             metrics.child(metrics.request_duration, ROUTE, model).observe(time.perf_counter() - started)
+
+
+class _Admission:
+    """gateway.dense.service.Admission of a frame: its key's budgets; LocalSocketServer.answer
+    gives the answer's bytes back once the answer is made."""
+
+    def __init__(self, access: Access, key: str | None) -> None:
+        self.access, self.key = access, key
+        self.reserved = 0
+
+    def take_rows(self, rows: int) -> None:
+        self.access.take_rows(self.key, rows)
+
+    def reserve_answer_bytes(self, nbytes: int) -> None:
+        self.access.reserve_answer_bytes(nbytes)
+        self.reserved = nbytes
 
 
 class _Connection(asyncio.Protocol):

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-from functools import partial
-
 from litestar import Request, Response, get, post
 
 from gateway import requests, responses
-from gateway.dense.delivery import answer_nbytes
 from gateway.dense.service import DenseService
-from gateway.dense.token_rows import TokenRows
-from gateway.errors import InvalidRequestError
 from gateway.openapi.operation import OPENAPI, Operation
-from gateway.prompts import has_text, token_inputs
-from gateway.registry import ServedModel
 from gateway.schemas.logprobs import (
     BatchingStats,
     NextTokenLogprobsBinaryMatrixResponse,
@@ -23,9 +15,7 @@ from gateway.schemas.logprobs import (
     NextTokenLogprobsRequest,
     NextTokenLogprobsResponse,
     NextTokenLogprobsSharedMemoryResponse,
-    PackedTokenIds,
 )
-from gateway.settings import Limits
 from logprob_gateway_client.local_socket import HEADER as LOCAL_SOCKET_HEADER
 
 
@@ -84,44 +74,15 @@ def _dense(request: Request) -> DenseService:
 async def next_token_logprobs(request: Request) -> Response:
     body = await requests.decode_json(request, NextTokenLogprobsRequest)
     served, adapter = requests.resolve_model(request, body.model)
-    rows = await dense_inputs(served, body, requests.settings(request).limits)
-    requests.charge_rows(request, len(rows))
     binary = requests.wants_msgpack(request)
-    dense = _dense(request)
-    # Before any row is computed: its size is known, and a server full of unread answers says so.
-    shared = body.shared_memory is not None and dense.shared_memory is not None
-    vocab_size = served.require_engine().info.vocab_size
-    requests.reserve_answer_bytes(request, answer_nbytes(len(rows), vocab_size, body, binary, shared))
-    answer = await dense.answer(served, adapter, rows, body, binary)
+    limits = requests.settings(request).limits
+    answer = await _dense(request).serve(served, adapter, body, binary, limits, requests.Admission(request))
     media_type = requests.MSGPACK_TYPES[0] if binary else "application/json"
     headers = {"Server-Timing": answer.server_timing}
     local_socket = request.app.state.local_socket
     if answer.in_shared_memory and local_socket is not None and local_socket.path is not None:
         headers[LOCAL_SOCKET_HEADER] = local_socket.path  # this client's host: calls may skip HTTP
     return responses.PartsResponse(answer.parts, media_type=media_type, headers=headers)
-
-
-async def dense_inputs(served: ServedModel, body: NextTokenLogprobsRequest, limits: Limits) -> TokenRows:
-    """The request's rows as checked token ids (text tokenized), within the limits."""
-    value = body.input
-    if isinstance(value, PackedTokenIds):
-        if not value.lengths:
-            raise InvalidRequestError("input.lengths must name at least one row", param="input")
-        if len(value.lengths) > limits.max_rows:
-            raise InvalidRequestError(f"at most {limits.max_rows} inputs per request in input", param="input")
-        return TokenRows.unpack(value.ids, value.lengths, served.require_engine().info.vocab_size, "input")
-    prepare = partial(
-        token_inputs,
-        served,
-        value,
-        add_special_tokens=body.add_special_tokens,
-        limits=limits,
-        max_items=limits.max_rows,
-        param="input",
-    )
-    # Token-id rows are checked in one C pass; only text is worth a thread.
-    inputs = await asyncio.to_thread(prepare) if has_text(value) else prepare()
-    return TokenRows.of([i.ids for i in inputs])
 
 
 @get(

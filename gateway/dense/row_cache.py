@@ -13,7 +13,7 @@ computes on the answer it just got. A lookup of a key still waiting to be stored
 at once and waits for it; shutdown lets stores finish.
 
 In process, a key is bytes: (model fingerprint, adapter) in MessagePack, then the row's ids as
-little-endian int32 (TokenRows.packed), which hashes once and compares in C; the value is a
+little-endian int32 (backends/rows.py's keys), which hashes once and compares in C; the value is a
 read-only view of the matrix the engine returned: no copy, no framing (engines return a fresh
 matrix per call and nothing on the response path writes to it). A matrix's rows go in together,
 and the least recently used matrix goes whole, as its memory does.
@@ -46,9 +46,9 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 import numpy as np
 
+from backends.rows import PackedRows
 from gateway.dense.quiet_time import QuietTime
 from gateway.dense.redis_store import CacheStats, RedisStore
-from gateway.dense.token_rows import TokenRows
 from gateway.metrics import Metrics
 from gateway.settings import CacheSettings
 from logprob_gateway_client.buffer_lru import BufferLRU
@@ -112,7 +112,7 @@ class RowCache(ABC):
         self._misses = self.metrics.cache_lookups.labels("miss")
 
     @abstractmethod
-    def keys(self, fingerprint: str, adapter: str | None, rows: TokenRows) -> list[Key]:
+    def keys(self, fingerprint: str, adapter: str | None, rows: PackedRows) -> list[Key]:
         """The keys of `rows` of a model (`fingerprint`) and adapter (name and fingerprint)."""
 
     @abstractmethod
@@ -207,9 +207,9 @@ class MemoryRowCache(RowCache):
     def size(self) -> int:
         return self._items.nbytes
 
-    def keys(self, fingerprint: str, adapter: str | None, rows: TokenRows) -> list[Key]:
+    def keys(self, fingerprint: str, adapter: str | None, rows: PackedRows) -> list[Key]:
         scope = _scope(fingerprint, adapter)
-        return [scope + packed for packed in rows.packed]
+        return [scope + packed for packed in rows.keys]
 
     async def _values(
         self, keys: Sequence[Key], width: int
@@ -284,8 +284,8 @@ class RedisRowCache(RowCache):
         self.namespace = namespace
         self._prefixes: dict[tuple[str, str | None], hashlib._Hash] = {}  # key hashes, model part done
 
-    def keys(self, fingerprint: str, adapter: str | None, rows: TokenRows) -> list[Key]:
-        return [self.key(fingerprint, adapter, packed) for packed in rows.packed]
+    def keys(self, fingerprint: str, adapter: str | None, rows: PackedRows) -> list[Key]:
+        return [self.key(fingerprint, adapter, packed) for packed in rows.keys]
 
     def key(self, fingerprint: str, adapter: str | None, packed: bytes) -> str:
         """The key of a row whose ids are `packed` (little-endian int32)."""

@@ -26,20 +26,25 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import repeat
 from operator import is_not
+from typing import Protocol
 
 import numpy as np
 
 from backends.engine import Engine
+from backends.placement import Placed
+from backends.rows import PackedRows
 from gateway.dense import delivery
 from gateway.dense.batcher import EngineTimes, RowBatcher
+from gateway.dense.delivery import answer_nbytes
 from gateway.dense.quiet_time import QuietTime
-from gateway.dense.row_cache import Key, RowCache
+from gateway.dense.row_cache import RowCache
 from gateway.dense.shared_memory import Destination, SharedMemoryWriter
-from gateway.dense.token_rows import TokenRows
+from gateway.dense.token_rows import dense_inputs
 from gateway.errors import ContextLengthError, EngineError, GatewayError, InvalidRequestError
 from gateway.metrics import Metrics
 from gateway.registry import ServedModel
 from gateway.schemas.logprobs import NextTokenLogprobsRequest, NextTokenLogprobsUsage
+from gateway.settings import Limits
 from logprob_gateway_client.encoding import ITEMSIZE
 
 log = logging.getLogger(__name__)
@@ -50,6 +55,16 @@ class Answer:
     parts: delivery.Parts  # the body, buffer by buffer
     server_timing: str  # where the server's time went, as a Server-Timing header
     in_shared_memory: bool  # the rows went into the client's segment, the body says where
+
+
+class Admission(Protocol):
+    """What a request may take, per its caller (its API key's budgets)."""
+
+    def take_rows(self, rows: int) -> None:
+        """Count `rows` against the key's per-minute budget; RateLimitError when spent."""
+
+    def reserve_answer_bytes(self, nbytes: int) -> None:
+        """Hold `nbytes` of the server's unread-answer budget until the answer is sent or abandoned."""
 
 
 class DenseService:
@@ -72,7 +87,7 @@ class DenseService:
                 self.quiet.now()
 
             batcher = RowBatcher(
-                engine.next_token_logprobs,
+                engine,
                 max_batch_rows=served.settings.max_batch_rows,
                 window_s=served.settings.batch_window_ms / 1000,
                 on_batch=on_batch,
@@ -81,11 +96,32 @@ class DenseService:
             self.batchers[served.name] = batcher
         return batcher
 
+    async def serve(
+        self,
+        served: ServedModel,
+        adapter: str | None,
+        body: NextTokenLogprobsRequest,
+        binary: bool,
+        limits: Limits,
+        admission: Admission,
+        *,
+        body_allowed: bool = True,
+    ) -> Answer:
+        """A dense request's answer, whichever way it came (HTTP, the local socket): its rows
+        checked and charged, its answer's bytes held, then `answer`."""
+        rows = await dense_inputs(served, body, limits)
+        admission.take_rows(len(rows))
+        # Before any row is computed: its size is known, and a server full of unread answers says so.
+        shared = body.shared_memory is not None and self.shared_memory is not None
+        vocab_size = served.require_engine().info.vocab_size
+        admission.reserve_answer_bytes(answer_nbytes(len(rows), vocab_size, body, binary, shared))
+        return await self.answer(served, adapter, rows, body, binary, body_allowed=body_allowed)
+
     async def answer(
         self,
         served: ServedModel,
         adapter: str | None,
-        rows: TokenRows,
+        rows: PackedRows,
         body: NextTokenLogprobsRequest,
         binary: bool,
         *,
@@ -95,7 +131,7 @@ class DenseService:
         Without `body_allowed`, a segment the rows cannot go into is a 400 before any is computed."""
         begun = time.perf_counter()
         engine = served.require_engine()
-        longest = max(map(len, rows.ids))
+        longest = int(rows.lengths.max())
         if longest > engine.info.max_model_len:
             raise ContextLengthError(
                 f"an input has {longest} tokens; this model's maximum context length is {engine.info.max_model_len}",
@@ -114,16 +150,16 @@ class DenseService:
         times = EngineTimes()
         try:
             async with served.weights.reading():  # keys and rows of the same weights
-                computed, hits = await self.rows(served, adapter, rows, into, times)
+                placed, hits = await self.rows(served, adapter, rows, into, times)
         except GatewayError:
             raise
         except Exception as exc:
             raise EngineError(f"the engine failed to compute the rows: {type(exc).__name__}: {exc}") from exc
-        tokens = sum(map(len, rows.ids))
+        tokens = int(rows.ids.size)
         usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens, cache_hits=hits)
         computed_at = time.perf_counter()
-        written = into is not None and computed is into  # by the engine, into the client's memory
-        if written:  # a few hundred bytes to say so: no thread hop
+        computed = placed.rows
+        if into is not None:  # the rows are in the client's memory: a few hundred bytes to say so
             assert destination is not None
             parts = delivery.in_shared_memory(computed, body, usage, binary, destination.view, True)
         # Copying or encoding megabytes of floats would stall the event loop: a worker thread does.
@@ -139,15 +175,12 @@ class DenseService:
         metrics = self.metrics
         metrics.child(metrics.dense_rows, served.name, adapter or "", encoding).inc(len(rows))
         metrics.child(metrics.dense_response_bytes, served.name, encoding).inc(sum(map(len, parts)))
-        landing_s = 0.0
-        if written:
-            # The engine returned with its copy into the client's memory queued: the answer,
-            # made meanwhile, leaves once the rows have landed (this thread, awake, waits out the
-            # device's last work: never longer than the call's own).
-            assert engine.host_memory is not None
-            landing = time.perf_counter()
-            engine.host_memory.wait_landed(computed)
-            landing_s = time.perf_counter() - landing
+        # An engine's copy from its device into the client's memory may still be under way: the
+        # answer, made meanwhile, leaves once the rows have landed (this thread, awake, waits out
+        # the device's last work: never longer than the call's own).
+        landing = time.perf_counter()
+        placed.wait_landed()
+        landing_s = time.perf_counter() - landing
         # Milliseconds, for clients and benches: the request read and checked, rows (the cache,
         # the batcher's queue and the engine: `engine` is its call and its rows' landing, 0 when
         # every row was cached), encode (or the copy into shared memory).
@@ -179,15 +212,16 @@ class DenseService:
         self,
         served: ServedModel,
         adapter: str | None,
-        rows: TokenRows,
+        rows: PackedRows,
         into: np.ndarray | None = None,
         times: EngineTimes | None = None,
-    ) -> tuple[np.ndarray, int]:
-        """float32 [len(rows), vocab], and how many rows came from the output cache (bit-identical
-        to computing them): the one way to dense rows, for every route. `into` (float32
-        [len(rows), vocab]): where the engine may write them itself; when it did, the rows
-        returned are `into`. `times`: when the engine's call for them began and ended. The caller
-        holds the model's weights for reading (`served.weights.reading()`)."""
+    ) -> tuple[Placed, int]:
+        """The rows, float32 [len(rows), vocab], and how many came from the output cache
+        (bit-identical to computing them): the one way to dense rows, for every route. With `into`
+        (float32 [len(rows), vocab], memory the engine may write into from its device), the rows
+        are there, once landed (`Placed.wait_landed`). `times`: when the engine's call for them
+        began and ended. The caller holds the model's weights for reading
+        (`served.weights.reading()`)."""
         batcher = self.batcher(served)
         cache = self.cache
         if cache is None:
@@ -200,55 +234,36 @@ class DenseService:
         new = into is not None and cache.asked is not None and not cache.asked.before(keys)
         if new and not cache.shared:
             cache.missed(len(keys))
-            return await self._written_uncached(batcher, rows, adapter, into, keys, times), 0
+            return await batcher.submit(rows, adapter, into, times), 0
         vocab_size = served.require_engine().info.vocab_size
         cached = await cache.lookup(keys, vocab_size)
         if not any(map(is_not, cached, repeat(None))):  # nothing cached (every SMC step): rows as they come
-            if into is None:
-                computed = await batcher.submit(rows, adapter, times=times)
-                cache.store_later(keys, computed)
-                return computed, 0
-            if new:
-                return await self._written_uncached(batcher, rows, adapter, into, keys, times), 0
-            # The client's segment is handed on with the answer: the cache keeps page-locked rows
-            # of the engine's own. `into` is only ever memory registered with the engine's host
-            # memory (_engine_target), so the engine has that capability.
+            if into is None or new:
+                placed = await batcher.submit(rows, adapter, into, times)
+                if into is None:
+                    cache.store_later(keys, placed.rows)
+                return placed, 0
+            # The client's segment is handed on with the answer: the cache keeps rows of the
+            # engine's own (page-locked, from `host_memory.empty`), stored once they have landed.
+            # `into` is only ever memory registered with the engine's host memory
+            # (_engine_target), so the engine has that capability.
             host_memory = served.require_engine().host_memory
             assert host_memory is not None
             own = host_memory.empty(len(rows))
-            computed = await batcher.submit(rows, adapter, (into, own), times)
-            if computed is into:  # `own` may still be landing: the answer did not wait for it
-                cache.store_later(keys, own, partial(host_memory.wait_landed, own))
-            else:
-                cache.store_later(keys, computed)
-            return computed, 0
+            placed = await batcher.submit(rows, adapter, (into, own), times)
+            cache.store_later(keys, own, partial(placed.wait_landed, own))
+            return placed, 0
         missing = [i for i, row in enumerate(cached) if row is None]
-        out = np.empty((len(rows), vocab_size), dtype=np.float32)
+        out = np.empty((len(rows), vocab_size), dtype=np.float32) if into is None else into
         for i, row in enumerate(cached):
             if row is not None:
                 out[i] = row
         if missing:
-            fresh = await batcher.submit(rows[missing], adapter, times=times)
+            fresh = (await batcher.submit(rows.take(missing), adapter, times=times)).rows
             out[missing] = fresh
             cache.store_later([keys[i] for i in missing], fresh)
         log.debug("model %s: %d rows, %d from the cache", served.name, len(rows), len(rows) - len(missing))
-        return out, len(rows) - len(missing)
-
-    async def _written_uncached(
-        self,
-        batcher: RowBatcher,
-        rows: TokenRows,
-        adapter: str | None,
-        into: np.ndarray,
-        keys: list[Key],
-        times: EngineTimes | None,
-    ) -> np.ndarray:
-        """Rows written into `into` by the engine with no copy for the output cache."""
-        computed = await batcher.submit(rows, adapter, into, times)
-        if computed is not into:  # computed with other requests': the engine's own rows, free to keep
-            assert self.cache is not None
-            self.cache.store_later(keys, computed)
-        return computed
+        return Placed(out), len(rows) - len(missing)
 
     async def aclose(self) -> None:
         for batcher in self.batchers.values():

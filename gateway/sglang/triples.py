@@ -11,8 +11,8 @@ from itertools import islice
 
 import numpy as np
 
+from backends.rows import PackedRows
 from gateway.dense.service import DenseService
-from gateway.dense.token_rows import TokenRows
 from gateway.schemas.sglang import Triple
 from gateway.sglang.items import Item
 
@@ -84,8 +84,8 @@ async def next_token_rows(
     caller holds the model's weights for reading."""
     served, pending = item.served, iter(prefixes)
     while batch := list(islice(pending, served.settings.max_batch_rows)):
-        matrix, _ = await dense.rows(served, item.adapter, TokenRows.of(batch))
-        for row in matrix:
+        placed, _ = await dense.rows(served, item.adapter, PackedRows.of(batch))
+        for row in placed.rows:
             yield row
 
 

@@ -16,6 +16,7 @@ from litestar.testing import TestClient
 
 from gateway.app import serving_app
 from gateway.settings import CacheSettings, ModelSettings, Settings
+from tests.conftest import engine_rows
 from tests.conftest import requires_cuda as cuda
 from tests.gateway.test_direct_rows import ask, memfd
 
@@ -54,17 +55,16 @@ def _segment_rows(fd: int, count: int, vocab: int) -> np.ndarray:
 
 
 def _recording(engine, monkeypatch) -> tuple[list[int], list]:
-    """Records each engine call given `out` (how many arrays) and each copy the gateway makes
-    into a segment."""
+    """Records each write from the device (how many arrays) and each copy the gateway makes into
+    a segment."""
     writes, copies = [], []
-    compute = engine.next_token_logprobs
+    write = engine.host_memory.write_rows
 
-    async def recorded(rows, adapters=None, out=None):
-        if out is not None:
-            writes.append(len(out) if isinstance(out, tuple) else 1)
-        return await compute(rows, adapters, out)
+    async def recorded(rows, adapters, arrays, positions):
+        writes.append(len(arrays))
+        return await write(rows, adapters, arrays, positions)
 
-    monkeypatch.setattr(engine, "next_token_logprobs", recorded)
+    monkeypatch.setattr(engine.host_memory, "write_rows", recorded)
     monkeypatch.setattr("gateway.dense.delivery.copy_into", lambda *args: copies.append(args))
     return writes, copies
 
@@ -173,7 +173,7 @@ async def test_the_engine_writes_rows_that_repeat_into_every_array_of_out(model_
     try:
         rows = [ROWS[0], ROWS[1], ROWS[0], ROWS[2], ROWS[1]]
         out = np.zeros((len(rows), engine.info.vocab_size), np.float32), engine.host_memory.empty(len(rows))
-        written = await engine.next_token_logprobs(rows, None, out)
+        written = await engine_rows(engine, rows, None, out)
         assert written is out[0] and np.array_equal(out[0], out[1])
         np.testing.assert_allclose(out[0], _expected(engine, rows), rtol=0, atol=1e-4)
     finally:

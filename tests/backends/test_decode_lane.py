@@ -12,7 +12,7 @@ from backends.errors import AdapterError
 from backends.transformers import decode_lane
 from backends.transformers.engine import TransformersEngine
 from backends.types import EngineConfig
-from tests.conftest import requires_cuda
+from tests.conftest import engine_rows, requires_cuda
 
 
 def load(model_dir, device: str, **options) -> TransformersEngine:
@@ -48,7 +48,7 @@ async def smc_run(engine, reference, steps: int, seed: int) -> tuple[float, int]
     worst, checked = 0.0, 0
     for step in range(steps):
         unique = [list(r) for r in dict.fromkeys(map(tuple, rows))]
-        out = await engine.next_token_logprobs(unique)
+        out = await engine_rows(engine, unique)
         for i in {0, len(unique) // 2, len(unique) - 1}:
             worst = max(worst, float(np.abs(out[i] - reference.logprobs(unique[i])[-1]).max()))
             checked += 1
@@ -73,12 +73,12 @@ async def test_smc_steps_through_the_lane_equal_uncached_rows(engine, reference,
 
 async def test_duplicate_rows_and_repeated_passes(engine, reference):
     base = ids(engine, "My favourite food is")
-    await engine.next_token_logprobs([base])
+    await engine_rows(engine, [base])
     rows = [base + [5], base + [5], base + [6]]
-    out = await engine.next_token_logprobs(rows)
+    out = await engine_rows(engine, rows)
     assert np.abs(out[0] - out[1]).max() == 0
-    again = await engine.next_token_logprobs(rows)  # the same rows again: not one token longer
-    extended = await engine.next_token_logprobs([r + [7] for r in rows])
+    again = await engine_rows(engine, rows)  # the same rows again: not one token longer
+    extended = await engine_rows(engine, [r + [7] for r in rows])
     for i, row in enumerate(rows):
         assert np.abs(again[i] - reference.logprobs(row)[-1]).max() < 1e-4
         assert np.abs(extended[i] - reference.logprobs(row + [7])[-1]).max() < 1e-4
@@ -86,9 +86,9 @@ async def test_duplicate_rows_and_repeated_passes(engine, reference):
 
 async def test_rows_of_an_adapter_never_take_the_base_models_lane(engine):
     row = ids(engine, "Water boils at")
-    await engine.next_token_logprobs([row])
+    await engine_rows(engine, [row])
     with pytest.raises(AdapterError):  # no adapter is loaded: refused, not served by the base model
-        await engine.next_token_logprobs([row + [264]], ["missing"])
+        await engine_rows(engine, [row + [264]], ["missing"])
 
 
 async def test_off_on_the_cpu_by_default(model_dir):
@@ -149,11 +149,11 @@ async def test_the_lane_and_the_prefix_cache_share_one_budget(model_dir, referen
     engine = load(model_dir, "cpu", decode_lane_rows=64, prefix_cache_bytes=budget)
     rng = np.random.default_rng(3)
     for text in ("The quick brown fox", "In the beginning", "A long time ago"):  # fill the cache
-        await engine.next_token_logprobs([ids(engine, f"{text} {i} " * 6) for i in range(8)])
+        await engine_rows(engine, [ids(engine, f"{text} {i} " * 6) for i in range(8)])
     rows = [ids(engine, "Once upon a time, in a village far away,")] * 10
     held = []
     for _ in range(12):
-        await engine.next_token_logprobs([list(r) for r in dict.fromkeys(map(tuple, rows))])
+        await engine_rows(engine, [list(r) for r in dict.fromkeys(map(tuple, rows))])
         held.append((engine.prefix_kv.nbytes, engine.lane.nbytes))
         rows = [r + [int(t)] for r, t in zip(rows, rng.integers(100, 2000, len(rows)), strict=True)]
     assert engine.lane.steps >= 6  # the lane served most of the run

@@ -12,6 +12,7 @@ from backends.sampling import Sampler, greedy_alternatives, top_k
 from backends.transformers.engine import TransformersEngine
 from backends.transformers.host_copy import greedy_picks
 from backends.types import EngineConfig, Grammar, SamplingParams
+from tests.conftest import engine_rows
 
 
 def host_step(row: np.ndarray, alternatives: int):
@@ -75,7 +76,7 @@ async def test_a_greedy_stream_equals_the_host_sampler_on_each_prefix_row(engine
     steps = [step async for step in engine.generate(prompt, params)]
     assert sum(picked) == len(steps)  # every step chosen on the device
     prefixes = [prompt + [s.token_id for s in steps[:i]] for i in range(len(steps))]
-    rows = await engine.next_token_logprobs(prefixes)
+    rows = await engine_rows(engine, prefixes)
     for row, step in zip(rows, steps, strict=True):
         token, logprob, ids, values = host_step(row, 3)
         assert step.token_id == token and step.top_ids.tolist() == ids

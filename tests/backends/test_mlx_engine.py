@@ -12,7 +12,7 @@ pytest.importorskip("mlx_lm")
 from backends.errors import AdapterError, WeightsError  # noqa: E402
 from backends.mlx.engine import MlxEngine  # noqa: E402
 from backends.types import EngineConfig, SamplingParams  # noqa: E402
-from tests.conftest import MODEL, make_lora_adapter  # noqa: E402
+from tests.conftest import MODEL, engine_rows, make_lora_adapter  # noqa: E402
 from tests.launcher import start_gateway  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.mlx]
@@ -40,13 +40,13 @@ def close_in_bfloat16(got, want, nats=0.1):
 
 async def test_batched_rows_match_transformers(engine, reference):
     rows = [reference.tokenizer(t).input_ids for t in TEXTS]
-    batched = await engine.next_token_logprobs(rows)
+    batched = await engine_rows(engine, rows)
     assert batched.shape == (3, 49152) and batched.dtype == np.float32
     for row, ids in zip(batched, rows, strict=True):
         want = reference.logprobs(ids)[-1]
         assert np.max(np.abs(row - want)) <= 1e-3  # float32 weights: equal up to kernel round-off
         close_in_bfloat16(row, want)
-        alone = (await engine.next_token_logprobs([ids]))[0]
+        alone = (await engine_rows(engine, [ids]))[0]
         assert np.max(np.abs(alone - row)) <= 1e-4  # padding and positions are right
 
 
@@ -96,7 +96,7 @@ async def test_bfloat16_engine_keeps_rows_unquantised(bf16_engine, reference):
     float32: rows are not bucketed to bfloat16 steps, and clear winners stay winners."""
     assert bf16_engine.info.dtype == "bfloat16"
     rows = [reference.tokenizer(t).input_ids for t in TEXTS]
-    for row, ids in zip(await bf16_engine.next_token_logprobs(rows), rows, strict=True):
+    for row, ids in zip(await engine_rows(bf16_engine, rows), rows, strict=True):
         want = reference.logprobs(ids)[-1]
         first, second = np.sort(want)[::-1][:2]
         if first - second > 0.5:
@@ -188,11 +188,11 @@ async def test_lora_rows_match_peft_in_mixed_batches(model_dir, lora, reference)
         await engine.adapters.load(name, str(path))
     rows = [reference.tokenizer(t).input_ids for t in TEXTS]
     adapters = ["a", None, "b"]
-    mixed = await engine.next_token_logprobs(rows, adapters)  # one forward pass, three "models"
+    mixed = await engine_rows(engine, rows, adapters)  # one forward pass, three "models"
     for row, ids, adapter in zip(mixed, rows, adapters, strict=True):
         want = reference.logprobs(ids)[-1] if adapter is None else peft_row(references[adapter], ids)
         assert np.max(np.abs(row - want)) <= 1e-3
-    base = (await engine.next_token_logprobs([rows[0]]))[0]
+    base = (await engine_rows(engine, [rows[0]]))[0]
     assert np.max(np.abs(mixed[0] - base)) > 0.5  # the adapter changes the model
     prompt = rows[0]
     steps = [s async for s in engine.generate(prompt, SamplingParams(max_tokens=5, temperature=0), "a")]
@@ -213,8 +213,8 @@ async def test_lora_rows_match_peft_in_mixed_batches(model_dir, lora, reference)
     assert [s.token_id for s in steps] == expected
     await engine.adapters.unload("b")
     with pytest.raises(AdapterError, match="not loaded"):
-        await engine.next_token_logprobs([rows[0]], ["b"])
-    after = await engine.next_token_logprobs([rows[0]], ["a"])
+        await engine_rows(engine, [rows[0]], ["b"])
+    after = await engine_rows(engine, [rows[0]], ["a"])
     assert np.max(np.abs(after[0] - mixed[0])) <= 1e-4
 
 
@@ -232,7 +232,7 @@ async def test_bad_adapters_leave_the_engine_unchanged(model_dir, lora, referenc
         await engine.adapters.load("bad", str(bad))
     assert config["r"] == 4
     ids = reference.tokenizer(TEXTS[0]).input_ids
-    assert np.max(np.abs((await engine.next_token_logprobs([ids]))[0] - reference.logprobs(ids)[-1])) <= 1e-3
+    assert np.max(np.abs((await engine_rows(engine, [ids]))[0] - reference.logprobs(ids)[-1])) <= 1e-3
 
 
 def test_openai_sdk_through_the_mlx_backend(model_dir, reference, lora, tmp_path):
@@ -274,7 +274,7 @@ async def test_new_weights_load_in_place_and_bad_ones_change_nothing(
 ):
     engine = MlxEngine.load(EngineConfig(model=str(model_dir)))
     rows = [reference.tokenizer(t).input_ids for t in TEXTS]
-    before = await engine.next_token_logprobs(rows)
+    before = await engine_rows(engine, rows)
     greedy = SamplingParams(max_tokens=5, temperature=0)
     old = [s async for s in engine.generate(rows[2], greedy)]  # the prompt's keys/values now cached
     assert [s.token_id for s in old] == reference.greedy(rows[2], 5)
@@ -284,9 +284,9 @@ async def test_new_weights_load_in_place_and_bad_ones_change_nothing(
         await engine.weights.load(str(tmp_path / "empty"))
     with pytest.raises(WeightsError, match="is not a directory"):
         await engine.weights.load(str(tmp_path / "nowhere"))
-    assert np.array_equal(await engine.next_token_logprobs(rows), before)
+    assert np.array_equal(await engine_rows(engine, rows), before)
     await engine.weights.load(str(scaled_dir))
-    after = await engine.next_token_logprobs(rows)
+    after = await engine_rows(engine, rows)
     for row, ids in zip(after, rows, strict=True):
         assert np.max(np.abs(row - scaled.logprobs(ids)[-1])) <= 1e-3
     assert np.max(np.abs(after - before)) > 0.01

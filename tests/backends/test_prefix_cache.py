@@ -14,7 +14,7 @@ from backends.transformers.batch_layout import plan_groups
 from backends.transformers.engine import TransformersEngine, prefix_cache_bytes
 from backends.transformers.prefix_cache import PrefixCache
 from backends.types import EngineConfig
-from tests.conftest import last_row, load_peft_models, make_lora_adapter
+from tests.conftest import engine_rows, last_row, load_peft_models, make_lora_adapter
 
 TOL = 1e-4
 
@@ -140,7 +140,7 @@ def ids(reference, text: str) -> list[int]:
 async def check(engine, reference, rows, adapters=None, references=None) -> int:
     """Compute `rows` and compare each with its uncached forward pass; the tokens computed."""
     before = engine.prefix_kv.stats.computed_tokens
-    got = await engine.next_token_logprobs(rows, adapters)
+    got = await engine_rows(engine, rows, adapters)
     for i, row in enumerate(rows):
         model = (references or {}).get((adapters or [None] * len(rows))[i])
         expected = reference.logprobs(row)[-1] if model is None else last_row(model, row)
@@ -217,7 +217,7 @@ async def test_disabled_cache_keeps_the_uncached_path(reference, model_dir):
     )
     assert plain.prefix_kv is None and plain.prefix_cache is None
     rows = [ids(reference, "No cache here"), [3]]
-    got = await plain.next_token_logprobs(rows)
+    got = await engine_rows(plain, rows)
     for row, out in zip(rows, got, strict=True):
         assert np.max(np.abs(out - reference.logprobs(row)[-1])) <= TOL
 

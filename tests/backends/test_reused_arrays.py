@@ -8,9 +8,9 @@ import gc
 
 import numpy as np
 
+from backends.rows import PackedRows
 from backends.transformers.host_copy import ReusedArrays
 from gateway.dense.row_cache import MemoryRowCache
-from gateway.dense.token_rows import TokenRows
 
 
 class Allocations:
@@ -49,7 +49,7 @@ async def test_rows_the_output_cache_keeps_are_not_handed_out_again():
     for step in range(6):
         rows = arrays.empty(4)
         rows[...] = step
-        keys = cache.keys("m", None, TokenRows.of([[step, i] for i in range(4)]))
+        keys = cache.keys("m", None, PackedRows.of([[step, i] for i in range(4)]))
         await cache.store_rows(keys, rows)
         stored[step] = keys
         del rows

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import require_engine_library
+from tests.conftest import engine_rows, require_engine_library
 
 require_engine_library("sglang")
 
@@ -60,7 +60,7 @@ async def adapter(engine, tmp_path_factory):
 
 async def test_dense_rows_are_the_full_distribution_in_token_id_order(engine, sent):
     rows = [[1, 2, 3], [5], [7, 8, 9, 10]]
-    out = await engine.next_token_logprobs(rows)
+    out = await engine_rows(engine, rows)
     assert out.shape == (3, engine.info.vocab_size) and out.dtype == np.float32
     for row, got in zip(rows, out, strict=True):  # the processor's own log_softmax, in float32
         np.testing.assert_allclose(got, distribution(row, None, engine.info.vocab_size), rtol=0, atol=2e-5)
@@ -72,14 +72,14 @@ async def test_dense_rows_are_the_full_distribution_in_token_id_order(engine, se
 
 
 async def test_lora_routing_is_per_request(engine, adapter, sent):
-    out = await engine.next_token_logprobs([[4, 5], [4, 5]], [None, adapter])
+    out = await engine_rows(engine, [[4, 5], [4, 5]], [None, adapter])
     np.testing.assert_allclose(out[0], distribution([4, 5], None, engine.info.vocab_size), rtol=0, atol=2e-5)
     np.testing.assert_allclose(
         out[1], distribution([4, 5], adapter, engine.info.vocab_size), rtol=0, atol=2e-5
     )
     assert sorted(b["lora_path"] or "" for b in sent()) == ["", adapter]
     with pytest.raises(AdapterError):
-        await engine.next_token_logprobs([[1]], ["missing"])
+        await engine_rows(engine, [[1]], ["missing"])
 
 
 async def test_adapter_load_errors_and_unload(engine, tmp_path):
@@ -88,7 +88,7 @@ async def test_adapter_load_errors_and_unload(engine, tmp_path):
     await engine.adapters.load("b", str(tmp_path))
     await engine.adapters.unload("b")
     with pytest.raises(AdapterError):
-        await engine.next_token_logprobs([[1]], ["b"])
+        await engine_rows(engine, [[1]], ["b"])
 
 
 async def test_prompt_logprobs(engine, adapter):
@@ -158,7 +158,7 @@ async def test_stopping_a_stream_early(engine):
 async def test_refusals(engine):
     too_long = list(range(engine.info.max_model_len + 5))
     with pytest.raises(RequestRejectedError, match="context length"):
-        await engine.next_token_logprobs([too_long])
+        await engine_rows(engine, [too_long])
     with pytest.raises(RequestRejectedError, match="context length"):
         [s async for s in engine.generate(too_long, SamplingParams(max_tokens=2))]
     # The stand-in builds a real GenerateReqInput: a field it does not have is refused.
@@ -181,7 +181,7 @@ async def test_url_mode_connects_to_a_running_server(engine, model_dir, sent):
         assert other.is_healthy() and other.transport.server is None
         # A server the gateway did not start may lack the processor: rows come sorted, exact.
         np.testing.assert_array_equal(
-            (await other.next_token_logprobs([[9, 9]]))[0], distribution([9, 9], None, other.info.vocab_size)
+            (await engine_rows(other, [[9, 9]]))[0], distribution([9, 9], None, other.info.vocab_size)
         )
         assert [(b["input_ids"], b["top_logprobs_num"]) for b in sent()] == [
             ([9, 9, 0], other.info.vocab_size)
@@ -194,7 +194,7 @@ async def test_url_mode_connects_to_a_running_server(engine, model_dir, sent):
     )
     try:
         np.testing.assert_allclose(
-            (await told.next_token_logprobs([[9, 8]]))[0],
+            (await engine_rows(told, [[9, 8]]))[0],
             distribution([9, 8], None, told.info.vocab_size),
             rtol=0,
             atol=2e-5,
@@ -208,7 +208,7 @@ def test_a_server_without_the_processor_flag_refuses_processor_rows(model_dir, t
     async def ask(url: str) -> None:
         engine = SglangEngine.load(_config(model_dir, mode="url", url=url, dense_rows="processor"))
         try:
-            await engine.next_token_logprobs([[1, 2]])
+            await engine_rows(engine, [[1, 2]])
         finally:
             await engine.aclose()
 
@@ -332,7 +332,7 @@ async def test_real_engine_matches_transformers(model_dir, reference):
     )
     try:
         ids = reference.tokenizer("The capital of France is")["input_ids"]
-        row = (await engine.next_token_logprobs([ids]))[0]
+        row = (await engine_rows(engine, [ids]))[0]
         np.testing.assert_allclose(row, reference.logprobs(ids)[-1], atol=0.05)
         scores = await engine.prompt_logprobs(ids, 2)
         expected = reference.logprobs(ids)[np.arange(len(ids) - 1), ids[1:]]

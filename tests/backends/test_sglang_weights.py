@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import require_engine_library
+from tests.conftest import engine_rows, require_engine_library
 
 require_engine_library("sglang")
 
@@ -113,7 +113,7 @@ def sent(engine, path):
 
 
 async def assert_rows(engine, version):
-    rows = await engine.next_token_logprobs(ROWS)
+    rows = await engine_rows(engine, ROWS)
     for row, got in zip(ROWS, rows, strict=True):
         np.testing.assert_allclose(
             got, distribution(row, None, engine.info.vocab_size, version), rtol=0, atol=2e-5
@@ -271,10 +271,10 @@ async def test_real_engine_loads_new_weights_from_disk(model_dir, reference, sca
     engine = await asyncio.to_thread(SglangEngine.load, config)
     try:
         ids = reference.tokenizer("The capital of France is")["input_ids"]
-        before = (await engine.next_token_logprobs([ids]))[0]
+        before = (await engine_rows(engine, [ids]))[0]
         np.testing.assert_allclose(before, reference.logprobs(ids)[-1], atol=0.05)
         await engine.weights.load(str(scaled_dir))
-        after = (await engine.next_token_logprobs([ids]))[0]  # the prefix again: SGLang's cache flushed
+        after = (await engine_rows(engine, [ids]))[0]  # the prefix again: SGLang's cache flushed
         want, old = scaled.logprobs(ids)[-1], reference.logprobs(ids)[-1]
         np.testing.assert_allclose(after, want, atol=0.05)
         assert np.abs(after - want).mean() < np.abs(after - old).mean()
@@ -282,7 +282,7 @@ async def test_real_engine_loads_new_weights_from_disk(model_dir, reference, sca
             await engine.weights.load(str(model_dir / "absent"))
         # Still the new weights. Not bit for bit: the prefix now comes from SGLang's radix cache,
         # and a cached prefix's bfloat16 rows differ from a full prefill's by a few hundredths.
-        again = (await engine.next_token_logprobs([ids]))[0]
+        again = (await engine_rows(engine, [ids]))[0]
         np.testing.assert_allclose(again, want, atol=0.05)
         assert np.abs(again - want).mean() < np.abs(again - old).mean()
     finally:

@@ -12,7 +12,7 @@ import pytest
 from backends.step_scheduler import StepScheduler
 from backends.transformers.engine import TransformersEngine
 from backends.types import EngineConfig, SamplingParams
-from tests.conftest import requires_cuda
+from tests.conftest import engine_rows, requires_cuda
 
 PROMPTS = [
     "The capital of France is",
@@ -166,8 +166,8 @@ async def test_a_stream_joins_a_running_batch_and_a_stopped_one_leaves_it_at_onc
 
 async def test_dense_rows_and_generation_steps_share_a_pass(engine, passes):
     rows = [ids(engine, text) for text in PROMPTS[2:5]]
-    alone = await engine.next_token_logprobs(rows)
-    steps, dense = await asyncio.gather(stream(engine, PROMPTS[0]), engine.next_token_logprobs(rows))
+    alone = await engine_rows(engine, rows)
+    steps, dense = await asyncio.gather(stream(engine, PROMPTS[0]), engine_rows(engine, rows))
     np.testing.assert_allclose(dense, alone, rtol=0, atol=1e-4)
     assert any(len(rows_) == len(rows) + 1 for rows_ in passes)  # the rows and a generation step
     assert len(steps) == GREEDY.max_tokens

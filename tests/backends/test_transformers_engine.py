@@ -13,6 +13,7 @@ from transformers.utils import logging as hf_logging
 from backends.transformers.cache_argument import CACHE_ARGUMENT
 from backends.transformers.engine import TransformersEngine
 from backends.types import EngineConfig, SamplingParams
+from tests.conftest import engine_rows
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +26,7 @@ def engine(model_dir):
 async def test_batched_rows_equal_unpadded_forward_passes(engine, reference):
     texts = ["The capital of France is", "Hi", "A longer sentence about the weather in Paris today"]
     rows = [reference.tokenizer(t).input_ids for t in texts]
-    got = await engine.next_token_logprobs(rows)
+    got = await engine_rows(engine, rows)
     assert got.shape == (3, engine.info.vocab_size) and got.dtype == np.float32
     for row, ids in zip(got, rows, strict=True):
         assert np.max(np.abs(row - reference.logprobs(ids)[-1])) <= 1e-4
@@ -66,7 +67,7 @@ async def test_the_kv_cache_goes_by_the_installed_transformers_name(engine, refe
         with warnings.catch_warnings(record=True) as warned:  # its FutureWarning, besides the log line
             warnings.simplefilter("always")
             ids = reference.tokenizer("The capital of France is").input_ids
-            await engine.next_token_logprobs([ids, [*ids, 7042]])  # the second row extends the first's K/V
+            await engine_rows(engine, [ids, [*ids, 7042]])  # the second row extends the first's K/V
             _ = [s async for s in engine.generate(ids, SamplingParams(max_tokens=2, temperature=0))]
     finally:
         hf_logging.remove_handler(handler)

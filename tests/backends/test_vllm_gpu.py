@@ -12,6 +12,7 @@ from packaging.version import Version
 
 from backends.types import EngineConfig, SamplingParams
 from tests.conftest import (
+    engine_rows,
     last_row,
     load_peft_models,
     make_lora_adapter,
@@ -50,7 +51,7 @@ async def test_gpu_engine_matches_transformers_and_loads_new_weights(
     try:
         assert engine.info.dtype == "bfloat16"  # the default dtype on a GPU
         ids, want = _rows(reference)
-        got = await engine.next_token_logprobs(ids)
+        got = await engine_rows(engine, ids)
         assert np.max(np.abs(got - want)) <= TOLERANCE
 
         steps = [s async for s in engine.generate(ids[0], SamplingParams(max_tokens=4, temperature=0.0))]
@@ -61,7 +62,7 @@ async def test_gpu_engine_matches_transformers_and_loads_new_weights(
             assert row.max() - row[step.token_id] <= TOLERANCE  # greedy, up to bfloat16 near-ties
 
         await engine.weights.load(str(scaled_dir))
-        got = await engine.next_token_logprobs(ids)  # its prefix cache held the old keys/values
+        got = await engine_rows(engine, ids)  # its prefix cache held the old keys/values
         assert np.max(np.abs(got - _rows(scaled)[1])) <= TOLERANCE
         assert np.max(np.abs(got - want)) > 10 * TOLERANCE
     finally:
@@ -81,7 +82,7 @@ async def test_gpu_adapters_match_peft(model_dir, reference, tmp_path):
             await engine.adapters.load(name, str(path))
         peft = load_peft_models(model_dir, adapters)
         ids, _ = _rows(reference)
-        rows = await engine.next_token_logprobs(ids * 3, adapters=[None] * 3 + ["a"] * 3 + ["b"] * 3)
+        rows = await engine_rows(engine, ids * 3, adapters=[None] * 3 + ["a"] * 3 + ["b"] * 3)
         for k, name in enumerate(["base", "a", "b"]):
             model = reference.model if name == "base" else peft[name]
             assert np.max(np.abs(rows[3 * k : 3 * k + 3] - _rows(reference, model)[1])) <= TOLERANCE

@@ -10,7 +10,7 @@ import pytest
 
 from backends.errors import EngineUnavailableError
 from backends.types import EngineConfig
-from tests.conftest import require_engine_library
+from tests.conftest import engine_rows, require_engine_library
 
 require_engine_library("vllm")
 pytestmark = pytest.mark.vllm
@@ -34,7 +34,7 @@ async def test_rows_through_vllms_own_logprobs_equal_a_forward_pass(model_dir, r
     try:
         assert not engine.capture
         ids = [reference.tokenizer(p).input_ids for p in PROMPTS]
-        rows = await engine.next_token_logprobs(ids + ids[:1])  # a repeated row is answered once
+        rows = await engine_rows(engine, ids + ids[:1])  # a repeated row is answered once
         assert rows.shape == (4, engine.info.vocab_size)
         for row, prefix in zip(rows, ids + ids[:1], strict=True):
             assert np.max(np.abs(row - reference.logprobs(prefix)[-1])) <= 1e-2

@@ -16,13 +16,14 @@ from backends.errors import WeightsError
 from backends.transformers.engine import TransformersEngine
 from backends.types import EngineConfig
 from backends.weights_in_place import check_same_tensors
+from tests.conftest import engine_rows
 
 pytestmark = pytest.mark.slow
 PREFIXES = [[504, 3575, 282, 4649, 314], [410, 2251, 30], [504, 3575, 282]]
 
 
 async def rows(engine: TransformersEngine, prefixes: list[list[int]]) -> np.ndarray:
-    return await engine.next_token_logprobs(prefixes)
+    return await engine_rows(engine, prefixes)
 
 
 async def test_rows_after_an_update_are_the_new_weights_and_no_old_keys_values_are_reused(

@@ -10,10 +10,10 @@ import time
 
 import numpy as np
 
+from backends.rows import PackedRows
 from gateway.dense.quiet_time import QuietTime
 from gateway.dense.redis_store import CacheStats, RedisStore
 from gateway.dense.row_cache import FORMAT, MemoryRowCache, RedisRowCache, frame, frame_many, unframe
-from gateway.dense.token_rows import TokenRows
 from gateway.registry import weights_fingerprint
 from logprob_gateway_client.wire import pack_ids
 
@@ -77,13 +77,13 @@ def test_in_process_keys_separate_what_digests_separate():
         ("model-a", None, [1, 2]),
         ("model-a", None, [1, 2, 3, 0]),
     ]
-    keys = [cache.keys(fingerprint, adapter, TokenRows.of([ids]))[0] for fingerprint, adapter, ids in inputs]
+    keys = [cache.keys(fingerprint, adapter, PackedRows.of([ids]))[0] for fingerprint, adapter, ids in inputs]
     assert len(set(keys)) == len(inputs)
-    again = cache.keys("model-a", "lora_1", TokenRows.of([(1, 2, 3)]))[0]  # a new object of the same inputs
+    again = cache.keys("model-a", "lora_1", PackedRows.of([(1, 2, 3)]))[0]  # a new object of the same inputs
     assert again is not keys[2] and again == keys[2] and hash(again) == hash(keys[2])
     assert isinstance(again, bytes)  # hashed once, compared in C; no digest
     redis = _redis_cache()
-    assert redis.keys("model-a", None, TokenRows.of([[1, 2, 3]])) == [
+    assert redis.keys("model-a", None, PackedRows.of([[1, 2, 3]])) == [
         redis.key("model-a", None, pack_ids([1, 2, 3]))
     ]
 
@@ -101,7 +101,7 @@ def test_weights_fingerprint_follows_config_and_weights(model_dir, tmp_path):
 async def test_the_in_process_cache_is_an_lru_bounded_by_bytes():
     cache = MemoryRowCache(max_bytes=300)  # three rows of 25 floats, each its own matrix
     rows = {name: _row(i, 25)[None] for i, name in enumerate("abcd")}
-    keys = {name: cache.keys("m", None, TokenRows.of([[i]]))[0] for i, name in enumerate("abcd")}
+    keys = {name: cache.keys("m", None, PackedRows.of([[i]]))[0] for i, name in enumerate("abcd")}
     for name in "abc":
         await cache.store_rows([keys[name]], rows[name])
     assert (await cache.lookup([keys["a"]], 25))[0] is not None  # a is now the most recent
@@ -109,14 +109,14 @@ async def test_the_in_process_cache_is_an_lru_bounded_by_bytes():
     found = await cache.lookup([keys[name] for name in "abcd"], 25)
     assert [f is not None for f in found] == [True, False, True, True]
     assert cache.size == 300
-    huge = cache.keys("m", None, TokenRows.of([[99]]))
+    huge = cache.keys("m", None, PackedRows.of([[99]]))
     await cache.store_rows(huge, _row(9, 1000)[None])  # larger than the whole cache: not stored
     assert await cache.lookup(huge, 1000) == [None] and cache.size == 300
 
 
 async def test_corrupted_values_are_misses_and_deleted(redis_server):
     cache = _redis_cache(redis_server.url, namespace="test-corrupt")
-    keys = cache.keys("m", None, TokenRows.of([[i] for i in range(3)]))
+    keys = cache.keys("m", None, PackedRows.of([[i] for i in range(3)]))
     rows = np.stack([_row(i) for i in range(3)])
     await cache.store_rows(keys, rows)
     redis_server.client().set(keys[1], b"not a row")
@@ -167,12 +167,12 @@ async def test_redis_outage_is_a_miss_logged_once_and_recovers(redis_server, cap
 async def test_deferred_stores_are_read_back_and_finished_on_close():
     cache = MemoryRowCache(10**7)
     rows = np.stack([_row(1), _row(2)])
-    keys = cache.keys("m", None, TokenRows.of([[1], [2]]))
+    keys = cache.keys("m", None, PackedRows.of([[1], [2]]))
     cache.store_later(keys, rows)
     assert cache.size == 0  # not stored yet: the caller's response goes first
     found = await cache.lookup(keys, 1000)  # waits for the store of these keys
     assert all(np.array_equal(f, r) for f, r in zip(found, rows, strict=True))
-    other = cache.keys("m", None, TokenRows.of([[3]]))
+    other = cache.keys("m", None, PackedRows.of([[3]]))
     cache.store_later(other, _row(3)[None])
     await cache.aclose()  # lets the store finish: nothing is lost at shutdown
     assert np.array_equal(_peek(cache, other)[0], _row(3))
@@ -181,7 +181,7 @@ async def test_deferred_stores_are_read_back_and_finished_on_close():
 async def test_stores_wait_for_the_next_engine_call_unless_a_lookup_needs_them():
     quiet = QuietTime(timeout_s=30)  # no store may happen by the timeout in this test
     cache = MemoryRowCache(10**7, quiet=quiet)
-    first, second = cache.keys("m", None, TokenRows.of([[1], [2]]))
+    first, second = cache.keys("m", None, PackedRows.of([[1], [2]]))
     cache.store_later([first], _row(1)[None])
     cache.store_later([second], _row(2)[None])
     await asyncio.sleep(0.05)
@@ -192,7 +192,7 @@ async def test_stores_wait_for_the_next_engine_call_unless_a_lookup_needs_them()
         _row(1).tobytes(),
         _row(2).tobytes(),
     ]
-    third = cache.keys("m", None, TokenRows.of([[3]]))
+    third = cache.keys("m", None, PackedRows.of([[3]]))
     cache.store_later(third, _row(3)[None])
     found = await asyncio.wait_for(cache.lookup(third, 1000), 5)  # read-your-writes: stored now
     assert found[0].tobytes() == _row(3).tobytes()
@@ -200,7 +200,7 @@ async def test_stores_wait_for_the_next_engine_call_unless_a_lookup_needs_them()
 
 async def test_a_deferred_store_happens_after_the_timeout_without_engine_calls():
     cache = MemoryRowCache(10**7, quiet=QuietTime(timeout_s=0.05))
-    keys = cache.keys("m", None, TokenRows.of([[4]]))
+    keys = cache.keys("m", None, PackedRows.of([[4]]))
     cache.store_later(keys, _row(4)[None])
     await asyncio.sleep(0.01)
     assert _peek(cache, keys) == [None]
@@ -211,7 +211,7 @@ async def test_a_deferred_store_happens_after_the_timeout_without_engine_calls()
 async def test_in_process_values_are_the_engine_rows_read_only_and_counted_once():
     cache = MemoryRowCache(3 * 4 * 4000)  # room for three steps of four rows
     rows = np.stack([_row(i) for i in range(4)])
-    keys = cache.keys("m", None, TokenRows.of([[i] for i in range(4)]))
+    keys = cache.keys("m", None, PackedRows.of([[i] for i in range(4)]))
     await cache.store_rows(keys, rows)
     stored = _peek(cache, keys)
     assert all(np.shares_memory(v, rows) for v in stored)  # no copy
@@ -224,11 +224,11 @@ async def test_in_process_values_are_the_engine_rows_read_only_and_counted_once(
     assert cache.size == rows.nbytes  # the last row alone keeps the whole matrix
     for step in range(3):  # newer steps push the oldest out, matrix by matrix
         more = np.stack([_row(10 * step + i) for i in range(4)])
-        await cache.store_rows(cache.keys("m", None, TokenRows.of([[step, i] for i in range(4)])), more)
+        await cache.store_rows(cache.keys("m", None, PackedRows.of([[step, i] for i in range(4)])), more)
     assert _peek(cache, keys[3:]) == [None] and cache.size == 3 * rows.nbytes
     huge = np.stack([_row(i) for i in range(13)])
-    await cache.store_rows(cache.keys("m", None, TokenRows.of([[99]])), huge[:1])
-    assert _peek(cache, cache.keys("m", None, TokenRows.of([[99]]))) == [
+    await cache.store_rows(cache.keys("m", None, PackedRows.of([[99]])), huge[:1])
+    assert _peek(cache, cache.keys("m", None, PackedRows.of([[99]]))) == [
         None
     ]  # its matrix alone is over the budget
 

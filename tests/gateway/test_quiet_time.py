@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from litestar.testing import TestClient
 
-from gateway.dense.token_rows import TokenRows
+from backends.rows import PackedRows
 from tests.conftest import mock_app_client
 
 
@@ -33,7 +33,7 @@ def ask(client: TestClient, rows: list[list[int]]) -> dict:
 def stored(litestar_app, rows: list[list[int]]) -> int:
     cache = litestar_app.state.dense.cache
     served = litestar_app.state.registry.models["mock"]
-    keys = cache.keys(served.fingerprint, None, TokenRows.of(rows))
+    keys = cache.keys(served.fingerprint, None, PackedRows.of(rows))
     return sum(cache._items.get(key) is not None for key in keys)
 
 

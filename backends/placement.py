@@ -1,0 +1,97 @@
+"""Dense rows asked of an engine: repeats computed once, and the rows placed where they go.
+
+Every caller of an engine's dense rows comes through `place_rows`. Rows that repeat (resampled
+particles) are computed once: the engine sees distinct (adapter, row) pairs only. With `out`
+(arrays float32 [len(rows), vocab], numpy's `out=`), the rows are placed in every array of it:
+by the engine's device itself when the engine has host memory (backends.engine.HostMemory: one
+copy from the device, repeats copied there), otherwise copied on a worker thread (megabytes: off
+the event loop). The caller reads `Placed.rows`, after `wait_landed()` when it was written from
+a device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from backends.engine import Engine, HostMemory
+from backends.rows import PackedRows
+
+# `out` of place_rows: arrays the rows land in, each float32 [asked rows, vocab].
+Out = np.ndarray | tuple[np.ndarray, ...]
+
+
+@dataclass(frozen=True)
+class DistinctRows:
+    rows: PackedRows
+    adapters: list[str | None]
+    positions: list[int] | None  # asked row i is rows[positions[i]]; None: all distinct, in order
+
+    @classmethod
+    def of(cls, rows: PackedRows, adapters: Sequence[str | None]) -> DistinctRows:
+        if len(set(adapters)) == 1:
+            keys: list = rows.keys
+        else:
+            keys = list(zip(adapters, rows.keys, strict=True))
+        index: dict = {}
+        positions, firsts = [], []
+        for i, key in enumerate(keys):
+            position = index.setdefault(key, len(index))
+            if position == len(firsts):  # seen first here
+                firsts.append(i)
+            positions.append(position)
+        if len(firsts) == len(keys):
+            return cls(rows, list(adapters), None)
+        return cls(rows.take(firsts), [adapters[i] for i in firsts], positions)
+
+    def spread(self, computed: np.ndarray) -> np.ndarray:
+        """The asked rows from the distinct ones: `computed` itself when none repeats."""
+        return computed if self.positions is None else computed[self.positions]
+
+
+@dataclass(frozen=True)
+class Placed:
+    rows: np.ndarray  # float32 [asked rows, vocab]: `out`'s first array, when given
+    landing: tuple[np.ndarray, ...] = ()  # arrays written from a device, maybe still landing
+    host_memory: HostMemory | None = None
+
+    def wait_landed(self, array: np.ndarray | None = None) -> None:
+        """Block until the rows of `array` (default: `rows`) have landed; at once for rows that
+        were never on a device."""
+        if self.host_memory is not None and self.landing:
+            self.host_memory.wait_landed(self.rows if array is None else array)
+
+
+def outputs(out: Out) -> tuple[np.ndarray, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+async def place_rows(
+    engine: Engine, rows: PackedRows, adapters: Sequence[str | None] | None = None, out: Out | None = None
+) -> Placed:
+    """The log-probabilities after each of `rows` (row i under `adapters[i]`; None: the base
+    model), each distinct row computed once; in every array of `out` when given."""
+    names = list(adapters) if adapters is not None else [None] * len(rows)
+    distinct = DistinctRows.of(rows, names)
+    host_memory = engine.host_memory
+    if out is not None and host_memory is not None:
+        arrays = outputs(out)
+        await host_memory.write_rows(distinct.rows, distinct.adapters, arrays, distinct.positions)
+        return Placed(arrays[0], arrays, host_memory)
+    computed = await engine.next_token_logprobs(distinct.rows, distinct.adapters)
+    if out is None:
+        return Placed(distinct.spread(computed))
+    arrays = outputs(out)
+    await asyncio.to_thread(_copy_into, distinct, computed, arrays)
+    return Placed(arrays[0])
+
+
+def _copy_into(distinct: DistinctRows, computed: np.ndarray, arrays: tuple[np.ndarray, ...]) -> None:
+    for array in arrays:
+        if distinct.positions is None:
+            array[...] = computed
+        else:
+            np.take(computed, distinct.positions, axis=0, out=array)

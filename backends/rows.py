@@ -1,0 +1,90 @@
+"""Token-id rows packed as the wire brings them, and each row's key, made once where rows enter.
+
+A dense request's rows are every row's ids one after another as little-endian int32 and where
+each row ends. A row's key is its ids' bytes (with its adapter, where adapters mix): a bytes
+object hashes once, keeps its hash, and compares in C, so the output cache, the batcher's merging
+of identical rows and de-duplication before an engine call all use it as it is. An engine whose
+library takes lists asks for them (`lists`) once, where it calls the library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+INT32 = np.dtype("<i4")
+
+
+class PackedRows:
+    __slots__ = ("_data", "_keys", "ends", "ids")
+
+    def __init__(self, ids: np.ndarray, ends: np.ndarray, data: bytes | None = None) -> None:
+        self.ids = ids  # int32 [total]: every row's ids, one row after another
+        self.ends = ends  # int64 [rows]: where each row ends in `ids`
+        self._data = data  # `ids` as bytes, when they came as bytes: keys are slices of it
+        self._keys: list[bytes] | None = None
+
+    @classmethod
+    def of(cls, rows: Sequence[Sequence[int]]) -> PackedRows:
+        """Rows of known-good ids (each within int32)."""
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        ids = np.fromiter((i for row in rows for i in row), dtype=INT32, count=int(lengths.sum()))
+        return cls(ids, np.cumsum(lengths))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, lengths: Sequence[int]) -> PackedRows:
+        """Rows packed as the wire's `{ids, lengths}` (the caller checked the sizes agree)."""
+        return cls(np.frombuffer(data, dtype=INT32), np.cumsum(np.asarray(lengths, dtype=np.int64)), data)
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    @property
+    def starts(self) -> np.ndarray:
+        starts = np.empty_like(self.ends)
+        starts[:1] = 0
+        starts[1:] = self.ends[:-1]
+        return starts
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.ends - self.starts
+
+    @property
+    def keys(self) -> list[bytes]:
+        """Row i's ids as little-endian int32 bytes: the row's identity everywhere it travels."""
+        if self._keys is None:
+            data = self._data if self._data is not None else self.ids.tobytes()
+            self._keys = [
+                data[4 * s : 4 * e] for s, e in zip(self.starts.tolist(), self.ends.tolist(), strict=True)
+            ]
+        return self._keys
+
+    def row(self, i: int) -> np.ndarray:
+        end = int(self.ends[i])
+        return self.ids[end - int(self.lengths[i]) : end]
+
+    def views(self) -> list[np.ndarray]:
+        """Each row as a view of `ids`: no copy, for the thread that reads them."""
+        return np.split(self.ids, self.ends[:-1]) if len(self) else []
+
+    def lists(self) -> list[list[int]]:
+        """Each row's ids as a list, for a library that takes lists."""
+        values = self.ids.tolist()
+        return [values[s:e] for s, e in zip(self.starts.tolist(), self.ends.tolist(), strict=True)]
+
+    @classmethod
+    def from_keys(cls, keys: list[bytes]) -> PackedRows:
+        """The rows whose keys are `keys`, in that order."""
+        rows = cls(
+            np.frombuffer(b"".join(keys), dtype=INT32),
+            np.cumsum(np.fromiter((len(k) // 4 for k in keys), dtype=np.int64, count=len(keys))),
+        )
+        rows._keys = keys
+        return rows
+
+    def take(self, positions: Sequence[int]) -> PackedRows:
+        """The rows at `positions`, in that order."""
+        keys = self.keys
+        return PackedRows.from_keys([keys[i] for i in positions])
