@@ -1,8 +1,8 @@
 """Where the gateway's and the client's own time goes within a dense call over the local socket,
 stage by stage.
 
-    python bench/server_stages.py --mock-vocab 16384 --particles 16 64
-    python bench/server_stages.py --random-model llama-1b --tokenizer DIR --device cuda --dtype bfloat16 --particles 16 64
+    python -m bench.server_stages --mock-vocab 16384 --particles 16 64
+    python -m bench.server_stages --random-model llama-1b --tokenizer DIR --device cuda --dtype bfloat16 --particles 16 64
 
 Runs bench/step_parts.py with these arguments, its gateways stamping the time at each stage of
 every call (bench/stages/sitecustomize.py), then prints, per number of rows, the median µs from

@@ -15,8 +15,8 @@ import torch
 from backends.engine import Engine
 from backends.transformers.host_copy import rows_to_host
 from backends.types import EngineConfig
+from bench.launcher import GatewayProcess, start_gateway
 from logprob_gateway_client import AsyncGatewayLM
-from tests.launcher import GatewayProcess, start_gateway
 
 NextRows = Callable[[list[list[int]]], Awaitable[np.ndarray]]  # rows -> float32 [rows, vocab]
 # SGLang with what scripts/stage.sh leaves out kept off; each engine takes a fraction of the GPU's

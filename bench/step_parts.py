@@ -1,8 +1,8 @@
 """Where one SMC step's next-token call spends its time: in process, and through the gateway.
 
-    python bench/step_parts.py                                  # SmolLM2-135M, CPU, P=16
-    python bench/step_parts.py --random-model llama-1b --device cuda --dtype bfloat16 --particles 16 64 256
-    python bench/step_parts.py --mock-vocab 16384 --particles 16 64 256  # the gateway's own part alone
+    python -m bench.step_parts                                  # SmolLM2-135M, CPU, P=16
+    python -m bench.step_parts --random-model llama-1b --device cuda --dtype bfloat16 --particles 16 64 256
+    python -m bench.step_parts --mock-vocab 16384 --particles 16 64 256  # the gateway's own part alone
 
 Runs bench/smc.py's loop with our engine in process and through one gateway on this machine, in
 turns: `gateway` is AsyncGatewayLM as it comes (shared memory, then the gateway's local socket),
@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import statistics
-import sys
 import tempfile
 import time
 from functools import partial
@@ -36,17 +35,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import smc as bench  # noqa: E402
-import smc_ways  # noqa: E402
-
-from backends.builtin_models import resolve_model_dir  # noqa: E402
-from backends.mock import MockEngine  # noqa: E402
-from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
-from backends.types import EngineConfig  # noqa: E402
-from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
+from backends.builtin_models import resolve_model_dir
+from backends.mock import MockEngine
+from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype
+from backends.types import EngineConfig
+from bench import smc, smc_ways
+from logprob_gateway_client import AsyncGatewayLM
 
 RESAMPLE_EVERY = 4
 
@@ -70,7 +64,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[int, dict[str, dict[s
     """Per P, per way, the median ms of each part."""
     device = resolve_device(args.device)
     if args.random_model:
-        model_dir = bench.random_model_dir(
+        model_dir = smc.random_model_dir(
             args.random_model, resolve_dtype(args.dtype, device), device, tmp / "model", args.tokenizer
         )
     else:
@@ -111,14 +105,14 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[int, dict[str, dict[s
             lm._post_dense = exchange = Stopwatch(lm._post_dense)  # type: ignore[method-assign]
             ways[way] = (smc_ways.batch_rows(lm), partial(gateway_parts, lm, exchange))
         for next_rows, _ in ways.values():  # connections, segments, kernels
-            await bench.smc(next_rows, prompt_ids("warm up"), max(args.particles), 4, 2, 0)
+            await smc.smc(next_rows, prompt_ids("warm up"), max(args.particles), 4, 2, 0)
         for p in args.particles:
             parts: dict[str, dict[str, list[float]]] = {way: {} for way in ways}
             # The output cache filled with blocks of this step's size: a served gateway's steady state
             for next_rows, _ in ways.values():
                 warm = prompt_ids(f"warm up {p}")
-                fill = bench.cache_fill_steps(p, engine.info.vocab_size, args.cache_bytes)
-                await bench.smc(next_rows, warm, p, fill, 4, 1)
+                fill = smc.cache_fill_steps(p, engine.info.vocab_size, args.cache_bytes)
+                await smc.smc(next_rows, warm, p, fill, 4, 1)
 
             def timed_step(way, next_rows, parts_of, parts=parts):
                 taken = 0
@@ -142,7 +136,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[int, dict[str, dict[s
             for r in range(args.repeats):
                 for way, (next_rows, parts_of) in ways.items():
                     prompt = prompt_ids(f"{way} run {p}.{r}")
-                    await bench.smc(
+                    await smc.smc(
                         timed_step(way, next_rows, parts_of), prompt, p, args.steps, RESAMPLE_EVERY, r
                     )
             results[p] = {
@@ -175,7 +169,7 @@ def main() -> None:
     parser.add_argument("--particles", type=int, nargs="+", default=[16])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=4)
-    bench.add_model_arguments(parser)
+    smc.add_model_arguments(parser)
     parser.add_argument("--no-cache", action="store_true", help="the gateway's output cache off")
     parser.add_argument("--cache-bytes", type=int, help="the size of the gateway's in-process output cache")
     parser.add_argument("--mock-vocab", type=int, help="the mock engine with this vocabulary, not a model")

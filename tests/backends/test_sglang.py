@@ -22,8 +22,8 @@ from backends.sglang.engine import ScatterError, SglangEngine, scatter_row  # no
 from backends.sglang.processor import PROCESSOR  # noqa: E402
 from backends.sglang.transport import ManagedServer, SglangError  # noqa: E402
 from backends.types import EngineConfig, Grammar, SamplingParams  # noqa: E402
+from bench.launcher import free_port  # noqa: E402
 from tests.backends.sglang_standin import distribution  # noqa: E402
-from tests.launcher import free_port  # noqa: E402
 
 STANDIN = [sys.executable, str(Path(__file__).with_name("sglang_standin.py"))]
 
@@ -183,7 +183,9 @@ async def test_url_mode_connects_to_a_running_server(engine, model_dir, sent):
         np.testing.assert_array_equal(
             (await other.next_token_logprobs([[9, 9]]))[0], distribution([9, 9], None, other.info.vocab_size)
         )
-        assert [(b["input_ids"], b["top_logprobs_num"]) for b in sent()] == [([9, 9, 0], other.info.vocab_size)]
+        assert [(b["input_ids"], b["top_logprobs_num"]) for b in sent()] == [
+            ([9, 9, 0], other.info.vocab_size)
+        ]
     finally:
         await other.aclose()
     assert engine.is_healthy()  # closing a url-mode engine leaves the server alone
@@ -260,7 +262,7 @@ async def test_incremental_streaming_chunks(model_dir):
 
 async def test_standin_answers_are_shaped_as_real_sglangs(engine):
     """The stand-in answers every request the engine sends (and two SGLang refuses) in the shape of
-    SGLang 0.5.17's own answers, recorded on a GPU by `bench/sglang_check.py --record`: the same
+    SGLang 0.5.17's own answers, recorded on a GPU by `python -m bench.sglang_check --record`: the same
     keys, types and list lengths, chunk for chunk when streamed."""
     from bench.sglang_check import answer_shapes, recorded_requests
 

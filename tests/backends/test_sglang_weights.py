@@ -28,9 +28,9 @@ require_engine_library("sglang")
 from backends.errors import WeightsError, WeightsGroupError  # noqa: E402
 from backends.sglang.engine import SglangEngine  # noqa: E402
 from backends.types import AnnouncedTensor, EngineConfig, WeightsGroup  # noqa: E402
+from bench.launcher import free_port  # noqa: E402
 from tests.backends.sglang_standin import distribution  # noqa: E402
 from tests.backends.sglang_standin_weights import directory_version, weights_version  # noqa: E402
-from tests.launcher import free_port  # noqa: E402
 
 STANDIN = [sys.executable, str(Path(__file__).with_name("sglang_standin.py"))]
 ROWS = [[1, 2, 3], [7, 8]]
