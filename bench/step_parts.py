@@ -94,7 +94,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[int, dict[str, dict[s
         engine.next_token_logprobs = inner_engine = Stopwatch(engine.next_token_logprobs)
         mode = "gateway-nocache" if args.no_cache else "gateway"
         backend = "mock" if args.mock_vocab else None
-        gateway = smc_ways.start_bench_gateway(mode, model_dir, args, tmp, stack, args.cache_bytes, backend)
+        gateway = smc_ways.start_bench_gateway(
+            mode, model_dir, args, tmp, stack, args.cache_bytes, backend, args.gateway_module
+        )
         ways = {
             "engine": (smc_ways.engine_rows(engine), lambda call: {"call": call, "engine": inner_engine.last})
         }
@@ -162,9 +164,9 @@ def gateway_parts(lm: AsyncGatewayLM, exchange: Stopwatch, call: float) -> dict[
     }
 
 
-def main() -> None:
+def arguments(description: str = __doc__) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--particles", type=int, nargs="+", default=[16])
     parser.add_argument("--steps", type=int, default=16)
@@ -179,8 +181,11 @@ def main() -> None:
     args = parser.parse_args()
     args.gateway_arg = []  # smc_ways.start_bench_gateway's extra `serve` flags: none
     args.engine_option = []  # nor engine options
-    with tempfile.TemporaryDirectory() as tmp:
-        results = asyncio.run(run(args, Path(tmp)))
+    args.gateway_module = "gateway.cli"  # the gateway's command line (server_stages: a stamped one)
+    return args
+
+
+def report(args: argparse.Namespace, results: dict[int, dict[str, dict[str, float]]]) -> None:
     print(f"\n### One step of distinct rows, median ms per part ({args.repeats} x {args.steps} steps)\n")
     columns = [(p, way) for p in results for way in results[p]]
     print("| part | " + " | ".join(f"P={p} {way}" for p, way in columns) + " |")
@@ -199,6 +204,13 @@ def main() -> None:
                 f"P={p} {way}: {own['call'] - engine_call:.2f} ms over the engine's call in process, "
                 f"{own['call'] - own['engine']:.2f} ms over its own engine call"
             )
+
+
+def main() -> None:
+    args = arguments()
+    with tempfile.TemporaryDirectory() as tmp:
+        results = asyncio.run(run(args, Path(tmp)))
+    report(args, results)
 
 
 if __name__ == "__main__":
