@@ -71,6 +71,8 @@ def install() -> None:
 
 
 def main() -> int:
+    if "STAGE_OUT" not in os.environ:
+        sys.exit("set STAGE_OUT to where the stamps go (bench/server_stages.py does)")
     install()
     path = f"{os.environ['STAGE_OUT']}{os.getpid()}"
     atexit.register(dump, FIRST, path)
