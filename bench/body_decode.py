@@ -1,8 +1,8 @@
 """How long decoding a request body holds the GIL (and so the event loop), by the body's shape.
 
-    python bench/body_decode.py               # bodies of 64 MiB (max_body_bytes' default)
-    python bench/body_decode.py --mib 16
-    python bench/body_decode.py --served      # through a mock gateway: /health and RSS meanwhile
+    python -m bench.body_decode               # bodies of 64 MiB (max_body_bytes' default)
+    python -m bench.body_decode --mib 16
+    python -m bench.body_decode --served      # through a mock gateway: /health and RSS meanwhile
 
 msgspec decodes with the GIL held, so a worker thread would not free the event loop meanwhile.
 Prints a Markdown table: the body's shape, the wire type it decodes to, and the time taken. With
@@ -14,7 +14,6 @@ to a mock gateway that decodes on its loop (`decode_worker_bytes = 0`) or in its
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import threading
 import time
@@ -23,10 +22,8 @@ from pathlib import Path
 import httpx
 import msgspec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gateway.schemas.completions import CompletionRequest  # noqa: E402
-from gateway.schemas.logprobs import DetokenizeRequest, NextTokenLogprobsRequest, TokenizeRequest  # noqa: E402
+from gateway.schemas.completions import CompletionRequest
+from gateway.schemas.logprobs import DetokenizeRequest, NextTokenLogprobsRequest, TokenizeRequest
 
 
 def bodies(size: int) -> list[tuple[str, type, bytes]]:
@@ -71,7 +68,7 @@ def _rss_kib(pid: int) -> int:
 def served(worker_bytes: int | None) -> tuple[float, float, float]:
     """Three bad 64 MiB dense bodies at once, twice (wrong first field, wrong last field): the
     slowest /health of each round, and the peak RSS increase (MiB) over both."""
-    from tests.launcher import start_mock_gateway
+    from bench.launcher import start_mock_gateway
 
     settings = "" if worker_bytes is None else f"[limits]\ndecode_worker_bytes = {worker_bytes}\n"
     rows = b"[" + b",".join([b"[1,2,3,4,5,6,7,8,9,1,2,3,4,5,6,7]"] * 1_900_000) + b"]"

@@ -1,7 +1,7 @@
 """Output cache: latency and throughput of cache hits versus recomputing, per cache store.
 
-    python bench/cache.py                 # mock engine (vocab 131072) and SmolLM2-135M (vocab 49152)
-    python bench/cache.py --rows 16 --requests 30
+    python -m bench.cache                 # mock engine (vocab 131072) and SmolLM2-135M (vocab 49152)
+    python -m bench.cache --rows 16 --requests 30
 
 For each model and store (in-process LRU, Redis), sends `--requests` MessagePack requests of
 `--rows` rows: first with fresh prefixes (every row a miss: computed, then stored), then the same
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,9 +20,7 @@ import httpx
 import msgspec
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.launcher import RedisServer, start_gateway  # noqa: E402
+from bench.launcher import RedisServer, start_gateway
 
 MODELS = {
     "mock": ("mock", 'backend = "mock"\noptions = {vocab_size = 131072}'),

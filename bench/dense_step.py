@@ -9,8 +9,8 @@ transformers decode (DynamicCache). Each way's column `÷ static` is its median 
 reference's. `--ways` picks some; `--profile` prints torch's profile of a few steps of the engine
 as it ships.
 
-    python bench/dense_step.py --random-model llama-1b --device cuda --dtype bfloat16 --particles 16 64 256
-    python bench/dense_step.py ... --ways "as shipped" static      # the engine beside its limit
+    python -m bench.dense_step --random-model llama-1b --device cuda --dtype bfloat16 --particles 16 64 256
+    python -m bench.dense_step ... --ways "as shipped" static      # the engine beside its limit
 """
 
 from __future__ import annotations
@@ -18,20 +18,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from backends.builtin_models import resolve_model_dir  # noqa: E402
-from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
-from backends.types import EngineConfig  # noqa: E402
-from bench.smc import add_model_arguments, random_model_dir  # noqa: E402
-from bench.smc_ways import PlainDecode, StaticDecode  # noqa: E402
+from backends.builtin_models import resolve_model_dir
+from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype
+from backends.types import EngineConfig
+from bench.smc import add_model_arguments, random_model_dir
+from bench.smc_ways import PlainDecode, StaticDecode
 
 ENGINE_WAYS = {  # engine options: the defaults (on CUDA: the decode lane, compiled), then without each
     "as shipped": {},

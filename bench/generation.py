@@ -1,10 +1,10 @@
 """Concurrent greedy generation, target beside target: aggregate tokens/s and per-stream latency.
 
-    python bench/generation.py                                  # SmolLM2-135M, CPU, float32, 1 and 8 streams
-    python bench/generation.py --streams 1 8 32 64 --device cuda --dtype bfloat16 --model DIR
-    python bench/generation.py --backend mlx                     # the MLX engine (CPU build on Linux)
-    python bench/generation.py --constraints none json regex mixed   # structured outputs beside free text
-    python bench/generation.py --random-model llama-1b --device cuda --dtype bfloat16 --tokenizer DIR \
+    python -m bench.generation                                  # SmolLM2-135M, CPU, float32, 1 and 8 streams
+    python -m bench.generation --streams 1 8 32 64 --device cuda --dtype bfloat16 --model DIR
+    python -m bench.generation --backend mlx                     # the MLX engine (CPU build on Linux)
+    python -m bench.generation --constraints none json regex mixed   # structured outputs beside free text
+    python -m bench.generation --random-model llama-1b --device cuda --dtype bfloat16 --tokenizer DIR \
         --streams 1 8 64 --max-tokens 128 --targets gateway-transformers gateway-sglang-engine \
         gateway-sglang-server sglang-server transformers-generate   # the SGLang comparison, on a GPU
 
@@ -62,11 +62,9 @@ import numpy as np
 import openai
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from backends.builtin_models import resolve_model_dir  # noqa: E402
-from backends.transformers.engine import resolve_device, resolve_dtype  # noqa: E402
-from bench.generation_targets import (  # noqa: E402
+from backends.builtin_models import resolve_model_dir
+from backends.transformers.engine import resolve_device, resolve_dtype
+from bench.generation_targets import (
     TARGETS,
     Completion,
     OutputGrammar,
@@ -75,7 +73,7 @@ from bench.generation_targets import (  # noqa: E402
     TargetUnavailable,
     start_target,
 )
-from bench.smc import add_model_arguments, random_model_dir  # noqa: E402
+from bench.smc import add_model_arguments, random_model_dir
 
 TOPICS = [
     "the sea",

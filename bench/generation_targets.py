@@ -1,6 +1,6 @@
 """What bench/generation.py drives: each target answers rounds of greedy completions.
 
-  gateway-B               our gateway (tests.launcher) with `backend = B`: transformers, vllm, mlx
+  gateway-B               our gateway (bench.launcher) with `backend = B`: transformers, vllm, mlx
   gateway-sglang-M        the same with the SGLang engine in mode M: `engine` (sglang.Engine inside
                           the gateway) or `server` (a `sglang.launch_server` child the gateway manages)
   gateway-vllm-logprobs   the vLLM engine with `dense_rows = "logprobs"`: no logits processor, so on
@@ -42,8 +42,8 @@ import openai
 import torch
 
 from backends.sglang.transport import ManagedServer, SglangError, free_port
+from bench.launcher import GatewayProcess, RedisServer, start_gateway
 from bench.sglang_check import engine_options, launch_args, toml_value
-from tests.launcher import GatewayProcess, RedisServer, start_gateway
 
 SERVED_NAME = "bench"
 STARTUP_TIMEOUT_S = 900.0  # SGLang compiles kernels and captures CUDA graphs while starting

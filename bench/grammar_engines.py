@@ -1,8 +1,8 @@
 """xgrammar against llguidance on the default model's vocabulary (issue #42): compile and per-step costs.
 
-    python bench/grammar_engines.py            # everything (a few minutes on 2 cores)
-    python bench/grammar_engines.py --quick    # one compile repetition, fewer schemas
-    python bench/grammar_engines.py --torch-threads 2   # torch's apply kernels on 2 threads
+    python -m bench.grammar_engines            # everything (a few minutes on 2 cores)
+    python -m bench.grammar_engines --quick    # one compile repetition, fewer schemas
+    python -m bench.grammar_engines --torch-threads 2   # torch's apply kernels on 2 threads
 
 Needs `pip install xgrammar llguidance` (CPU wheels). For each library:
 - compile: per grammar (bench/grammar_schemas.py: 20 JSON schemas, 3 regexes, an arithmetic grammar in
@@ -31,8 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 try:
     import llguidance

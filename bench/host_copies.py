@@ -1,6 +1,6 @@
 """What the answer to a dense call waits for on a GPU: the device's copies of one step's rows.
 
-    python bench/host_copies.py --particles 16 64 256
+    python -m bench.host_copies --particles 16 64 256
 
 The engine writes the rows into the client's memory (registered with the driver) and, with an
 output cache, into page-locked rows of its own for the cache. Prints the median ms from the
@@ -15,14 +15,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from backends.transformers.host_copy import CudaHostMemory, write_rows_into  # noqa: E402
+from backends.transformers.host_copy import CudaHostMemory, write_rows_into
 
 
 def answer_ms(

@@ -1,9 +1,9 @@
 """Load and soak: a realistic mix of requests against a gateway for a bounded time.
 
-    python bench/load.py                                   # starts a gateway on the default model
-    python bench/load.py --duration 300 --workers 16       # longer, more concurrent
-    python bench/load.py --backend mock                    # the HTTP layer alone
-    python bench/load.py --url http://host:8000 --model smollm2-135m --pid 4242   # a running one
+    python -m bench.load                                   # starts a gateway on the default model
+    python -m bench.load --duration 300 --workers 16       # longer, more concurrent
+    python -m bench.load --backend mock                    # the HTTP layer alone
+    python -m bench.load --url http://host:8000 --model smollm2-135m --pid 4242   # a running one
 
 `--workers` clients loop for `--duration` seconds, each picking a kind at random (WEIGHTS): dense
 rows as JSON base64 and as MessagePack (fresh random prefixes), repeated rows (a small pool, so
@@ -36,11 +36,9 @@ import msgspec
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from backends.builtin_models import DEFAULT_MODEL  # noqa: E402
-from logprob_gateway_client.encoding import decode_row  # noqa: E402
-from tests.launcher import start_gateway  # noqa: E402
+from backends.builtin_models import DEFAULT_MODEL
+from bench.launcher import start_gateway
+from logprob_gateway_client.encoding import decode_row
 
 MSGPACK = "application/msgpack"
 WEIGHTS = {

@@ -1,34 +1,36 @@
 """Where the gateway's and the client's own time goes within a dense call over the local socket,
 stage by stage.
 
-    python bench/server_stages.py --mock-vocab 16384 --particles 16 64
-    python bench/server_stages.py --random-model llama-1b --tokenizer DIR --device cuda --dtype bfloat16 --particles 16 64
+    python -m bench.server_stages --mock-vocab 16384 --particles 16 64
+    python -m bench.server_stages --random-model llama-1b --tokenizer DIR --device cuda --dtype bfloat16 --particles 16 64
 
 Runs bench/step_parts.py with these arguments, its gateways stamping the time at each stage of
-every call (bench/stages/sitecustomize.py), then prints, per number of rows, the median µs from
-each stage to the next, in wall-clock time and in the event loop thread's own CPU time, over the
-second half of that many rows' calls (after the output cache filled). The stages, in a call's
+every call (bench/stages/server.py, the gateway's command line with its functions wrapped), then
+prints, per number of rows, the median µs from each stage to the next, in wall-clock time and in
+the event loop thread's own CPU time, over the second half of that many rows' calls (after the
+output cache filled). The stages, in a call's
 order: the frame read, the request's task running, the body decoded, the model resolved, token
 checks, the answer's bytes reserved, the client's segment found, the cache's keys and lookup, the
 batcher, the engine call, the rows landing in the client's memory, and the answer back through
 each layer to the socket's write. Then the same for the client (`AsyncGatewayLM` in the bench,
 its calls over the local socket): the call, its keys and the request, the segment's lease, the
 exchange over the socket, the answer's matrix, its rows filed in the client's row cache, the
-tensor, the return.
+tensor, the return (bench/stages/client.py, wrapped in this process).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+import torch
 
+from bench import step_parts
+from bench.stages import client, stamps
 
 SERVER, CLIENT = ("frame in", "sent"), ("call", "returned")  # each side's first and last stage
 
@@ -95,13 +97,17 @@ def table(side: tuple[str, str], found: list[dict[str, tuple[float, float]]]) ->
 
 
 def main() -> None:
+    args = step_parts.arguments(__doc__)
+    args.gateway_module = "bench.stages.server"
+    client.install()
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, STAGE_OUT=f"{tmp}/stages-")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "stages"), env.get("PYTHONPATH")]))
-        subprocess.run([sys.executable, str(HERE / "step_parts.py"), *sys.argv[1:]], env=env, check=True)
+        os.environ["STAGE_OUT"] = f"{tmp}/stages-"  # where the gateways it starts write their stamps
+        step_parts.report(args, asyncio.run(step_parts.run(args, Path(tmp))))
+        stamps.dump(client.FIRST, f"{tmp}/stages-client")
         for path in sorted(Path(tmp).glob("stages-*")):
             table(*calls(path))
 
 
 if __name__ == "__main__":
+    torch.set_grad_enabled(False)
     main()

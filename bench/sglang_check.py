@@ -1,6 +1,6 @@
 """The SGLang engine against transformers' forward pass of the same weights, through the gateway.
 
-    python bench/sglang_check.py --random-model llama-1b --device cuda --dtype bfloat16 \
+    python -m bench.sglang_check --random-model llama-1b --device cuda --dtype bfloat16 \
         --modes engine server --record sglang_real_shapes.json      # on a GPU machine with sglang
 
 For each SGLang mode (`engine`: sglang.Engine inside the gateway; `server`: a `sglang.launch_server`
@@ -34,15 +34,13 @@ import httpx
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from backends.builtin_models import resolve_model_dir  # noqa: E402
-from backends.transformers.engine import resolve_device, resolve_dtype  # noqa: E402
-from backends.types import EngineConfig, SamplingParams  # noqa: E402
-from bench.smc import add_model_arguments, random_model_dir  # noqa: E402
-from bench.smc_ways import SGLANG_ARGS  # noqa: E402
-from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
-from tests.launcher import start_gateway  # noqa: E402
+from backends.builtin_models import resolve_model_dir
+from backends.transformers.engine import resolve_device, resolve_dtype
+from backends.types import EngineConfig, SamplingParams
+from bench.launcher import start_gateway
+from bench.smc import add_model_arguments, random_model_dir
+from bench.smc_ways import SGLANG_ARGS
+from logprob_gateway_client import AsyncGatewayLM
 
 PROMPTS = [
     "The capital of France is",

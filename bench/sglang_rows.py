@@ -1,6 +1,6 @@
 """Dense rows out of SGLang, two ways side by side, against the transformers engine on one GPU.
 
-    python bench/sglang_rows.py --random-model llama-1b --device cuda --dtype bfloat16 \
+    python -m bench.sglang_rows --random-model llama-1b --device cuda --dtype bfloat16 \
         --particles 64 256 --steps 8 --repeats 3          # on a GPU machine with sglang
 
 Every step, each of P particles appends a seeded random token to its prefix (a 32-token prompt
@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import copy
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -39,14 +38,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from backends.sglang.engine import SglangEngine  # noqa: E402
-from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
-from backends.types import EngineConfig  # noqa: E402
-from bench.sglang_processor import FileRowsProcessor  # noqa: E402
-from bench.smc import add_model_arguments, random_model_dir  # noqa: E402
-from bench.smc_ways import SGLANG_ARGS  # noqa: E402
+from backends.sglang.engine import SglangEngine
+from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype
+from backends.types import EngineConfig
+from bench.sglang_processor import FileRowsProcessor
+from bench.smc import add_model_arguments, random_model_dir
+from bench.smc_ways import SGLANG_ARGS
 
 Rows = Callable[[list[list[int]]], Awaitable[np.ndarray]]
 

@@ -1,6 +1,6 @@
 """Dense rows from SGLang's own Scheduler driven in this process, against the transformers engine.
 
-    python bench/sglang_scheduler.py --random-model llama-1b --device cuda --dtype bfloat16 \
+    python -m bench.sglang_scheduler --random-model llama-1b --device cuda --dtype bfloat16 \
         --tokenizer DIR --particles 64 256 --steps 8 --repeats 3     # on a GPU machine with sglang
 
 The way genlm-backend's `AsyncSGLTransformer` takes rows from SGLang, on sglang 0.5.17: no tokenizer
@@ -23,7 +23,6 @@ import cProfile
 import io
 import json
 import pstats
-import sys
 import tempfile
 import time
 from array import array
@@ -33,13 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
-from backends.types import EngineConfig  # noqa: E402
-from bench.sglang_rows import add_compare_arguments, compare, run_way  # noqa: E402
-from bench.smc import random_model_dir  # noqa: E402
-from bench.smc_ways import SGLANG_ARGS  # noqa: E402
+from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype
+from backends.types import EngineConfig
+from bench.sglang_rows import add_compare_arguments, compare, run_way
+from bench.smc import random_model_dir
+from bench.smc_ways import SGLANG_ARGS
 
 
 class SchedulerRows:

@@ -1,8 +1,8 @@
 """Sequential Monte Carlo workload: rows/s of dense next-token rows, per way of serving them.
 
-    python bench/smc.py                                    # SmolLM2-135M, CPU, float32, 16 x 24
-    python bench/smc.py --particles 32 --steps 48 --repeats 5 --plot smc.png
-    python bench/smc.py --random-model llama-1b --device cuda --dtype bfloat16 \
+    python -m bench.smc                                    # SmolLM2-135M, CPU, float32, 16 x 24
+    python -m bench.smc --particles 32 --steps 48 --repeats 5 --plot smc.png
+    python -m bench.smc --random-model llama-1b --device cuda --dtype bfloat16 \
         --particles 16 64 256 --steps 16 --modes engine gateway decode   # the GPU run
 
 P particles share a prompt; every step asks the next-token distribution of all P prefixes, samples
@@ -14,7 +14,7 @@ way runs the same algorithm:
   sglang    our SGLang engine with sglang.Engine in-process (CUDA only; one SGLang request per
             distinct row, a step's rows submitted together)
   vllm      our vLLM engine (AsyncLLM) in-process, the same way: one vLLM request per distinct row
-  gateway   a real gateway process (tests.launcher), through logprob_gateway_client.AsyncGatewayLM's
+  gateway   a real gateway process (bench.launcher), through logprob_gateway_client.AsyncGatewayLM's
             batch_next_token_logprobs (one request per step); on one host the gateway writes the
             answers into the client's memory (shared memory, the client's default) and the client
             sends its calls over the gateway's Unix socket once an answer names it
@@ -48,7 +48,6 @@ import asyncio
 import contextlib
 import importlib.util
 import statistics
-import sys
 import tempfile
 import time
 import tomllib
@@ -58,13 +57,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
-from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
-from backends.types import EngineConfig  # noqa: E402
-from bench.smc_report import load_report, plot, print_tables, save_report  # noqa: E402
-from bench.smc_ways import (  # noqa: E402
+from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir
+from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype
+from backends.types import EngineConfig
+from bench.smc_report import load_report, plot, print_tables, save_report
+from bench.smc_ways import (
     NextRows,
     PlainDecode,
     backend_way,
@@ -72,7 +69,7 @@ from bench.smc_ways import (  # noqa: E402
     engine_rows,
     gateway_way,
 )
-from gateway.settings import CacheSettings  # noqa: E402
+from gateway.settings import CacheSettings
 
 PROMPT = "The old lighthouse keeper climbed the stairs every evening, and tonight, as the storm rolled in, he"
 _LLAMA = dict(  # Llama-3.2's common settings, with SmolLM2's vocabulary

@@ -17,8 +17,8 @@ from backends.placement import place_rows
 from backends.rows import PackedRows
 from backends.transformers.host_copy import rows_to_host
 from backends.types import EngineConfig
+from bench.launcher import GatewayProcess, start_gateway
 from logprob_gateway_client import AsyncGatewayLM
-from tests.launcher import GatewayProcess, start_gateway
 
 NextRows = Callable[[list[list[int]]], Awaitable[np.ndarray]]  # rows -> float32 [rows, vocab]
 # SGLang with what scripts/stage.sh leaves out kept off; each engine takes a fraction of the GPU's
@@ -157,10 +157,11 @@ def start_bench_gateway(
     stack: contextlib.ExitStack | contextlib.AsyncExitStack,
     cache_bytes: int | None = None,
     backend: str | None = None,
+    module: str = "gateway.cli",
 ) -> GatewayProcess:
     """A gateway process serving `model_dir` as "smc" for `mode` (its output cache off for
     gateway-nocache, else of `cache_bytes` when given) on `backend` (default: the mode's, else
-    transformers), stopped with `stack`."""
+    transformers), its command line run from `module`, stopped with `stack`."""
     toml = tmp / f"{mode}.toml"
     cache = (
         "enabled = false" if mode == "gateway-nocache" else cache_bytes and f"memory_bytes = {cache_bytes}"
@@ -176,7 +177,7 @@ def start_bench_gateway(
         + f"options = {{{options}}}\n"
         + (f"[cache]\n{cache}\n" if cache else "")
     )
-    gateway = start_gateway(["--config", str(toml), *args.gateway_arg], tmp / f"{mode}.log")
+    gateway = start_gateway(["--config", str(toml), *args.gateway_arg], tmp / f"{mode}.log", module=module)
     stack.callback(gateway.stop)
     return gateway
 

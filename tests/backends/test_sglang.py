@@ -22,8 +22,8 @@ from backends.sglang.engine import ScatterError, SglangEngine, scatter_row  # no
 from backends.sglang.processor import PROCESSOR  # noqa: E402
 from backends.sglang.transport import ManagedServer, SglangError  # noqa: E402
 from backends.types import EngineConfig, Grammar, SamplingParams  # noqa: E402
+from bench.launcher import free_port  # noqa: E402
 from tests.backends.sglang_standin import distribution  # noqa: E402
-from tests.launcher import free_port  # noqa: E402
 
 STANDIN = [sys.executable, str(Path(__file__).with_name("sglang_standin.py"))]
 
@@ -262,8 +262,8 @@ async def test_incremental_streaming_chunks(model_dir):
 
 async def test_standin_answers_are_shaped_as_real_sglangs(engine):
     """The stand-in answers every request the engine sends (and two SGLang refuses) in the shape of
-    SGLang 0.5.17's own answers, recorded on a GPU by `bench/sglang_check.py --record`: the same
-    keys, types and list lengths, chunk for chunk when streamed."""
+    SGLang 0.5.17's own answers, recorded on a GPU by `python -m bench.sglang_check --record`: the
+    same keys, types and list lengths, chunk for chunk when streamed."""
     from bench.sglang_check import answer_shapes, recorded_requests
 
     real = json.loads(Path(__file__).with_name("sglang_real_answers.json").read_text())

@@ -28,9 +28,9 @@ require_engine_library("sglang")
 from backends.errors import WeightsError, WeightsGroupError  # noqa: E402
 from backends.sglang.engine import SglangEngine  # noqa: E402
 from backends.types import AnnouncedTensor, EngineConfig, WeightsGroup  # noqa: E402
+from bench.launcher import free_port  # noqa: E402
 from tests.backends.sglang_standin import distribution  # noqa: E402
 from tests.backends.sglang_standin_weights import directory_version, weights_version  # noqa: E402
-from tests.launcher import free_port  # noqa: E402
 
 STANDIN = [sys.executable, str(Path(__file__).with_name("sglang_standin.py"))]
 ROWS = [[1, 2, 3], [7, 8]]
@@ -202,9 +202,9 @@ async def test_a_join_nobody_answers_is_given_up_at_the_groups_timeout(engine):
 
 # -- the in-process transport, without CUDA -----------------------------------------------------
 
+# Run with -c from the repository root, where it imports tests/ from.
 _ENGINE_MODE = """
-import asyncio, json, sys
-sys.path.insert(0, sys.argv[1])
+import asyncio, json
 from tests.backends.sglang_standin import _load_sglang_types
 _load_sglang_types()  # sglang's request types without its CUDA-only imports
 from backends.sglang.transport import EngineTransport, WEIGHTS_CALLS
@@ -240,7 +240,7 @@ def test_the_in_process_transport_awaits_the_tokenizer_managers_own_methods():
     (in a process of its own: sglang's types import only with the stand-in's patches)."""
     root = str(Path(__file__).parents[2])
     out = subprocess.run(
-        [sys.executable, "-c", _ENGINE_MODE, root], capture_output=True, text=True, timeout=300, cwd=root
+        [sys.executable, "-c", _ENGINE_MODE], capture_output=True, text=True, timeout=300, cwd=root
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -28,11 +28,11 @@ from backends.transformers.weights_collective import (
     mismatch,
 )
 from backends.types import AnnouncedTensor, WeightsGroup
+from bench.launcher import free_port
 from gateway.errors import NotSupportedError
 from gateway.registry import ServedModel
 from gateway.schemas.weight_sync import TensorDtype
 from gateway.settings import ModelSettings
-from tests.launcher import free_port
 
 
 async def test_the_base_class_has_no_capability_and_the_gateway_says_the_engine_cannot():

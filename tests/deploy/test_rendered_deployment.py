@@ -21,10 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.launcher import free_port
 from gateway.access import hash_key
 from tests.deploy.conftest import RELEASE, require
 from tests.deploy.test_dockerfile import _final, health_check_command
-from tests.launcher import free_port
 
 USER_KEY, ADMIN_KEY, REDIS_PASSWORD = "alice-plain-key", "admin-plain-key", "0f" * 16
 REDIS = f"{RELEASE}-logprob-gateway-redis"

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
+from bench.launcher import start_mock_gateway
 from gateway.access import hash_key
-from tests.launcher import start_mock_gateway
 
 ALICE, BOB, ADMIN = "sk-alice-0123456789", "sk-bob-9876543210", "admin-secret-42"
 WRONG = "sk-wrong-key-555"

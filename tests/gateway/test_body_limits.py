@@ -15,8 +15,8 @@ import httpx
 import msgspec
 import pytest
 
+from bench.launcher import start_mock_gateway
 from tests.conftest import memory_kib
-from tests.launcher import start_mock_gateway
 
 
 @pytest.fixture(scope="module")

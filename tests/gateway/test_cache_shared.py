@@ -8,9 +8,9 @@ import msgspec
 import numpy as np
 import pytest
 
+from bench.launcher import start_gateway
 from gateway.dense.row_cache import FORMAT
 from tests.conftest import MODEL
-from tests.launcher import start_gateway
 
 pytestmark = pytest.mark.slow
 MSGPACK = {"Accept": "application/msgpack"}

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.launcher import start_mock_gateway
+from bench.launcher import start_mock_gateway
 
 CHAT = "/v1/chat/completions"
 ASK = [{"role": "user", "content": "Hello there"}]

@@ -23,6 +23,7 @@ import httpx
 import pytest
 from litestar import Request, Response, get
 
+from bench.launcher import start_gateway
 from gateway.app import ROUTE_HANDLERS, create_app
 from gateway.openapi.constraints import GRAMMAR_FIELDS
 from gateway.openapi.document import build_openapi
@@ -30,7 +31,6 @@ from gateway.openapi.operation import OPENAPI, TEXT, Operation
 from gateway.openapi.vocabulary import decimal_below
 from gateway.settings import Settings
 from tests.conftest import MODEL
-from tests.launcher import start_gateway
 
 SPEC = Path(__file__).parents[2] / "openapi" / "openapi.json"
 EXAMPLES = int(os.environ.get("CONTRACT_EXAMPLES", "20"))

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.launcher import start_gateway
 from tests.conftest import MODEL
-from tests.launcher import start_gateway
 
 FAIL, FATAL = 777, 778  # token ids the mock engine is told to fail on
 

@@ -17,6 +17,7 @@ import jsonschema
 import psutil
 import pytest
 
+from bench.launcher import start_mock_gateway
 from tests.conftest import MODEL
 from tests.gateway.grammar_families import (
     family,
@@ -26,7 +27,6 @@ from tests.gateway.grammar_families import (
     ref_chain,
     schema_request,
 )
-from tests.launcher import start_mock_gateway
 
 TIMEOUT_S = 1.0  # the gateway's grammar_compile_timeout_s here
 # an answer's bound beyond the timeout: a worker's start after a crash (~1 s on 2 busy cores),

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.launcher import start_gateway, start_mock_gateway
 from gateway.access import hash_key
 from gateway.dense.local_socket import DIRECTORY_PREFIX, SOCKET_NAME, remove_stale_sockets
 from logprob_gateway_client import AsyncGatewayLM, GatewayClientError
@@ -26,7 +27,6 @@ from logprob_gateway_client import shared_memory as client_memory
 from logprob_gateway_client.local_socket import HEADER
 from tests.conftest import MODEL
 from tests.gateway.test_shared_memory import memfd, prefixes, target
-from tests.launcher import start_gateway, start_mock_gateway
 
 pytestmark = [
     pytest.mark.slow,

@@ -14,9 +14,9 @@ import numpy as np
 import openai
 import pytest
 
+from bench.launcher import start_gateway
 from gateway.access import hash_key
 from tests.conftest import MODEL, memory_kib, mock_app_client, start_real_gateway
-from tests.launcher import start_gateway
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from backends.registry import VLLM_INSTALL
+from bench.launcher import free_port
 from gateway.settings import ENV_PREFIX
-from tests.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Python's start and the CLI's imports, on a busy 2-core machine; loading the model takes ~10 s more.

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
+from bench.launcher import start_mock_gateway
 from gateway import cli
-from tests.launcher import start_mock_gateway
 
 SLOW_STEP_S = 5.0  # each step of the "slow" model: a request is in flight when Ctrl-C comes
 

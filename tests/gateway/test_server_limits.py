@@ -14,9 +14,9 @@ import httpx
 import msgspec
 import pytest
 
+from bench.launcher import GatewayProcess, start_gateway
 from gateway.settings import Limits
 from tests.conftest import MODEL, memory_kib
-from tests.launcher import GatewayProcess, start_gateway
 
 LIMITS = Limits()  # the defaults under test
 

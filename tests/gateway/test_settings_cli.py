@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from backends.registry import BACKEND_NAMES
+from bench.launcher import free_port
 from gateway import cli
 from gateway.cli import SERVING_GC_THRESHOLD, tune_collector
 from gateway.settings import (
@@ -25,7 +26,6 @@ from gateway.settings import (
     load_settings,
 )
 from tests.conftest import mock_app_client
-from tests.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

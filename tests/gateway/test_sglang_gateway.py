@@ -12,9 +12,9 @@ import numpy as np
 import openai
 import pytest
 
+from bench.launcher import start_gateway
 from logprob_gateway_client import AsyncGatewayLM
 from tests.conftest import require_engine_library
-from tests.launcher import start_gateway
 
 require_engine_library("sglang")
 

@@ -15,8 +15,8 @@ import jsonschema
 import numpy as np
 import pytest
 
+from bench.launcher import start_gateway
 from tests.conftest import MODEL, dense_rows, mock_app_client
-from tests.launcher import start_gateway
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from bench.launcher import free_port, start_gateway
 from tests.conftest import MODEL, dense_rows, require_engine_library
-from tests.launcher import free_port, start_gateway
 
 require_engine_library("sglang")
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.launcher import start_gateway
 from gateway.dense.parallel_copy import copy_into
 from gateway.dense.shared_memory import SharedMemoryWriter
 from gateway.errors import InvalidRequestError
@@ -25,7 +26,6 @@ from logprob_gateway_client import AsyncGatewayLM, GatewayClientError
 from logprob_gateway_client import shared_memory as client_memory
 from logprob_gateway_client.shared_memory import KEY_BYTES
 from tests.conftest import MODEL
-from tests.launcher import start_gateway
 
 pytestmark = [
     pytest.mark.slow,

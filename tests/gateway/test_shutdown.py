@@ -12,8 +12,8 @@ import httpx
 import msgspec
 import pytest
 
+from bench.launcher import start_gateway
 from tests.conftest import MODEL
-from tests.launcher import start_gateway
 
 NO_END = {"0": -100, "1": -100, "2": -100}  # SmolLM2's end-of-text tokens: streams outlast the grace
 GRACE_S = 3

@@ -8,20 +8,17 @@ queued) and its memory flat. A second, fast test shows that the runner's detecto
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
-import sys
-from pathlib import Path
 
 import httpx
 import msgspec
 import pytest
 
+from bench import load
+from bench.launcher import start_gateway
 from tests.conftest import MODEL
-from tests.launcher import start_gateway
 
-BENCH = Path(__file__).parents[2] / "bench" / "load.py"
 SOAK_S = 60.0
 WARMUP_S = 10.0
 # Warmed up, this gateway sits at ~1.15 GB; over a 60-s run its 10-s RSS medians moved by at most
@@ -29,18 +26,6 @@ WARMUP_S = 10.0
 # capped at 16 MiB below. 100 MB is about three times that; leaking one dense response body
 # (~1 MB) per four dense requests of the ~300 sent crosses it.
 RSS_GROWTH_MB = 100.0
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_load", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_bench()
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +55,15 @@ def assert_clean(report, min_each: int = 0) -> None:
 async def test_sixty_seconds_of_mixed_load_leave_no_error_stuck_request_or_growth(soak_gateway):
     pid = soak_gateway.process.pid
     # Warm-up outside the measured window: first batches grow the allocator's pools once.
-    assert_clean(await bench.run_load(soak_gateway.base_url, MODEL, duration_s=WARMUP_S, workers=6, pid=pid))
-    report = await bench.run_load(
+    assert_clean(await load.run_load(soak_gateway.base_url, MODEL, duration_s=WARMUP_S, workers=6, pid=pid))
+    report = await load.run_load(
         soak_gateway.base_url, MODEL, duration_s=SOAK_S, workers=6, timeout_s=30.0, pid=pid, seed=1
     )
     print("\n" + report.table() + "\n" + report.summary())
     assert_clean(report, min_each=10)
     assert report.cache_hits > 0, report.summary()
 
-    state = bench.drained(soak_gateway.base_url)
+    state = load.drained(soak_gateway.base_url)
     assert state.in_flight == 0, state
     assert state.queued == 0, state
     assert state.server_errors == 0, state
@@ -121,7 +106,7 @@ async def broken_server(request: httpx.Request) -> httpx.Response:
 
 async def test_the_runner_counts_errors_malformed_rows_and_stuck_requests():
     weights = {"dense_repeat": 1, "completion": 1, "chat_stream": 1, "tokenize": 1, "bad": 1}
-    report = await bench.run_load(
+    report = await load.run_load(
         "http://gateway.test",
         "m",
         duration_s=1.5,

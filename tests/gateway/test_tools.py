@@ -11,8 +11,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from bench.launcher import start_gateway
 from tests.gateway.test_structured_outputs import TIME, WEATHER
-from tests.launcher import start_gateway
 
 pytestmark = pytest.mark.slow
 TEMPLATES = Path(__file__).parent / "chat_templates"

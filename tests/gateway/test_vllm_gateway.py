@@ -18,8 +18,8 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.launcher import start_gateway
 from tests.conftest import MODEL, last_row, load_peft_models, make_lora_adapter, require_engine_library
-from tests.launcher import start_gateway
 
 require_engine_library("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from bench.launcher import GatewayProcess
 from tests.conftest import dense_rows, start_real_gateway
-from tests.launcher import GatewayProcess
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 3.0

@@ -13,10 +13,10 @@ import pytest
 from litestar.testing import TestClient
 from safetensors.numpy import save_file
 
+from bench.launcher import start_gateway
 from gateway.app import serving_app
 from gateway.settings import ModelSettings, Settings
 from tests.conftest import MODEL, dense_rows
-from tests.launcher import start_gateway
 
 pytestmark = pytest.mark.slow
 ADMIN = {"Authorization": "Bearer admin-secret"}

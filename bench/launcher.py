@@ -1,4 +1,4 @@
-"""Child processes for tests and benchmarks: `logprob-gateway serve`, and a Redis server."""
+"""Child processes for benchmarks and tests: `logprob-gateway serve`, and a Redis server."""
 
 from __future__ import annotations
 
@@ -47,14 +47,19 @@ def start_mock_gateway(workdir: Path, settings: str, slow_delay_s: float) -> Gat
 
 
 def start_gateway(
-    args: list[str], log_path: Path, timeout: float = 600.0, env: Mapping[str, str] | None = None
+    args: list[str],
+    log_path: Path,
+    timeout: float = 600.0,
+    env: Mapping[str, str] | None = None,
+    module: str = "gateway.cli",
 ) -> GatewayProcess:
     """Serve on a free loopback port and wait until /health answers 200, or fail with the log tail
-    (a gateway whose model fails to load exits). `env`: its environment (default: this process's)."""
+    (a gateway whose model fails to load exits). `env`: its environment (default: this process's);
+    `module`: the command line run (a bench's stamped one: bench/stages/server.py)."""
     port = free_port()
     with log_path.open("w") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+            [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port), *args],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env={**(os.environ if env is None else env), "TQDM_DISABLE": "1"},
