@@ -28,6 +28,24 @@ def mock_gateway(tmp_path, options, extra=""):
     return start_gateway(["--config", str(config)], tmp_path / "gateway.log")
 
 
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory):
+    """One gateway for the tests that leave it serving (a process start costs more than they do):
+    "mock" answers at once; "failing" fails requests holding FAIL, and its steps take 50 ms so that
+    requests sent together share an engine batch."""
+    workdir = tmp_path_factory.mktemp("faults")
+    gateway = mock_gateway(
+        workdir,
+        "{}",
+        extra=(
+            '[[models]]\nname = "failing"\nmodel = "smollm2-135m"\nbackend = "mock"\n'
+            f"options = {{fail_token = {FAIL}, delay_s = 0.05}}\n"
+        ),
+    )
+    yield gateway
+    gateway.stop()
+
+
 def metric(base_url, name, **labels) -> float:
     text = httpx.get(base_url + "/metrics", timeout=30).text
     total = 0.0
@@ -38,44 +56,40 @@ def metric(base_url, name, **labels) -> float:
     return total
 
 
-def dense(client, rows):
-    return client.post("/v1/next_token_logprobs", json={"model": "mock", "input": rows})
+def dense(client, rows, model="mock"):
+    return client.post("/v1/next_token_logprobs", json={"model": model, "input": rows})
 
 
-def test_an_engine_failure_fails_only_its_own_request(tmp_path):
-    gateway = mock_gateway(tmp_path, f"{{fail_token = {FAIL}, delay_s = 0.05}}")
-    try:
-        good_rows = [[[1, 2, k]] for k in range(6)]
+def test_an_engine_failure_fails_only_its_own_request(faulty):
+    good_rows = [[[1, 2, k]] for k in range(6)]
 
-        async def together():
-            async with httpx.AsyncClient(base_url=gateway.base_url, timeout=30) as client:
-                # Sent at once, so the poisoned request lands in the same engine batch as others.
-                return await asyncio.gather(
-                    *(dense(client, r) for r in [*good_rows[:3], [[1, FAIL]], *good_rows[3:]])
-                )
-
-        responses = asyncio.run(together())
-        failed = responses.pop(3)
-        assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
-        assert "injected engine failure" in failed.json()["error"]["message"]
-        with httpx.Client(base_url=gateway.base_url, timeout=30) as client:
-            for rows, response in zip(good_rows, responses, strict=True):
-                assert response.status_code == 200
-                alone = dense(client, rows).json()["data"][0]["logprobs"]
-                assert np.array_equal(response.json()["data"][0]["logprobs"], alone)
-            completion = client.post(
-                "/v1/completions", json={"model": "mock", "prompt": [1, FAIL], "max_tokens": 2}
+    async def together():
+        async with httpx.AsyncClient(base_url=faulty.base_url, timeout=30) as client:
+            # Sent at once, so the poisoned request lands in the same engine batch as others.
+            return await asyncio.gather(
+                *(dense(client, r, "failing") for r in [*good_rows[:3], [[1, FAIL]], *good_rows[3:]])
             )
-            assert completion.status_code == 500 and completion.json()["error"]["type"] == "internal_error"
-            stream = client.post(
-                "/v1/completions",
-                json={"model": "mock", "prompt": [1, FAIL], "max_tokens": 2, "stream": True},
-            )
-            assert '"error"' in stream.text and stream.text.rstrip().endswith("data: [DONE]")
-            assert client.get("/health").status_code == 200  # the service keeps serving
-            assert dense(client, [[5, 6]]).status_code == 200
-    finally:
-        gateway.stop()
+
+    responses = asyncio.run(together())
+    failed = responses.pop(3)
+    assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
+    assert "injected engine failure" in failed.json()["error"]["message"]
+    with httpx.Client(base_url=faulty.base_url, timeout=30) as client:
+        for rows, response in zip(good_rows, responses, strict=True):
+            assert response.status_code == 200
+            alone = dense(client, rows, "failing").json()["data"][0]["logprobs"]
+            assert np.array_equal(response.json()["data"][0]["logprobs"], alone)
+        completion = client.post(
+            "/v1/completions", json={"model": "failing", "prompt": [1, FAIL], "max_tokens": 2}
+        )
+        assert completion.status_code == 500 and completion.json()["error"]["type"] == "internal_error"
+        stream = client.post(
+            "/v1/completions",
+            json={"model": "failing", "prompt": [1, FAIL], "max_tokens": 2, "stream": True},
+        )
+        assert '"error"' in stream.text and stream.text.rstrip().endswith("data: [DONE]")
+        assert client.get("/health").status_code == 200  # the service keeps serving
+        assert dense(client, [[5, 6]], "failing").status_code == 200
 
 
 def test_a_dead_engine_fails_health(tmp_path):
@@ -137,21 +151,18 @@ def test_a_departed_client_stops_generation_on_the_real_model(gateway, stream):
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
-def test_a_departed_client_stops_generation_on_the_mock_engine(tmp_path, stream):
+def test_a_departed_client_stops_generation_on_the_mock_engine(faulty, stream):
     """The mock produces a token without ever waiting on anything (no delay): the case where a
     departure went unnoticed until all tokens were made, as the stream's producer never paused."""
-    gateway = mock_gateway(tmp_path, "{}")
-    try:
-        before = generated_tokens(gateway.base_url, "mock")
-        # nearly all of the mock's 2048-token context
-        body = {"model": "mock", "prompt": "Once", "max_tokens": 2040, "temperature": 0}
-        depart_early(gateway.base_url, body, stream, wait_s=0.05)
-        wait_until_idle(gateway.base_url, "mock", quiet_s=1.0)
-        produced = generated_tokens(gateway.base_url, "mock") - before
-        assert produced < 1000, produced
-        assert metric(gateway.base_url, "logprob_gateway_requests_total", status="499") == 1
-    finally:
-        gateway.stop()
+    before = generated_tokens(faulty.base_url, "mock")
+    departed = metric(faulty.base_url, "logprob_gateway_requests_total", status="499")
+    # nearly all of the mock's 2048-token context
+    body = {"model": "mock", "prompt": "Once", "max_tokens": 2040, "temperature": 0}
+    depart_early(faulty.base_url, body, stream, wait_s=0.05)
+    wait_until_idle(faulty.base_url, "mock", quiet_s=1.0)
+    produced = generated_tokens(faulty.base_url, "mock") - before
+    assert produced < 1000, produced
+    assert metric(faulty.base_url, "logprob_gateway_requests_total", status="499") - departed == 1
 
 
 @pytest.mark.slow

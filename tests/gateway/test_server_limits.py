@@ -1,7 +1,9 @@
-"""The server's limits per connection, through real gateway processes with their default limits:
-request heads must arrive in time (`limits.header_timeout_s`), and clients that never read their
-dense answers are cut off (`limits.write_stall_timeout_s`) within a server-wide budget of answer
-bytes (`limits.max_answer_bytes`), measured as the gateway's peak RSS on the real model."""
+"""The server's limits per connection, through real gateway processes: request heads must arrive
+in time (`limits.header_timeout_s`), and clients that never read their dense answers are cut off
+(`limits.write_stall_timeout_s`) within the default server-wide budget of answer bytes
+(`limits.max_answer_bytes`), measured as the gateway's peak RSS on the real model. The two
+timeouts are shortened (the defaults' 15 s and 30 s would be waited out): what a test waits for
+is the timeout its gateway was given."""
 
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ import pytest
 
 from bench.launcher import GatewayProcess, start_gateway
 from gateway.settings import Limits
-from tests.conftest import MODEL, memory_kib
+from tests.conftest import MODEL, memory_kib, start_real_gateway
 
-LIMITS = Limits()  # the defaults under test
+LIMITS = Limits()  # the defaults under test: the budget of answer bytes
+HEADER_TIMEOUT_S = 5
+WRITE_STALL_TIMEOUT_S = 10
 
 
 def _address(gateway: GatewayProcess) -> tuple[str, int]:
@@ -29,7 +33,10 @@ def _address(gateway: GatewayProcess) -> tuple[str, int]:
 @pytest.fixture
 def mock_gateway(tmp_path):
     config = tmp_path / "gateway.toml"
-    config.write_text('[[models]]\nname = "mock"\nmodel = "smollm2-135m"\nbackend = "mock"\n')
+    config.write_text(
+        f"[limits]\nheader_timeout_s = {HEADER_TIMEOUT_S}\n\n"
+        '[[models]]\nname = "mock"\nmodel = "smollm2-135m"\nbackend = "mock"\n'
+    )
     gateway = start_gateway(["--config", str(config)], tmp_path / "gateway.log")
     yield gateway
     gateway.stop()
@@ -68,7 +75,7 @@ async def _trickle(host: str, port: int, until: float, send: bool) -> tuple[byte
 
 def test_request_heads_that_trickle_are_closed_with_408(mock_gateway):
     host, port = _address(mock_gateway)
-    timeout = LIMITS.header_timeout_s
+    timeout = HEADER_TIMEOUT_S
 
     async def run():
         started = time.monotonic()
@@ -131,7 +138,9 @@ def test_clients_that_never_read_are_cut_off_within_the_answer_budget(model_dir,
     as the clients stayed; now it admits what fits its budget (2 GiB: three), answers the rest 429 +
     Retry-After, cuts the admitted ones off once they have read nothing for the stall timeout, and
     serves others throughout. Peak RSS above the idle gateway's stays under the budget + 512 MiB."""
-    gateway = start_gateway(["--model", MODEL, "--dtype", "float32"], tmp_path / "gateway.log")
+    gateway = start_real_gateway(
+        model_dir, tmp_path, f"[limits]\nwrite_stall_timeout_s = {WRITE_STALL_TIMEOUT_S}\n"
+    )
     try:
         host, port = _address(gateway)
         pid = gateway.process.pid
@@ -143,7 +152,7 @@ def test_clients_that_never_read_are_cut_off_within_the_answer_budget(model_dir,
         socks = [_raw_request(host, port, body) for _ in range(8)]
         time.sleep(5)
         begun = time.monotonic()
-        while time.monotonic() - begun < LIMITS.write_stall_timeout_s + 10:
+        while time.monotonic() - begun < WRITE_STALL_TIMEOUT_S + 10:
             small = httpx.post(
                 gateway.base_url + "/v1/next_token_logprobs",
                 json={"model": MODEL, "input": [[1, 2]], "encoding_format": "base64"},
