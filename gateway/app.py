@@ -36,7 +36,7 @@ from gateway.weights import routes as weights_routes
 log = logging.getLogger(__name__)
 
 # The feature modules whose route handlers the app serves, and the OpenAPI document describes
-# (gateway/openapi/document.py): adding an endpoint is writing its handler in one of them.
+# (gateway/contract/document.py): adding an endpoint is writing its handler in one of them.
 ROUTE_MODULES: tuple[ModuleType, ...] = (
     completions,
     chat,

@@ -8,11 +8,11 @@ from functools import partial
 from litestar import Request, Response, get, post
 
 from gateway import requests, responses
+from gateway.contract.operation import OPENAPI, Operation
 from gateway.dense.delivery import answer_nbytes
 from gateway.dense.service import DenseService
 from gateway.dense.token_rows import TokenRows
 from gateway.errors import InvalidRequestError
-from gateway.openapi.operation import OPENAPI, Operation
 from gateway.prompts import has_text, token_inputs
 from gateway.registry import ServedModel
 from gateway.schemas.logprobs import (

@@ -10,11 +10,11 @@ from litestar import Request, Response, post
 
 from backends.types import PromptLogprobs, SamplingParams, TokenStep
 from backends.vocab import decode_text, token_display
+from gateway.contract.operation import OPENAPI, SSE, Operation
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
 from gateway.generation import sampling
 from gateway.generation.structured import requested_grammar
-from gateway.openapi.operation import OPENAPI, SSE, Operation
 from gateway.prompts import token_inputs
 from gateway.registry import ServedModel
 from gateway.requests import decode_json, reserve_stream, resolve_model, settings

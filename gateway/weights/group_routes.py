@@ -10,8 +10,8 @@ from typing import Annotated
 from litestar import Request, Response, get, post
 from msgspec import Meta
 
+from gateway.contract.operation import OPENAPI, Operation
 from gateway.errors import GatewayError
-from gateway.openapi.operation import OPENAPI, Operation
 from gateway.requests import decode_json, registry, settings
 from gateway.responses import json_response
 from gateway.schemas.weight_sync import (

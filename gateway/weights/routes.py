@@ -7,8 +7,8 @@ import asyncio
 
 from litestar import Request, Response, post
 
+from gateway.contract.operation import OPENAPI, Operation
 from gateway.errors import AuthenticationError, ForbiddenError, GatewayError, InvalidRequestError
-from gateway.openapi.operation import OPENAPI, Operation
 from gateway.registry import ServedModel
 from gateway.requests import access, decode_json, registry, resolve_model, settings
 from gateway.responses import json_response
