@@ -25,8 +25,8 @@ from gateway.dense.shared_memory import SharedMemoryWriter
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.guard import guard
 from gateway.metrics import Metrics, StateCollector, instrument
+from gateway.models.registry import ModelRegistry
 from gateway.openai import chat, completions, models
-from gateway.registry import ModelRegistry
 from gateway.server.shutdown import Shutdown
 from gateway.settings import Settings
 from gateway.sglang import routes as sglang_routes

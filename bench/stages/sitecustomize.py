@@ -49,7 +49,7 @@ elif os.environ.get("STAGE_OUT"):
     import gateway.dense.row_cache
     import gateway.dense.service
     import gateway.dense.shared_memory
-    import gateway.registry
+    import gateway.models.registry
     import gateway.requests
 
     def _rows(function):
@@ -67,7 +67,7 @@ elif os.environ.get("STAGE_OUT"):
     wrap(ls._Connection, "data_received", "frame in")
     wrap_async(ls.LocalSocketServer, "answer", "task runs", "answered")
     wrap(gateway.requests, "decode_body", "decode", "decoded")
-    wrap(gateway.registry.ModelRegistry, "resolve", "resolve", "resolved")
+    wrap(gateway.models.registry.ModelRegistry, "resolve", "resolve", "resolved")
     wrap_async(ls, "dense_inputs", "token checks", "checked")
     wrap(gateway.access.Access, "reserve_answer_bytes", "reserve", "reserved")
     wrap_async(sv.DenseService, "answer", "service", "service done")

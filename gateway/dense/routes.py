@@ -13,8 +13,8 @@ from gateway.dense.delivery import answer_nbytes
 from gateway.dense.service import DenseService
 from gateway.dense.token_rows import TokenRows
 from gateway.errors import InvalidRequestError
+from gateway.models.served import ServedModel
 from gateway.prompts import has_text, token_inputs
-from gateway.registry import ServedModel
 from gateway.schemas.logprobs import (
     BatchingStats,
     NextTokenLogprobsBinaryMatrixResponse,

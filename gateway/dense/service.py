@@ -38,7 +38,7 @@ from gateway.dense.shared_memory import Destination, SharedMemoryWriter
 from gateway.dense.token_rows import TokenRows
 from gateway.errors import ContextLengthError, EngineError, GatewayError, InvalidRequestError
 from gateway.metrics import Metrics
-from gateway.registry import ServedModel
+from gateway.models.served import ServedModel
 from gateway.schemas.logprobs import NextTokenLogprobsRequest, NextTokenLogprobsUsage
 from logprob_gateway_client.encoding import ITEMSIZE
 

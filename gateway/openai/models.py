@@ -6,7 +6,7 @@ import msgspec
 from litestar import Request, Response, get
 
 from gateway.contract.operation import OPENAPI, Operation
-from gateway.registry import AdapterInfo, ServedModel
+from gateway.models.served import AdapterInfo, ServedModel
 from gateway.requests import registry, resolve_model
 from gateway.responses import json_response
 from gateway.schemas.models import ModelCard, ModelList
