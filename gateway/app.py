@@ -25,8 +25,8 @@ from gateway.dense.shared_memory import SharedMemoryWriter
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.guard import guard
 from gateway.metrics import Metrics, StateCollector, instrument
+from gateway.models.registry import ModelRegistry
 from gateway.openai import chat, completions, models
-from gateway.registry import ModelRegistry
 from gateway.server.shutdown import Shutdown
 from gateway.settings import Settings
 from gateway.sglang import routes as sglang_routes
@@ -36,7 +36,7 @@ from gateway.weights import routes as weights_routes
 log = logging.getLogger(__name__)
 
 # The feature modules whose route handlers the app serves, and the OpenAPI document describes
-# (gateway/openapi/document.py): adding an endpoint is writing its handler in one of them.
+# (gateway/contract/document.py): adding an endpoint is writing its handler in one of them.
 ROUTE_MODULES: tuple[ModuleType, ...] = (
     completions,
     chat,

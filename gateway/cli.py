@@ -188,7 +188,7 @@ def write_openapi(output: str) -> None:
     import json
 
     from gateway.app import ROUTE_HANDLERS
-    from gateway.openapi.document import build_openapi
+    from gateway.contract.document import build_openapi
 
     text = json.dumps(build_openapi(ROUTE_HANDLERS), indent=2, sort_keys=True) + "\n"
     if output == "-":

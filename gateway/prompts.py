@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.errors import InvalidRequestError
-from gateway.registry import ServedModel
+from gateway.models.served import ServedModel
 from gateway.settings import Limits
 
 

@@ -14,7 +14,8 @@ from gateway.body_decode import BodyDecoder, decode_body
 from gateway.errors import UnsupportedMediaTypeError
 from gateway.guard import ANSWER_BYTES_KEY, KEY_NAME, STREAM_KEY
 from gateway.metrics import set_labels
-from gateway.registry import ModelRegistry, ServedModel
+from gateway.models.registry import ModelRegistry
+from gateway.models.served import ServedModel
 from gateway.settings import Settings
 
 T = TypeVar("T")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from litestar import Request, Response, get
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway.openapi.document import build_openapi
-from gateway.openapi.operation import OPENAPI, TEXT, Operation, Reply
+from gateway.contract.document import build_openapi
+from gateway.contract.operation import OPENAPI, TEXT, Operation, Reply
 from gateway.requests import registry
 from gateway.responses import json_response
 from gateway.schemas.models import Health, ModelHealth

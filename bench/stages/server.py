@@ -23,7 +23,7 @@ import gateway.dense.local_socket
 import gateway.dense.row_cache
 import gateway.dense.service
 import gateway.dense.shared_memory
-import gateway.registry
+import gateway.models.registry
 import gateway.requests
 from backends.mock import MockEngine, MockHostMemory
 from bench.stages.stamps import dump, stamp
@@ -36,7 +36,7 @@ def install() -> None:
     stamp(ls._Connection, ls._Connection.data_received, FIRST)
     stamp(ls.LocalSocketServer, ls.LocalSocketServer.answer, "task runs", "answered")
     stamp(gateway.requests, gateway.requests.decode_body, "decode", "decoded")
-    registry = gateway.registry.ModelRegistry
+    registry = gateway.models.registry.ModelRegistry
     stamp(registry, registry.resolve, "resolve", "resolved")
     stamp(service, service.dense_inputs, "token checks", "checked")  # imported into service: wrapped there
     stamp(gateway.access.Access, gateway.access.Access.reserve_answer_bytes, "reserve", "reserved")

@@ -52,7 +52,7 @@ from gateway.errors import (
     ShuttingDownError,
 )
 from gateway.metrics import Metrics
-from gateway.registry import ModelRegistry
+from gateway.models.registry import ModelRegistry
 from gateway.schemas.logprobs import NextTokenLogprobsRequest
 from gateway.server.protocol import UnfinishedBodyBytes
 from gateway.server.shutdown import Shutdown

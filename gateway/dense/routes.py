@@ -5,8 +5,8 @@ from __future__ import annotations
 from litestar import Request, Response, get, post
 
 from gateway import requests, responses
+from gateway.contract.operation import OPENAPI, Operation
 from gateway.dense.service import DenseService
-from gateway.openapi.operation import OPENAPI, Operation
 from gateway.schemas.logprobs import (
     BatchingStats,
     NextTokenLogprobsBinaryMatrixResponse,

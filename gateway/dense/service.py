@@ -42,7 +42,7 @@ from gateway.dense.shared_memory import Destination, SharedMemoryWriter
 from gateway.dense.token_rows import dense_inputs
 from gateway.errors import ContextLengthError, EngineError, GatewayError, InvalidRequestError
 from gateway.metrics import Metrics
-from gateway.registry import ServedModel
+from gateway.models.served import ServedModel
 from gateway.schemas.logprobs import NextTokenLogprobsRequest, NextTokenLogprobsUsage
 from gateway.settings import Limits
 from logprob_gateway_client.encoding import ITEMSIZE

@@ -12,8 +12,8 @@ import numpy as np
 
 from backends.rows import INT32, PackedRows
 from gateway.errors import InvalidRequestError
+from gateway.models.served import ServedModel
 from gateway.prompts import has_text, token_inputs
-from gateway.registry import ServedModel
 from gateway.schemas.logprobs import NextTokenLogprobsRequest, PackedTokenIds
 from gateway.settings import Limits
 

@@ -9,11 +9,11 @@ import base64
 from litestar import Request, Response, get, post
 
 from backends.vocab import decode_text, token_display
+from gateway.contract.operation import OPENAPI, Operation
 from gateway.errors import InvalidRequestError
+from gateway.models.served import ServedModel
 from gateway.openai.chat import chat_prompt_ids
-from gateway.openapi.operation import OPENAPI, Operation
 from gateway.prompts import check_text_chars, check_token_ids, tokenize
-from gateway.registry import ServedModel
 from gateway.requests import decode_json, resolve_model, settings, wants_msgpack
 from gateway.responses import json_response, msgpack_response
 from gateway.schemas.logprobs import (

@@ -16,8 +16,8 @@ from backends.errors import GrammarError
 from backends.types import SamplingParams, TokenStep
 from backends.vocab import IncrementalText
 from gateway.errors import InvalidRequestError
-from gateway.registry import ServedModel
-from gateway.weights.lock import GenerationAborted
+from gateway.models.served import ServedModel
+from gateway.models.weights_lock import GenerationAborted
 
 
 @dataclass
@@ -62,7 +62,7 @@ async def run_choice(
     steps, its text too unless it is a special token); special tokens in `shown_ids` keep their
     text (a tool call's opening token, which the call's reader looks for). Paused generation holds
     it before its next engine step, or ends it there (finish reason "abort"):
-    gateway/weights/lock.py."""
+    gateway/models/weights_lock.py."""
     engine = served.require_engine()
     async with served.weights.reading():  # a choice is generated with one set of weights
         hidden = served.special_ids - frozenset(shown_ids) if shown_ids else served.special_ids

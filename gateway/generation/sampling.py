@@ -14,7 +14,7 @@ from backends.errors import GrammarError
 from backends.grammar.pool import GrammarBusyError
 from backends.types import Grammar, SamplingParams
 from gateway.errors import ContextLengthError, InvalidRequestError, RateLimitError
-from gateway.registry import ServedModel
+from gateway.models.served import ServedModel
 from gateway.settings import Limits
 
 

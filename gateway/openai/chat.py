@@ -11,15 +11,15 @@ from litestar import Request, Response, post
 
 from backends.types import TokenStep
 from backends.vocab import token_display
+from gateway.contract.operation import OPENAPI, SSE, Operation
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
 from gateway.generation import sampling
 from gateway.generation.structured import requested_grammar
+from gateway.models.served import ServedModel
 from gateway.openai.tool_reader import CallStarted, ContentDelta, Event
 from gateway.openai.tools import ToolCalls, requested_calls, template_tool_calls, template_tools
-from gateway.openapi.operation import OPENAPI, SSE, Operation
 from gateway.prompts import check_text_chars, tokenize
-from gateway.registry import ServedModel
 from gateway.requests import decode_json, reserve_stream, resolve_model, settings
 from gateway.responses import json_response, new_id, now, sse_event, sse_response
 from gateway.schemas.chat import (

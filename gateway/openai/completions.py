@@ -10,13 +10,13 @@ from litestar import Request, Response, post
 
 from backends.types import PromptLogprobs, SamplingParams, TokenStep
 from backends.vocab import decode_text, token_display
+from gateway.contract.operation import OPENAPI, SSE, Operation
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
 from gateway.generation import sampling
 from gateway.generation.structured import requested_grammar
-from gateway.openapi.operation import OPENAPI, SSE, Operation
+from gateway.models.served import ServedModel
 from gateway.prompts import token_inputs
-from gateway.registry import ServedModel
 from gateway.requests import decode_json, reserve_stream, resolve_model, settings
 from gateway.responses import json_response, new_id, now, sse_event, sse_response
 from gateway.schemas.common import Usage

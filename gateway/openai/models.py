@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 from litestar import Request, Response, get
 
-from gateway.openapi.operation import OPENAPI, Operation
-from gateway.registry import AdapterInfo, ServedModel
+from gateway.contract.operation import OPENAPI, Operation
+from gateway.models.served import AdapterInfo, ServedModel
 from gateway.requests import registry, resolve_model
 from gateway.responses import json_response
 from gateway.schemas.models import ModelCard, ModelList

@@ -23,6 +23,7 @@ import msgspec
 
 from backends.types import Grammar
 from gateway.errors import InvalidRequestError
+from gateway.models.served import ServedModel
 from gateway.openai.tool_formats import (
     GATEWAY_JSON,
     NO_ARGUMENTS,
@@ -31,7 +32,6 @@ from gateway.openai.tool_formats import (
     template_format,
 )
 from gateway.openai.tool_reader import CallReader
-from gateway.registry import ServedModel
 from gateway.schemas.chat import ChatCompletionRequest, FunctionSpec, NamedToolChoice
 from gateway.schemas.common import JsonObjectFormat, JsonSchemaFormat
 

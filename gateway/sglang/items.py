@@ -14,8 +14,8 @@ from typing import Any
 from backends.types import Grammar, SamplingParams
 from gateway.errors import ContextLengthError, InvalidRequestError
 from gateway.generation import sampling
+from gateway.models.served import ServedModel
 from gateway.prompts import check_text_chars, check_token_ids, tokenize
-from gateway.registry import ServedModel
 from gateway.schemas.sglang import GenerateRequest, SglangSamplingParams
 from gateway.settings import Limits
 

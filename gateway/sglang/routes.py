@@ -12,11 +12,11 @@ from pathlib import Path
 from litestar import Request, Response, get, route
 
 from backends.types import SamplingParams
+from gateway.contract.operation import EMPTY_TEXT, OPENAPI, SSE, TEXT, Operation, Reply
 from gateway.dense.service import DenseService
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
-from gateway.openapi.operation import EMPTY_TEXT, OPENAPI, SSE, TEXT, Operation, Reply
-from gateway.registry import ServedModel
+from gateway.models.served import ServedModel
 from gateway.requests import decode_json, registry, reserve_stream, resolve_model, settings
 from gateway.responses import json_response, sse_event, sse_response
 from gateway.schemas.sglang import GenerateRequest, GenerateResponse, ModelInfo, ServerInfo

@@ -6,9 +6,9 @@ The trainer forms a torch.distributed group and asks the gateway to join it
 for `/get_load` to report nothing running, announces the tensors
 (`/update_weights_from_distributed`) while it broadcasts them, and resumes (`/continue_generation`).
 The engine joins and receives (backends/transformers/weights_collective.py for the transformers
-engine); the model's `WeightsLock` keeps requests and the update apart (gateway/weights/lock.py);
-the update changes the model's fingerprint and version as a load from disk does
-(gateway/registry.py).
+engine); the model's `WeightsLock` keeps requests and the update apart
+(gateway/models/weights_lock.py); the update changes the model's fingerprint and version as a
+load from disk does (gateway/models/weights_update.py).
 
 Operations that talk to the trainer run to their end even if the HTTP client goes away: the
 trainer is broadcasting into them.
@@ -25,7 +25,7 @@ from typing import TypeVar
 
 from backends.types import AnnouncedTensor, WeightsGroup
 from gateway.errors import InvalidRequestError
-from gateway.registry import ServedModel
+from gateway.models.served import ServedModel
 from gateway.schemas.weight_sync import (
     InitWeightsUpdateGroupRequest,
     Load,

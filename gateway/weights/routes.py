@@ -7,9 +7,13 @@ import asyncio
 
 from litestar import Request, Response, post
 
+from gateway.contract.operation import OPENAPI, Operation
 from gateway.errors import AuthenticationError, ForbiddenError, GatewayError, InvalidRequestError
-from gateway.openapi.operation import OPENAPI, Operation
-from gateway.registry import ServedModel
+from gateway.models.adapter_checks import confine
+from gateway.models.adapters import add_adapter, remove_adapter
+from gateway.models.served import ServedModel
+from gateway.models.weights_root import weights_dir
+from gateway.models.weights_update import update_weights
 from gateway.requests import access, decode_json, registry, resolve_model, settings
 from gateway.responses import json_response
 from gateway.schemas.models import (
@@ -19,8 +23,6 @@ from gateway.schemas.models import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
 )
-from gateway.weights.adapters import confine
-from gateway.weights.root import weights_dir
 
 ADMIN_ERRORS = ("400", "401", "403", "404", "500", "503")
 
@@ -63,7 +65,7 @@ async def load_lora_adapter(request: Request) -> Response:
     body = await decode_json(request, LoadLoraAdapterRequest)
     served = base_model(request, body.model)
     root = served.settings.adapters_root
-    await served.add_adapter(body.lora_name, confine(root, body.lora_path), confined_to=root)
+    await add_adapter(served, body.lora_name, confine(root, body.lora_path), confined_to=root)
     return json_response(AdapterStatus(id=f"{served.name}:{body.lora_name}", status="loaded"))
 
 
@@ -83,7 +85,7 @@ async def unload_lora_adapter(request: Request) -> Response:
     require_admin(request)
     body = await decode_json(request, UnloadLoraAdapterRequest)
     served = base_model(request, body.model)
-    await served.remove_adapter(body.lora_name)
+    await remove_adapter(served, body.lora_name)
     return json_response(AdapterStatus(id=f"{served.name}:{body.lora_name}", status="unloaded"))
 
 
@@ -108,7 +110,7 @@ async def unload_lora_adapter(request: Request) -> Response:
 async def update_weights_from_disk(request: Request) -> Response:
     """New weights of the same architecture, without a restart. Requests reading the old weights
     finish on them first; the model's fingerprint, and every output-cache key, changes with them.
-    The directory must lie inside the model's `weights_root` (gateway/weights/root.py). Answers
+    The directory must lie inside the model's `weights_root` (gateway/models/weights_root.py). Answers
     SGLang's {success, message}; a failure (4xx, 501) adds this API's error object."""
     require_admin(request)
     body = await decode_json(request, UpdateWeightsFromDiskRequest)
@@ -127,7 +129,7 @@ async def update_weights_from_disk(request: Request) -> Response:
                 param="abort_all_requests",
             )
         path = await asyncio.to_thread(weights_dir, served.settings.weights_root, body.model_path)
-        await served.update_weights(path, body.weight_version)
+        await update_weights(served, path, body.weight_version)
     except GatewayError as exc:
         return json_response(
             UpdateWeightsFromDiskResponse(success=False, message=exc.message, error=exc.error_object()),

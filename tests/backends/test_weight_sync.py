@@ -30,7 +30,8 @@ from backends.transformers.weights_collective import (
 from backends.types import AnnouncedTensor, WeightsGroup
 from bench.launcher import free_port
 from gateway.errors import NotSupportedError
-from gateway.registry import ServedModel
+from gateway.models.served import ServedModel
+from gateway.models.weights_update import join_weights_group, leave_weights_group, update_weights_from_group
 from gateway.schemas.weight_sync import TensorDtype
 from gateway.settings import ModelSettings
 
@@ -45,9 +46,9 @@ async def test_the_base_class_has_no_capability_and_the_gateway_says_the_engine_
     served = ServedModel(ModelSettings(name="plain", backend="mock"), engine=engine)
     group = WeightsGroup("g", "127.0.0.1", 1, 1, 2, None, 1.0)
     for call in (
-        served.join_weights_group(group),
-        served.update_weights_from_group("g", [AnnouncedTensor("w", "float32", (1,))]),
-        served.leave_weights_group("g"),
+        join_weights_group(served, group),
+        update_weights_from_group(served, "g", [AnnouncedTensor("w", "float32", (1,))]),
+        leave_weights_group(served, "g"),
     ):
         with pytest.raises(NotSupportedError, match="Plain cannot receive weights over a collective"):
             await call

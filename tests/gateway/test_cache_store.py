@@ -14,7 +14,7 @@ from backends.rows import PackedRows
 from gateway.dense.quiet_time import QuietTime
 from gateway.dense.redis_store import CacheStats, RedisStore
 from gateway.dense.row_cache import FORMAT, MemoryRowCache, RedisRowCache, frame, frame_many, unframe
-from gateway.registry import weights_fingerprint
+from gateway.models.fingerprint import weights_fingerprint
 from logprob_gateway_client.wire import pack_ids
 
 

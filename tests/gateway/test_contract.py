@@ -25,10 +25,10 @@ from litestar import Request, Response, get
 
 from bench.launcher import start_gateway
 from gateway.app import ROUTE_HANDLERS, create_app
-from gateway.openapi.constraints import GRAMMAR_FIELDS
-from gateway.openapi.document import build_openapi
-from gateway.openapi.operation import OPENAPI, TEXT, Operation
-from gateway.openapi.vocabulary import decimal_below
+from gateway.contract.constraints import GRAMMAR_FIELDS
+from gateway.contract.document import build_openapi
+from gateway.contract.operation import OPENAPI, TEXT, Operation
+from gateway.contract.vocabulary import decimal_below
 from gateway.settings import Settings
 from tests.conftest import MODEL
 

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
 from gateway.app import ROUTE_HANDLERS
-from gateway.openapi.document import build_openapi
+from gateway.contract.document import build_openapi
 from gateway.settings import Limits, Settings
 from tests.conftest import mock_app_client
 

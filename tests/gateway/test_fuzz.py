@@ -33,8 +33,8 @@ from litestar import Litestar
 from litestar.testing import TestClient
 
 from gateway.app import ROUTE_HANDLERS, serving_app
+from gateway.contract.document import build_openapi
 from gateway.dense.delivery import in_body
-from gateway.openapi.document import build_openapi
 from gateway.schemas.chat import ChatCompletionResponse
 from gateway.schemas.completions import CompletionResponse
 from gateway.schemas.logprobs import (

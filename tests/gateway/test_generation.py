@@ -11,7 +11,7 @@ from backends.vocab import decode_text, token_bytes_table
 from gateway.errors import ContextLengthError, InvalidRequestError
 from gateway.generation import choices as gen
 from gateway.generation import sampling
-from gateway.registry import ServedModel
+from gateway.models.served import ServedModel
 from gateway.settings import Limits, ModelSettings
 
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from gateway.weights.lock import GenerationAborted, WeightsLock
+from gateway.models.weights_lock import GenerationAborted, WeightsLock
 
 
 async def test_an_update_waits_for_readers_and_holds_new_ones_back():

@@ -10,7 +10,7 @@ from inspect import cleandoc
 
 from litestar.handlers import HTTPRouteHandler
 
-from gateway.openapi.operation import OPENAPI, Operation
+from gateway.contract.operation import OPENAPI, Operation
 
 _TYPED_PARAMETER = re.compile(r"\{(\w+):\w+\}")  # Litestar's "{model:str}", OpenAPI's "{model}"
 

@@ -6,7 +6,7 @@ documented statuses are declared here, in the decorator's `opt`:
     @post("/v1/tokenize", summary="Tokenize", description="...", tags=["Tokenizer"], opt={OPENAPI:
         Operation(request=TokenizeRequest, content={"application/json": TokenizeResponse})})
 
-gateway/openapi/document.py reads these from the handlers and assembles the document.
+gateway/contract/document.py reads these from the handlers and assembles the document.
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 requests.
 
 Each handler's decorator declares its operation: Litestar's summary, description and tags, and in
-`opt` what Litestar cannot read from a handler that decodes its own body (gateway/openapi/operation.py).
+`opt` what Litestar cannot read from a handler that decodes its own body (gateway/contract/operation.py).
 The schemas are msgspec's; what the settings and the routes' checks allow is written into them
-(gateway/openapi/constraints.py), and so are, on the running server, the vocabulary's bounds
-(gateway/openapi/vocabulary.py). Where each route sits adds its statuses (the guard's key and
+(gateway/contract/constraints.py), and so are, on the running server, the vocabulary's bounds
+(gateway/contract/vocabulary.py). Where each route sits adds its statuses (the guard's key and
 limits, the body limit, shutdown) and security; links say which response values other operations
-take (gateway/openapi/links.py).
+take (gateway/contract/links.py).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from typing import Any
 import msgspec
 from litestar.handlers import HTTPRouteHandler
 
+from gateway.contract.constraints import constrain
+from gateway.contract.endpoint import Endpoint, endpoints
+from gateway.contract.links import links
+from gateway.contract.operation import Schema
+from gateway.contract.vocabulary import bound_by_vocabulary
 from gateway.errors import ErrorResponse
 from gateway.guard import DURING_SHUTDOWN, open_paths
-from gateway.openapi.constraints import constrain
-from gateway.openapi.endpoint import Endpoint, endpoints
-from gateway.openapi.links import links
-from gateway.openapi.operation import Schema
-from gateway.openapi.vocabulary import bound_by_vocabulary
 from gateway.schemas.chat import ChatCompletionChunk
 from gateway.settings import Settings
 

@@ -1,6 +1,6 @@
 """Where new weights may be loaded from at run time: a directory inside the model's `weights_root`.
 
-As with adapters (gateway/weights/adapters.py), a shared service must not read arbitrary files: the
+As with adapters (gateway/models/adapter_checks.py), a shared service must not read arbitrary files: the
 directory, after resolving symlinks, must lie inside the root, and so must every entry of it
 (engines read files of the directory by name). A path outside the root, a missing one, one that
 is no directory, one the filesystem refuses (no permission, a symlink loop, a name too long) and a
@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gateway.errors import ForbiddenError, InvalidRequestError
-from gateway.weights.adapters import leaving_entry
+from gateway.models.adapter_checks import leaving_entry
 
 UNAVAILABLE = (
     "model_path must name a directory inside this model's weights_root "

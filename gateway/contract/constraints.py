@@ -88,7 +88,7 @@ def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
     the routes themselves) into the schemas, so that a request the document allows is served. Only
     what each model decides stays out: prompts within its context (GET /v1/models/{model}), texts its
     tokenizer has a token for (its vocabulary); token ids below its vocab_size are stated by the
-    running server (gateway/openapi/vocabulary.py)."""
+    running server (gateway/contract/vocabulary.py)."""
     limits = settings.limits
     completion, chat = schemas["CompletionRequest"], schemas["ChatCompletionRequest"]
     completion["properties"]["prompt"] = _inputs(limits.max_prompts)

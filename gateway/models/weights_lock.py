@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Literal
 
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -130,12 +129,3 @@ class WeightsLock:
         finally:
             self._update = False
             self._notify()
-
-
-def weight_files_stat(path: str | Path) -> list[str]:
-    """Name, size and modification time of each weights file: a checkpoint written again with the
-    same tensor shapes (a training step) has the same headers but not the same files."""
-    return [
-        f"{file.name}:{file.stat().st_size}:{file.stat().st_mtime_ns}"
-        for file in sorted(Path(path).glob("*.safetensors"))
-    ]

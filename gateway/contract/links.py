@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.openapi.endpoint import Endpoint
+from gateway.contract.endpoint import Endpoint
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.schemas.completions import CompletionRequest
 from gateway.schemas.logprobs import DetokenizeRequest, NextTokenLogprobsRequest, TokenizeRequest
