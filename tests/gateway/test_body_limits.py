@@ -143,9 +143,11 @@ def test_huge_bodies_that_fail_validation_keep_health_quick(tmp_path):
     assert all(
         a.json()["error"]["param"] == "model" and "`str`" in a.json()["error"]["message"] for a in answers
     )
-    # decoded on the loop: 1.3 s here (the last field wrong); the loop's own stalls now are a few
-    # ms, the rest is the shared cores' load
-    assert max(latencies) < 0.5, sorted(latencies)[-5:]
+    # Decoded on the loop, each body wrong at its last field holds it 1.3 s here: two probes over
+    # a second. The loop's own stalls now are a few ms; the rest is the load of two shared cores
+    # (four sender threads in this process beside the prober), which one probe may catch.
+    slow = [seconds for seconds in latencies if seconds >= 0.5]
+    assert len(slow) <= 1 and max(latencies) < 1.0, sorted(latencies)[-5:]
 
 
 def test_half_sent_bodies_stay_within_the_servers_budget_of_unfinished_bytes(tmp_path):
