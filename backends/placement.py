@@ -55,13 +55,12 @@ class DistinctRows:
 @dataclass(frozen=True)
 class Placed:
     rows: np.ndarray  # float32 [asked rows, vocab]: `out`'s first array, when given
-    landing: tuple[np.ndarray, ...] = ()  # arrays written from a device, maybe still landing
-    host_memory: HostMemory | None = None
+    host_memory: HostMemory | None = None  # what wrote them from a device; None: on the host
 
     def wait_landed(self, array: np.ndarray | None = None) -> None:
-        """Block until the rows of `array` (default: `rows`) have landed; at once for rows that
-        were never on a device."""
-        if self.host_memory is not None and self.landing:
+        """Block until the rows of `array` (default: `rows`), an array of `out`, have landed; at
+        once for rows that were never on a device."""
+        if self.host_memory is not None:
             self.host_memory.wait_landed(self.rows if array is None else array)
 
 
@@ -80,18 +79,20 @@ async def place_rows(
     if out is not None and host_memory is not None:
         arrays = outputs(out)
         await host_memory.write_rows(distinct.rows, distinct.adapters, arrays, distinct.positions)
-        return Placed(arrays[0], arrays, host_memory)
+        return Placed(arrays[0], host_memory)
     computed = await engine.next_token_logprobs(distinct.rows, distinct.adapters)
     if out is None:
         return Placed(distinct.spread(computed))
     arrays = outputs(out)
-    await asyncio.to_thread(_copy_into, distinct, computed, arrays)
+    await asyncio.to_thread(copy_rows_into, computed, distinct.positions, arrays)
     return Placed(arrays[0])
 
 
-def _copy_into(distinct: DistinctRows, computed: np.ndarray, arrays: tuple[np.ndarray, ...]) -> None:
+def copy_rows_into(rows: np.ndarray, positions: Sequence[int] | None, arrays: Sequence[np.ndarray]) -> None:
+    """rows[positions] (all of `rows`, in order, for None) into every one of `arrays`, on the
+    host. Megabytes: callers run it off the event loop."""
     for array in arrays:
-        if distinct.positions is None:
-            array[...] = computed
+        if positions is None:
+            array[...] = rows
         else:
-            np.take(computed, distinct.positions, axis=0, out=array)
+            np.take(rows, positions, axis=0, out=array)

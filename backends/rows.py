@@ -61,10 +61,6 @@ class PackedRows:
             ]
         return self._keys
 
-    def row(self, i: int) -> np.ndarray:
-        end = int(self.ends[i])
-        return self.ids[end - int(self.lengths[i]) : end]
-
     def views(self) -> list[np.ndarray]:
         """Each row as a view of `ids`: no copy, for the thread that reads them."""
         return np.split(self.ids, self.ends[:-1]) if len(self) else []

@@ -15,9 +15,9 @@ import torch
 from backends import engine as contract
 from backends.errors import AdapterError
 from backends.rows import PackedRows
-from backends.transformers.host_copy import CudaHostMemory
+from backends.transformers.host_copy import CudaHostMemory, WrittenRows
 from backends.transformers.weights_collective import CollectiveGroups
-from backends.types import AnnouncedTensor, WeightsGroup
+from backends.types import AnnouncedTensor, ModelInfo, WeightsGroup
 from backends.weights_in_place import copy_tensors_in_place, copy_weights_in_place, model_parameters
 
 log = logging.getLogger(__name__)
@@ -29,11 +29,12 @@ class TransformersEngine(Protocol):
     there, this module would close an import cycle)."""
 
     model: Any
-    model_path: str
+    info: ModelInfo
     _peft: Any
     lane: Any
     prefix_kv: Any
     groups: CollectiveGroups
+    steps: Any  # its StepScheduler: dense rows and generation steps in shared passes
 
     def _run(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]: ...
 
@@ -141,7 +142,7 @@ class TransformersPrefixCache(contract.PrefixCache):
 class TransformersHostMemory(CudaHostMemory, contract.HostMemory):
     """CudaHostMemory's copies, with rows the engine computes for them."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: TransformersEngine) -> None:
         super().__init__(engine.info.vocab_size)
         self.engine = engine
 
@@ -152,4 +153,7 @@ class TransformersHostMemory(CudaHostMemory, contract.HostMemory):
         arrays: Sequence[np.ndarray],
         positions: Sequence[int] | None,
     ) -> None:
-        await self.engine.write_rows(rows, adapters, arrays, positions)
+        """The rows in a pass shared like any other dense call's, written from the device where
+        they go; returns once the copies are queued."""
+        into = WrittenRows(arrays, positions)
+        await self.engine.steps.submit([(r, a, into) for r, a in zip(rows.views(), adapters, strict=True)])

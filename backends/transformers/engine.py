@@ -25,7 +25,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -50,6 +49,7 @@ from backends.transformers.decode_lane import DecodeLane, lane_supported
 from backends.transformers.dense_rows import DenseRows
 from backends.transformers.grouped_attention import use_grouped_attention
 from backends.transformers.host_copy import (
+    WrittenRows,
     greedy_picks,
     release_pinned_memory,
     rows_to_host,
@@ -75,15 +75,6 @@ T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PROMPT_CHUNK = 512  # positions whose full-vocabulary log_softmax is held at once
-
-
-@dataclass(frozen=True)
-class WrittenRows:
-    """Where a dense call's rows go from the device: into every one of `arrays`, asked row i being
-    the call's row positions[i] (None: in order)."""
-
-    arrays: Sequence[np.ndarray]
-    positions: Sequence[int] | None
 
 
 # A row to compute, its adapter, and what its caller needs of it: None, the whole row on the host;
@@ -273,18 +264,6 @@ class TransformersEngine(Engine):
         )
         assert isinstance(computed, np.ndarray)
         return computed
-
-    async def write_rows(
-        self,
-        rows: PackedRows,
-        adapters: Sequence[str | None],
-        arrays: Sequence[np.ndarray],
-        positions: Sequence[int] | None,
-    ) -> None:
-        """TransformersHostMemory.write_rows: the rows in a pass shared like any other, written
-        from the device where they go; returns once the copies are queued."""
-        into = WrittenRows(arrays, positions)
-        await self.steps.submit([(r, a, into) for r, a in zip(rows.views(), adapters, strict=True)])
 
     async def _pass(self, groups: list[Sequence[StepItem]]) -> list[StepResult]:
         return await self._run(self._step_results, groups)

@@ -14,6 +14,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,6 +28,15 @@ _PORTABLE = 1  # cudaHostRegisterPortable: for every device's context, not only 
 
 def _page_locked_like(rows: torch.Tensor) -> torch.Tensor:
     return torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+
+
+@dataclass(frozen=True)
+class WrittenRows:
+    """Where a dense call's rows go from the device: into every one of `arrays`, asked row i being
+    the call's row positions[i] (None: in order)."""
+
+    arrays: Sequence[np.ndarray]
+    positions: Sequence[int] | None
 
 
 def rows_to_host(rows: torch.Tensor) -> np.ndarray:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from backends.engine import Engine
-from backends.placement import Out, Placed, outputs, place_rows
+from backends.placement import Out, Placed, copy_rows_into, outputs, place_rows
 from backends.rows import PackedRows
 
 log = logging.getLogger(__name__)
@@ -247,12 +247,12 @@ class RowBatcher:
         for request in batch:
             if request.future.done():
                 continue
-            rows = _take(results, [index[key] for key in request.keys])
+            positions = [index[key] for key in request.keys]
             if request.out is None:
-                request.future.set_result(Placed(rows))
+                request.future.set_result(Placed(_take(results, positions)))
                 continue
-            arrays = outputs(request.out)
-            await asyncio.to_thread(_copy_into, rows, arrays)  # megabytes: off the event loop
+            arrays = outputs(request.out)  # gathered straight into them: megabytes, off the loop
+            await asyncio.to_thread(copy_rows_into, results, positions, arrays)
             if not request.future.done():
                 request.future.set_result(Placed(arrays[0]))
 
@@ -261,11 +261,6 @@ class RowBatcher:
         self.stats.engine_rows += rows
         self.stats.largest_batch = max(self.stats.largest_batch, rows)
         self._on_batch(rows)
-
-
-def _copy_into(rows: np.ndarray, arrays: tuple[np.ndarray, ...]) -> None:
-    for array in arrays:
-        array[...] = rows
 
 
 def _timed(batch: list[_Request], began: float) -> None:

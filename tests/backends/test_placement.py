@@ -31,7 +31,7 @@ def test_rows_from_lists_and_from_wire_bytes_have_the_same_ids_keys_and_views():
         assert len(rows) == 5 and rows.lengths.tolist() == [3, 1, 3, 2, 1]
         assert rows.keys == [pack_ids(row) for row in ROWS]  # the wire's bytes, row by row
         assert rows.lists() == ROWS and [v.tolist() for v in rows.views()] == ROWS
-        assert rows.row(3).tolist() == [40000, 2]
+        assert rows.views()[3].tolist() == [40000, 2]
     assert np.shares_memory(from_bytes.views()[1], from_bytes.ids)  # views, not copies
     taken = from_bytes.take([3, 0])
     assert taken.lists() == [[40000, 2], [1, 2, 3]] and taken.keys == [pack_ids(ROWS[3]), pack_ids(ROWS[0])]
