@@ -4,19 +4,16 @@ refused with a 400 that names the limit, before anything tokenizes it."""
 
 from __future__ import annotations
 
-import multiprocessing
 import random
 import string
-import time
 from collections.abc import Callable
-from multiprocessing.queues import Queue
-from multiprocessing.synchronize import Event
 
 import httpx
 import pytest
 
 from gateway.prompts import DEFAULT_CHARS_PER_TOKEN
 from tests.conftest import MODEL
+from tests.gateway.health_probe import health_latencies_during
 
 pytestmark = pytest.mark.slow
 
@@ -45,41 +42,11 @@ def text_limit(http: httpx.Client) -> int:
     return context * DEFAULT_CHARS_PER_TOKEN
 
 
-def _poll_health(base_url: str, ready: Event, stop: Event, polls: Queue) -> None:
-    """Polls /health until `stop`; puts its (monotonic start, end, status) triples on `polls`."""
-    found = []
-    with httpx.Client(base_url=base_url, timeout=60) as c:
-        while not stop.is_set():
-            started = time.monotonic()
-            status = c.get("/health").status_code
-            found.append((started, time.monotonic(), status))
-            if len(found) == 3:
-                ready.set()
-            time.sleep(0.005)
-    polls.put(found)
-
-
 def _worst_health_latency(
     base_url: str, request: Callable[[], httpx.Response]
 ) -> tuple[float, httpx.Response]:
-    """The slowest /health answer while `request` runs, polled from another process: a thread of
-    this one would also wait on this process's GIL while it encodes and sends the request."""
-    context = multiprocessing.get_context("spawn")
-    ready, stop, polls = context.Event(), context.Event(), context.Queue()
-    poller = context.Process(target=_poll_health, args=(base_url, ready, stop, polls))
-    poller.start()
-    try:
-        assert ready.wait(60), "/health was not polled"
-        started = time.monotonic()
-        response = request()
-        ended = time.monotonic()
-        time.sleep(0.05)  # a poll that was waiting on a stalled loop lands
-    finally:
-        stop.set()
-        found = polls.get(timeout=60)
-        poller.join()
-    during = [end - start for start, end, _ in found if start < ended and end > started]
-    assert during and {status for *_, status in found} == {200}
+    """The slowest /health answer while `request` runs."""
+    during, response = health_latencies_during(base_url, request)
     return max(during), response
 
 
