@@ -1,5 +1,5 @@
-"""The composed engine's capabilities that reach both of its engines: adapters, new weights, the
-prefix caches. Each change lands in both engines or in neither; one under way runs to its end
+"""The composed engine's capabilities that reach both of its engines (adapters, new weights, the
+prefix caches) and the dense engine's host memory. Each change lands in both engines or in neither; one under way runs to its end
 even when its caller is cancelled, so a departed client never leaves the two engines apart."""
 
 from __future__ import annotations
@@ -9,8 +9,11 @@ import logging
 from collections.abc import Awaitable, Sequence
 from typing import Protocol, TypeVar
 
+import numpy as np
+
 from backends import engine as contract
 from backends.errors import EngineUnavailableError, WeightsError
+from backends.rows import PackedRows
 from backends.types import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -129,6 +132,37 @@ class ComposedWeights(contract.Weights):
             log.error("composed model: %s", engine.unusable)
             raise EngineUnavailableError(engine.unusable) from failure
         log.warning("composed model: the generation engine refused new weights; the old ones are back")
+
+
+class ComposedHostMemory(contract.HostMemory):
+    """The dense engine's, refusing rows while the engines hold different weights."""
+
+    def __init__(self, engine: ComposedEngine, host_memory: contract.HostMemory) -> None:
+        self.engine = engine
+        self.host_memory = host_memory
+
+    def register(self, address: int, size: int) -> bool:
+        return self.host_memory.register(address, size)
+
+    def unregister(self, address: int) -> None:
+        self.host_memory.unregister(address)
+
+    async def write_rows(
+        self,
+        rows: PackedRows,
+        adapters: Sequence[str | None],
+        arrays: Sequence[np.ndarray],
+        positions: Sequence[int] | None,
+    ) -> None:
+        if self.engine.unusable is not None:
+            raise EngineUnavailableError(self.engine.unusable)
+        await self.host_memory.write_rows(rows, adapters, arrays, positions)
+
+    def empty(self, rows: int) -> np.ndarray:
+        return self.host_memory.empty(rows)
+
+    def wait_landed(self, array: np.ndarray) -> None:
+        self.host_memory.wait_landed(array)
 
 
 class ComposedPrefixCache(contract.PrefixCache):

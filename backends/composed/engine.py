@@ -24,7 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from backends.composed.capabilities import ComposedAdapters, ComposedPrefixCache, ComposedWeights
+from backends.composed.capabilities import (
+    ComposedAdapters,
+    ComposedHostMemory,
+    ComposedPrefixCache,
+    ComposedWeights,
+)
 from backends.composed.vocabulary import vocabulary_difference
 from backends.engine import Engine
 from backends.errors import EngineMismatchError, EngineUnavailableError
@@ -79,7 +84,8 @@ class ComposedEngine(Engine):
             self.weights = ComposedWeights(self)
         caches = [c for c in (dense.prefix_cache, generation.prefix_cache) if c is not None]
         self.prefix_cache = ComposedPrefixCache(caches) if caches else None
-        self.host_memory = dense.host_memory
+        if dense.host_memory is not None:
+            self.host_memory = ComposedHostMemory(self, dense.host_memory)
         self.structured_outputs = generation.structured_outputs
 
     def composed_info(self) -> ModelInfo:

@@ -213,3 +213,17 @@ def test_an_adapter_the_generation_engine_refuses_is_unloaded_from_the_dense_eng
     assert "b" not in dense.adapters.loaded
     asyncio.run(composed.adapters.unload("a"))
     assert dense.adapters.loaded == generation.adapters.loaded == {}
+
+
+def test_host_memory_is_the_dense_engines_and_refuses_rows_while_the_engines_are_apart(loaded):
+    generation, dense = mock(loaded), mock(loaded, host_memory=True)
+    composed = ComposedEngine(generation, dense)
+    assert ComposedEngine(mock(loaded), mock(loaded)).host_memory is None
+    array = composed.host_memory.empty(2)
+    assert composed.host_memory.register(array.ctypes.data, array.nbytes)
+    asyncio.run(composed.host_memory.write_rows(PackedRows.of(ROWS), [None, None], [array], None))
+    composed.host_memory.wait_landed(array)
+    np.testing.assert_array_equal(array, rows(dense))
+    composed.unusable = "its engines hold different weights"
+    with pytest.raises(EngineUnavailableError):
+        asyncio.run(composed.host_memory.write_rows(PackedRows.of(ROWS), [None, None], [array], None))
