@@ -1,7 +1,8 @@
 """What engines raise, as one tree:
 
     RuntimeError
-     └── EngineUnavailableError   the backend's library is missing, or the model cannot load
+     └── EngineUnavailableError   the backend's library is missing, or the model cannot load (or serve)
+          └── EngineMismatchError  two engines composed into one model do not share a vocabulary
     ValueError
      ├── AdapterError             an adapter does not fit (or is not loaded)
      ├── WeightsError             new weights that do not fit; nothing changed
@@ -16,7 +17,13 @@ from __future__ import annotations
 
 
 class EngineUnavailableError(RuntimeError):
-    """A backend cannot be used here: its library is missing or the model cannot be loaded."""
+    """A backend cannot be used here: its library is missing or the model cannot be loaded; or a
+    loaded model cannot serve until it is given weights again (backends/composed/)."""
+
+
+class EngineMismatchError(EngineUnavailableError):
+    """The engines composed into one model would not mean the same by a token id (their
+    tokenizers or vocabulary sizes differ): a configuration to change, not a load to retry."""
 
 
 class AdapterError(ValueError):

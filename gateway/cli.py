@@ -145,7 +145,8 @@ def tune_collector() -> None:
 
 def serve(settings: Settings) -> int:
     """Serve until SIGTERM or Ctrl-C (0); a model that fails to load at start stops the server (1):
-    it cannot serve what it was configured for, so it exits for the orchestrator to see."""
+    it cannot serve what it was configured for, so it exits for the orchestrator to see; one whose
+    configuration is found wrong only once loaded (composed engines that do not match) exits 2."""
     from gateway.app import serving_app
     from gateway.server.console import announce_ready, explain_interrupts
     from gateway.server.log_config import uvicorn_log_config
@@ -179,8 +180,14 @@ def serve(settings: Settings) -> int:
     explain_interrupts(server)
     with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run
         server.run()
+    models = litestar_app.state.registry.models
     for name, error in failed.items():
-        print(f"logprob-gateway: model {name!r} failed to load: {error}", file=sys.stderr)
+        if models[name].misconfigured:  # the configuration's to change: said as a refused setting is
+            print(f"logprob-gateway: model {name!r}: {error.partition(': ')[2]}", file=sys.stderr)
+        else:
+            print(f"logprob-gateway: model {name!r} failed to load: {error}", file=sys.stderr)
+    if any(models[name].misconfigured for name in failed):
+        return 2
     return 1 if failed else 0
 
 

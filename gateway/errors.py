@@ -9,7 +9,7 @@
      ├── UnsupportedMediaTypeError     415 invalid_request_error   (a body neither JSON nor MessagePack)
      ├── RequestTimeoutError           408 invalid_request_error   code=request_timeout (a local frame too slow)
      ├── RateLimitError                429 rate_limit_error        (a per-key or server limit; Retry-After)
-     ├── ModelNotReadyError            503 service_unavailable     (still loading, or failed)
+     ├── ModelNotReadyError            503 service_unavailable     (still loading, or failed; or unusable)
      ├── ShuttingDownError             503 service_unavailable     code=server_shutting_down (after SIGTERM)
      └── EngineError                   500 internal_error          (the engine failed a request)
 
@@ -29,7 +29,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from backends.errors import AdapterError, GrammarError, RequestRejectedError
+from backends.errors import AdapterError, EngineUnavailableError, GrammarError, RequestRejectedError
 from gateway.schemas.common import NOT_SUPPORTED
 
 log = logging.getLogger(__name__)
@@ -225,6 +225,11 @@ def _handle_grammar(request: Request, exc: GrammarError) -> Response:
     return _handle_gateway_error(request, InvalidRequestError(str(exc)))
 
 
+def _handle_unavailable(request: Request, exc: EngineUnavailableError) -> Response:
+    """A model whose engine cannot serve until it is given weights again (backends/composed/)."""
+    return _handle_gateway_error(request, ModelNotReadyError(str(exc)))
+
+
 def _handle_unexpected(_: Request, exc: Exception) -> Response:
     log.exception("unexpected error", exc_info=exc)
     return error_response(500, "internal server error", "internal_error", None, None)
@@ -236,6 +241,7 @@ EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
     AdapterError: _handle_adapter_error,
     RequestRejectedError: _handle_rejected,
     GrammarError: _handle_grammar,
+    EngineUnavailableError: _handle_unavailable,
     HTTPException: _handle_http_exception,
     Exception: _handle_unexpected,
 }

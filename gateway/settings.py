@@ -25,7 +25,9 @@
     weights_root = "/checkpoints"  # /update_weights_from_disk must read inside it; unset: off
     max_batch_rows = 256           # distinct dense rows per engine call
     batch_window_ms = 2.0          # how long an idle engine waits for more rows
-    options = {}                   # backend-specific
+    options = {}                   # backend-specific (with dense_backend: the generation engine's)
+    dense_backend = "self"         # or "transformers": it computes the dense rows, `backend` generates
+    dense_options = {}             # the dense engine's own options
 
     [cache]
     redis_url = "redis://localhost:6379/0"   # unset: in-process LRU of memory_bytes
@@ -70,7 +72,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from backends.builtin_models import DEFAULT_MODEL
-from backends.registry import BACKEND_NAMES
+from backends.composed.engine import composed_config
+from backends.registry import BACKEND_NAMES, DENSE_BACKEND_NAMES, SELF
 from backends.types import EngineConfig
 
 ENV_PREFIX = "LOGPROB_GATEWAY_"
@@ -93,14 +96,23 @@ class ModelSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     adapters_root: str | None = None  # run-time loads must lie inside it; None: run-time loads off
     max_lora_rank: Annotated[int, msgspec.Meta(gt=0)] = 64
     weights_root: str | None = None  # run-time weight loads must lie inside it; None: they are off
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {}  # the engine's; with a dense_backend, the generation engine's
+    # "self": the backend's engine computes everything; a backend of DENSE_BACKEND_NAMES: that
+    # engine, loaded from the same weights, computes dense rows and prompt scores (backends/composed/)
+    dense_backend: str = SELF
+    dense_options: dict[str, Any] = {}  # the dense engine's options
 
     @property
     def served_name(self) -> str:
         return self.name or Path(self.model.rstrip("/")).name
 
+    @property
+    def engines(self) -> str:
+        """The backend, or "generation+dense" for a composed model: in logs and fingerprints."""
+        return self.backend if self.dense_backend == SELF else f"{self.backend}+{self.dense_backend}"
+
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
+        config = EngineConfig(
             model=self.model,
             dtype=self.dtype,
             device=self.device,
@@ -108,6 +120,29 @@ class ModelSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             max_lora_rank=self.max_lora_rank if self.adapters or self.adapters_root else 0,
             options=self.options,
         )
+        if self.dense_backend == SELF:
+            return config
+        return composed_config(config, self.backend, self.dense_backend, self.dense_options)
+
+    def check(self) -> None:
+        """ConfigError for what no model can be: an unknown backend, a dense_backend that cannot
+        compute dense rows, a name that holds ':'."""
+        name = self.served_name
+        if self.backend not in BACKEND_NAMES:
+            raise ConfigError(
+                f"model {name!r}: unknown backend {self.backend!r}; choose one of: {', '.join(BACKEND_NAMES)}"
+            )
+        if self.dense_backend not in DENSE_BACKEND_NAMES:
+            what = (
+                f"dense_backend {self.dense_backend!r} cannot compute a composed model's dense rows"
+                if self.dense_backend in BACKEND_NAMES
+                else f"unknown dense_backend {self.dense_backend!r}"
+            )
+            raise ConfigError(f"model {name!r}: {what}; choose one of: {', '.join(DENSE_BACKEND_NAMES)}")
+        if self.dense_options and self.dense_backend == SELF:
+            raise ConfigError(f"model {name!r}: dense_options without a dense_backend; put them in options")
+        if ":" in name:
+            raise ConfigError(f"model name {name!r} must not contain ':' (it selects adapters)")
 
 
 class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -208,13 +243,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if duplicates:
             raise ConfigError(f"model names must be unique; repeated: {', '.join(duplicates)}")
         for m in self.models:
-            if m.backend not in BACKEND_NAMES:
-                raise ConfigError(
-                    f"model {m.served_name!r}: unknown backend {m.backend!r}; "
-                    f"choose one of: {', '.join(BACKEND_NAMES)}"
-                )
-            if ":" in m.served_name:
-                raise ConfigError(f"model name {m.served_name!r} must not contain ':' (it selects adapters)")
+            m.check()
 
 
 _MODEL_KEYS = ("model", "backend", "name", "dtype", "device", "max_model_len", "weights_root")

@@ -31,6 +31,7 @@ from typing import Protocol
 import numpy as np
 
 from backends.engine import Engine
+from backends.errors import EngineUnavailableError
 from backends.placement import Placed
 from backends.rows import PackedRows
 from gateway.dense import delivery
@@ -40,7 +41,13 @@ from gateway.dense.quiet_time import QuietTime
 from gateway.dense.row_cache import RowCache
 from gateway.dense.shared_memory import Destination, SharedMemoryWriter
 from gateway.dense.token_rows import dense_inputs
-from gateway.errors import ContextLengthError, EngineError, GatewayError, InvalidRequestError
+from gateway.errors import (
+    ContextLengthError,
+    EngineError,
+    GatewayError,
+    InvalidRequestError,
+    ModelNotReadyError,
+)
 from gateway.metrics import Metrics
 from gateway.models.served import ServedModel
 from gateway.schemas.logprobs import NextTokenLogprobsRequest, NextTokenLogprobsUsage
@@ -153,6 +160,8 @@ class DenseService:
                 placed, hits = await self.rows(served, adapter, rows, into, times)
         except GatewayError:
             raise
+        except EngineUnavailableError as exc:  # unusable until given weights again: 503
+            raise ModelNotReadyError(str(exc)) from exc
         except Exception as exc:
             raise EngineError(f"the engine failed to compute the rows: {type(exc).__name__}: {exc}") from exc
         tokens = int(rows.ids.size)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from backends.errors import EngineMismatchError
 from backends.registry import engine_class
 from backends.vocab import token_bytes_table
 from gateway.metrics import Metrics
@@ -39,10 +40,11 @@ async def load_model(served: ServedModel, metrics: Metrics) -> None:
     """Load the model's engine and its configured adapters; a failure is recorded on the model
     (`served.error`), never raised."""
     started = time.perf_counter()
-    log.info("loading model %r (%s, backend %s)", served.name, served.settings.model, served.settings.backend)
+    settings = served.settings
+    log.info("loading model %r (%s, backend %s)", served.name, settings.model, settings.engines)
     try:
-        cls = engine_class(served.settings.backend)
-        engine = await asyncio.to_thread(cls.load, served.settings.engine_config())
+        cls = engine_class(settings.backend, settings.dense_backend)
+        engine = await asyncio.to_thread(cls.load, settings.engine_config())
         served.token_bytes = await asyncio.to_thread(
             token_bytes_table, engine.info.tokenizer, engine.info.vocab_size
         )
@@ -51,18 +53,19 @@ async def load_model(served: ServedModel, metrics: Metrics) -> None:
         served.fingerprint = await asyncio.to_thread(
             weights_fingerprint,
             engine.info.path,
-            served.settings.backend,
+            settings.engines,
             engine.info.dtype,
             str(engine.info.vocab_size),
         )
         served.engine = engine
         served.weights.hold_at_steps = engine.weights is not None and engine.weights.held_between_steps
-        for name, path in served.settings.adapters.items():
+        for name, path in settings.adapters.items():
             await add_adapter(served, name, Path(path), configured=True)
         served.loaded = True
     except Exception as exc:  # a model that cannot load must not take the others down
         served.engine = None
         served.error = f"{type(exc).__name__}: {exc}"
+        served.misconfigured = isinstance(exc, EngineMismatchError)
         log.error("model %r failed to load: %s", served.name, served.error)
         return
     elapsed = time.perf_counter() - started

@@ -44,6 +44,9 @@ class ServedModel:
         default_factory=asyncio.Lock, repr=False
     )  # one load or unload at a time
     error: str | None = None
+    # the load failed for the configuration's sake (composed engines that do not match): the
+    # serving process exits with status 2, as for a configuration refused before loading
+    misconfigured: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

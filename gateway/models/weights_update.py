@@ -58,7 +58,7 @@ async def update_weights(served: ServedModel, path: Path, version: str | None = 
 
     def fingerprint() -> str:
         try:
-            extra = (served.settings.backend, engine.info.dtype, str(engine.info.vocab_size))
+            extra = (served.settings.engines, engine.info.dtype, str(engine.info.vocab_size))
             return weights_fingerprint(path, *extra, *weight_files_stat(path))
         except OSError:  # the files changed since they were loaded: a key no other replica shares
             return hashlib.sha256(f"{served.fingerprint}:disk:{uuid.uuid4().hex}".encode()).hexdigest()

@@ -8,7 +8,7 @@ import socket
 
 from backends.builtin_models import check_model_source
 from backends.errors import EngineUnavailableError
-from backends.registry import check_backend_installed
+from backends.registry import SELF, check_backend_installed
 from gateway.settings import Settings
 
 
@@ -37,7 +37,10 @@ def check_before_loading(settings: Settings) -> list[str]:
     if listen is not None:
         problems.append(listen)
     for model in settings.models:
-        for check, subject in ((check_backend_installed, model.backend), (check_model_source, model.model)):
+        checks = [(check_backend_installed, model.backend), (check_model_source, model.model)]
+        if model.dense_backend != SELF:
+            checks.append((check_backend_installed, model.dense_backend))
+        for check, subject in checks:
             try:
                 check(subject)
             except EngineUnavailableError as exc:

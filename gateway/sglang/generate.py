@@ -17,6 +17,7 @@ from dataclasses import replace
 import msgspec
 import numpy as np
 
+from backends.sampling import Sampler
 from backends.types import TokenStep
 from backends.vocab import decode_text
 from gateway.dense.service import DenseService
@@ -55,6 +56,7 @@ class ItemRun:
         self.completion_tokens = 0
         self.output_token_ids: list[list[Triple]] = []  # token_ids_logprob's, per scored step
         self.rescored: list[TokenStep] = []  # scored steps with logprobs at the temperature
+        self.wanted = None if item.token_ids is None else np.asarray(item.token_ids, dtype=np.int64)
 
     def _rescales(self) -> bool:
         return self.item.params.temperature not in (0.0, 1.0)
@@ -68,17 +70,22 @@ class ItemRun:
             return list(scored)
         done = len(self.rescored)
         prefixes = (item.ids + [s.token_id for s in scored[:i]] for i in range(done, len(scored)))
-        wanted = None if item.token_ids is None else np.asarray(item.token_ids, dtype=np.int64)
         steps = iter(scored[done:])
         async for raw in next_token_rows(self.dense, item, prefixes):
-            step, row = next(steps), at_temperature(raw, item.params.temperature)
-            if wanted is not None:
-                self.output_token_ids.append(self.triples.make(row[wanted].tolist(), item.token_ids))
-            if self._rescales():
-                top = np.argsort(-row, kind="stable")[: item.top_k]
-                step = replace(step, logprob=float(row[step.token_id]), top_ids=top, top_logprobs=row[top])
-            self.rescored.append(step)
+            self._rescore(next(steps), raw)
         return self.rescored[: len(scored)]
+
+    def _rescore(self, step: TokenStep, raw: np.ndarray) -> TokenStep:
+        """`step` as reported from `raw`, the model's whole row before it (kept in `rescored`)."""
+        item = self.item
+        row = at_temperature(raw, item.params.temperature)
+        if item.token_ids is not None:
+            self.output_token_ids.append(self.triples.make(row[self.wanted].tolist(), item.token_ids))
+        if self._rescales():
+            top = np.argsort(-row, kind="stable")[: item.top_k]
+            step = replace(step, logprob=float(row[step.token_id]), top_ids=top, top_logprobs=row[top])
+        self.rescored.append(step)
+        return step
 
     def _result(
         self,
@@ -145,19 +152,28 @@ class ItemRun:
 
     async def _prefill_only(self, scores: Scores) -> GenerateResponse:
         """No tokens; with logprobs, one triple for the token that would come next, drawn with
-        the request's sampling (greedy: the most likely), as SGLang reports it."""
+        the request's sampling (greedy: the most likely), as SGLang reports it. Drawn from the
+        model's whole row after the prompt, as the prompt's scores are: a scoring request reaches
+        no generation (of a composed model, only the dense engine). Under a grammar, whose mask
+        the generating engine applies, the engine generates it."""
         finish = FinishReason(type="length", length=0)
         if not self.item.return_logprob:
             return self._result("", [], scores, finish)
         item = self.item
         params = replace(item.params, max_tokens=1)
         engine = item.served.require_engine()
-        generator = engine.generate(item.ids, params, item.adapter)
-        try:
-            step = await anext(generator)
-        finally:
-            await generator.aclose()
-        return self._result("", [], scores, finish, await self._score_rows([step]))
+        if params.grammar is not None:
+            generator = engine.generate(item.ids, params, item.adapter)
+            try:
+                step = await anext(generator)
+            finally:
+                await generator.aclose()
+            return self._result("", [], scores, finish, await self._score_rows([step]))
+        rows = [row async for row in next_token_rows(self.dense, item, [item.ids])]
+        step = Sampler(params, engine.info.eos_token_ids, normalized=True).step(rows[0])
+        if self._rescales() or item.token_ids is not None:
+            step = self._rescore(step, rows[0])
+        return self._result("", [], scores, finish, [step])
 
 
 def encode(body: GenerateResponse | list[GenerateResponse]) -> bytes:

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import yaml
 
-from backends.registry import BACKEND_NAMES
+from backends.registry import BACKEND_NAMES, DENSE_BACKEND_NAMES
 from gateway.settings import CacheSettings, Limits, ModelSettings, Settings
 from tests.deploy.conftest import CHART, EXAMPLES, HASH, require
 
@@ -53,6 +53,9 @@ BAD = {
     "no models": {"config": {"models": []}},
     "colon in a model name": {"config": {"models": [{**MODEL, "name": "a:b"}]}},
     "unknown backend": {"config": {"models": [{**MODEL, "backend": "tgi"}]}},
+    "vllm as the dense backend": {
+        "config": {"models": [{**MODEL, "backend": "vllm", "dense_backend": "vllm"}]}
+    },
     "misplaced model field": {"config": {"models": [{**MODEL, "max_tokens": 10}]}},
     "unknown dtype": {"config": {"models": [{**MODEL, "dtype": "fp8"}]}},
     "redis url in the config": {"config": {"cache": {"redis_url": "redis://x"}}},
@@ -105,4 +108,6 @@ def test_the_schema_follows_the_gateway_settings():
     assert _properties("properties", "config", "properties", "cache") == set(
         CacheSettings.__struct_fields__
     ) - {"redis_url"}
-    assert set(BACKEND_NAMES) <= set(SCHEMA["definitions"]["model"]["properties"]["backend"]["enum"])
+    model = SCHEMA["definitions"]["model"]["properties"]
+    assert set(BACKEND_NAMES) <= set(model["backend"]["enum"])
+    assert model["dense_backend"]["enum"] == list(DENSE_BACKEND_NAMES)

@@ -1,0 +1,1 @@
+"""One served model made of two engines: one generates, the other computes dense rows."""

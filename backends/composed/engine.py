@@ -1,0 +1,151 @@
+"""One served model made of two engines loaded from the same weights: a generation engine (vLLM,
+SGLang, ...) and a dense engine (transformers, ...), to the gateway one Engine.
+
+    next_token_logprobs, prompt_logprobs, host_memory   the dense engine
+    generate, structured_outputs                        the generation engine
+    adapters, weights, prefix_cache                     both (capabilities.py)
+
+So every score (dense rows, prompt scores) comes from the dense engine and every generated token
+from the generation engine. The two must mean the same by every token id: `load` refuses engines
+whose tokenizers or vocabulary sizes differ (EngineMismatchError). `info` is the dense engine's,
+with the generation engine's end-of-sequence ids (where its streams stop) and the shorter of the
+two context lengths.
+
+Its config (`composed_config`) names the two backends; the model's `options` go to the
+generation engine, `dense_options` to the dense one; every other field to both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from backends.composed.capabilities import (
+    ComposedAdapters,
+    ComposedHostMemory,
+    ComposedPrefixCache,
+    ComposedWeights,
+)
+from backends.composed.vocabulary import vocabulary_difference
+from backends.engine import Engine
+from backends.errors import EngineMismatchError, EngineUnavailableError
+from backends.registry import engine_class
+from backends.rows import PackedRows
+from backends.types import EngineConfig, ModelInfo, PromptLogprobs, SamplingParams, TokenStep
+
+GENERATION, DENSE = "generation_backend", "dense_backend"
+GENERATION_OPTIONS, DENSE_OPTIONS = "generation_options", "dense_options"
+
+
+def composed_config(
+    config: EngineConfig, generation_backend: str, dense_backend: str, dense_options: Mapping[str, Any]
+) -> EngineConfig:
+    """The composed engine's config: `config` (whose options are the generation engine's), the
+    two backends' names and the dense engine's options."""
+    options = {
+        GENERATION: generation_backend,
+        DENSE: dense_backend,
+        GENERATION_OPTIONS: dict(config.options),
+        DENSE_OPTIONS: dict(dense_options),
+    }
+    return replace(config, options=options)
+
+
+def _close(engine: Engine) -> None:
+    """Close an engine from a worker thread (loading runs in one), where no event loop runs."""
+    asyncio.run(engine.aclose())
+
+
+async def _nothing() -> AsyncIterator[TokenStep]:
+    return
+    yield  # an async generator that yields nothing
+
+
+class ComposedEngine(Engine):
+    def __init__(self, generation: Engine, dense: Engine) -> None:
+        difference = vocabulary_difference(generation.info, dense.info)
+        if difference is not None:
+            raise EngineMismatchError(
+                f"the generation and dense engines cannot serve one model: {difference}"
+            )
+        self.generation = generation
+        self.dense = dense
+        self.info = self.composed_info()
+        # Why the two engines may hold different weights (a failed update that could not be
+        # undone), while they do: the model serves nothing until new weights load into both.
+        self.unusable: str | None = None
+        if generation.adapters is not None and dense.adapters is not None:
+            self.adapters = ComposedAdapters(generation.adapters, dense.adapters)
+        if generation.weights is not None and dense.weights is not None:
+            self.weights = ComposedWeights(self)
+        caches = [c for c in (dense.prefix_cache, generation.prefix_cache) if c is not None]
+        self.prefix_cache = ComposedPrefixCache(caches) if caches else None
+        if dense.host_memory is not None:
+            self.host_memory = ComposedHostMemory(self, dense.host_memory)
+        self.structured_outputs = generation.structured_outputs
+
+    def composed_info(self) -> ModelInfo:
+        """The dense engine's facts (its rows' width, dtype and weights' path), with the
+        generation engine's end-of-sequence ids and the shorter context."""
+        ours, theirs = self.dense.info, self.generation.info
+        return replace(
+            ours,
+            eos_token_ids=theirs.eos_token_ids,
+            max_model_len=min(ours.max_model_len, theirs.max_model_len),
+        )
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> ComposedEngine:
+        """The dense engine, then the generation engine, each with its own options; both closed
+        again if the second fails to load or the two do not match."""
+        options = config.options
+        shared = replace(config, options={})
+        dense = engine_class(options[DENSE]).load(replace(shared, options=options.get(DENSE_OPTIONS, {})))
+        try:
+            generation = engine_class(options[GENERATION]).load(
+                replace(shared, options=options.get(GENERATION_OPTIONS, {}))
+            )
+        except BaseException:
+            _close(dense)
+            raise
+        try:
+            return cls(generation, dense)
+        except BaseException:
+            _close(generation)
+            _close(dense)
+            raise
+
+    def _check_usable(self) -> None:
+        if self.unusable is not None:
+            raise EngineUnavailableError(self.unusable)
+
+    async def next_token_logprobs(self, rows: PackedRows, adapters: Sequence[str | None]) -> np.ndarray:
+        self._check_usable()
+        return await self.dense.next_token_logprobs(rows, adapters)
+
+    async def prompt_logprobs(
+        self, ids: Sequence[int], top_k: int, adapter: str | None = None
+    ) -> PromptLogprobs:
+        self._check_usable()
+        return await self.dense.prompt_logprobs(ids, top_k, adapter)
+
+    def generate(
+        self, ids: Sequence[int], params: SamplingParams, adapter: str | None = None
+    ) -> AsyncIterator[TokenStep]:
+        self._check_usable()
+        if params.max_tokens <= 0:  # scoring only (echo, max_tokens 0): nothing to generate
+            return _nothing()
+        return self.generation.generate(ids, params, adapter)
+
+    def is_healthy(self) -> bool:
+        return self.unusable is None and self.generation.is_healthy() and self.dense.is_healthy()
+
+    async def aclose(self) -> None:
+        try:
+            await self.generation.aclose()
+        finally:
+            await self.dense.aclose()
