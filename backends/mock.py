@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from transformers import AutoTokenizer
+from transformers import PreTrainedTokenizerFast
 
 from backends import engine as engine_contract
 from backends.builtin_models import resolve_model_dir
@@ -192,7 +192,7 @@ class MockEngine(Engine):
     @classmethod
     def load(cls, config: EngineConfig) -> MockEngine:
         path = resolve_model_dir(config.model)
-        tokenizer = AutoTokenizer.from_pretrained(config.options.get("tokenizer", path))
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(config.options.get("tokenizer", path))
         vocab_size = int(config.options.get("vocab_size", len(tokenizer)))
         return cls(
             tokenizer,
