@@ -60,6 +60,7 @@ import torch
 from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir
 from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype
 from backends.types import EngineConfig
+from bench.checks import reference_check
 from bench.smc_report import load_report, plot, print_tables, save_report
 from bench.smc_ways import (
     NextRows,
@@ -204,18 +205,6 @@ async def lockstep(runs: dict[str, AsyncIterator[tuple[float, float]]]) -> dict[
             totals[name] = (totals[name][0] + seconds, totals[name][1] + call)
         step += 1
     return totals
-
-
-def reference_check(model: object, kept: list[tuple[list[int], np.ndarray]]) -> float:
-    """Largest |difference| between kept rows and an uncached forward pass of each row alone."""
-    device = next(model.parameters()).device  # type: ignore[attr-defined]
-    worst = 0.0
-    with torch.inference_mode():
-        for row, got in kept:
-            logits = model(torch.tensor([row], device=device)).logits[0, -1]  # type: ignore[operator]
-            expected = torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
-            worst = max(worst, float(np.max(np.abs(got - expected))))
-    return worst
 
 
 async def run(args: argparse.Namespace, tmp: Path) -> dict:
