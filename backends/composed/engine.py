@@ -58,6 +58,16 @@ def composed_config(
     return replace(config, options=options)
 
 
+def generation_defaults(backend: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The generation engine's options, with what differs from its defaults as a model of its own
+    where the options leave it unset: it is never asked for dense rows, so vLLM runs without its
+    row-capturing logits processor, which would hold it to its older, slower model runner
+    (docs/engines.md, vLLM)."""
+    if backend == "vllm":
+        return {"dense_rows": "logprobs", **options}
+    return dict(options)
+
+
 def _close(engine: Engine) -> None:
     """Close an engine from a worker thread (loading runs in one), where no event loop runs."""
     asyncio.run(engine.aclose())
@@ -111,7 +121,7 @@ class ComposedEngine(Engine):
         dense_config = replace(shared, options=options.get(DENSE_OPTIONS, {}))
         dense = engine_class(options[DENSE]).load(dense_config)
         try:
-            generation_options = options.get(GENERATION_OPTIONS, {})
+            generation_options = generation_defaults(options[GENERATION], options.get(GENERATION_OPTIONS, {}))
             on_gpu = dense_gpu(options[DENSE], dense_config)
             if on_gpu is not None:  # room for the dense engine's cache (backends/composed/memory.py)
                 generation_options = fitted_options(options[GENERATION], generation_options, *on_gpu)

@@ -1,6 +1,7 @@
-"""The generation engine's memory share on a GPU it shares with the dense engine
-(backends/composed/memory.py): which value is set, in each engine's own terms, and that a value the
-options give is kept. No GPU here: the GPU's memory is given, and the engines are mocks."""
+"""The generation engine's options in a composed model: its memory share on a GPU it shares with
+the dense engine (backends/composed/memory.py), which value is set, in each engine's own terms, and
+that a value the options give is kept; vLLM without its row capture. No GPU here: the GPU's memory
+is given, and the engines are mocks."""
 
 from __future__ import annotations
 
@@ -130,10 +131,9 @@ def test_loading_on_a_gpu_sets_the_generation_engines_share_after_the_dense_engi
     assert dense.configs[0].options == {}
     assert generation.configs[0].options == {
         "enforce_eager": True,
+        "dense_rows": "logprobs",  # vLLM's own rows, never asked: no logits processor
         "gpu_memory_utilization": generation_share("vllm", AFTER_DENSE, CACHE),
     }
-    config = composed_config(
-        EngineConfig(model="m", options={"gpu_memory_utilization": 0.4}), "vllm", "transformers", {}
-    )
-    ComposedEngine.load(config)
-    assert generation.configs[1].options == {"gpu_memory_utilization": 0.4}
+    given = {"gpu_memory_utilization": 0.4, "dense_rows": "capture"}
+    ComposedEngine.load(composed_config(EngineConfig(model="m", options=given), "vllm", "transformers", {}))
+    assert generation.configs[1].options == given
