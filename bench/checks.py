@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from backends.transformers.engine import resolve_device, resolve_dtype
+from bench.launcher import restore_vllm_environment
 from logprob_gateway_client import AsyncGatewayLM
 
 GIB = 1 << 30
@@ -65,6 +66,7 @@ def share_set(log_path: Path) -> str:
 async def gateway_rows(base_url: str, model: str, rows: list[list[int]]) -> Kept:
     """`rows` as a gateway serves them (one request, as an SMC step asks), each with its row."""
     lm = AsyncGatewayLM(base_url, model)
+    restore_vllm_environment()  # what importing genlm-backend set, kept from servers started later
     try:
         out = np.asarray(await lm.batch_next_token_logprobs(rows), dtype=np.float32)
     finally:

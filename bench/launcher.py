@@ -22,6 +22,14 @@ from backends.sglang.transport import free_port
 _VLLM_AT_START = {key: value for key, value in os.environ.items() if key.startswith("VLLM_")}
 
 
+def restore_vllm_environment() -> None:
+    """This process's VLLM_* variables as they were when it started, for the children it starts
+    itself (`vllm serve`, `sglang.launch_server`)."""
+    for key in [k for k in os.environ if k.startswith("VLLM_") and k not in _VLLM_AT_START]:
+        del os.environ[key]
+    os.environ.update(_VLLM_AT_START)
+
+
 def child_environment(env: Mapping[str, str] | None) -> dict[str, str]:
     """`env` (default: this process's), with the VLLM_* variables this process has changed since
     it started as they were then; those `env` sets otherwise are kept."""
