@@ -59,8 +59,8 @@ def composed_config(
 
 
 def generation_defaults(backend: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The generation engine's options, with what differs from its defaults as a model of its own
-    where the options leave it unset: it is never asked for dense rows, so vLLM runs without its
+    """The generation engine's options, with the defaults it takes in a composed model where the
+    options leave them unset: it is never asked for dense rows, so vLLM runs without its
     row-capturing logits processor, which would hold it to its older, slower model runner
     (docs/engines.md, vLLM)."""
     if backend == "vllm":
@@ -113,9 +113,10 @@ class ComposedEngine(Engine):
 
     @classmethod
     def load(cls, config: EngineConfig) -> ComposedEngine:
-        """The dense engine, then the generation engine, each with its own options (on a GPU, the
-        generation engine's memory share set to leave room for the dense engine where the options
-        leave it unset); both closed again if the second fails to load or the two do not match."""
+        """The dense engine, then the generation engine, each with its own options (the second's
+        with `generation_defaults` and, on a GPU, a memory share that leaves room for the dense
+        engine, where the options leave them unset); both closed again if the second fails to load
+        or the two do not match."""
         options = config.options
         shared = replace(config, options={})
         dense_config = replace(shared, options=options.get(DENSE_OPTIONS, {}))
