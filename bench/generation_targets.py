@@ -3,6 +3,10 @@
   gateway-B               our gateway (bench.launcher) with `backend = B`: transformers, vllm, mlx
   gateway-sglang-M        the same with the SGLang engine in mode M: `engine` (sglang.Engine inside
                           the gateway) or `server` (a `sglang.launch_server` child the gateway manages)
+  gateway-composed-G      a composed model (backends/composed/): generation engine G (`sglang` in
+                          `engine` mode, or `vllm`), dense rows and prompt scores by the transformers
+                          engine on the same GPU; the generation engine's memory share is left to
+                          the composed engine's default (the other SGLang and vLLM targets set one)
   gateway-vllm-logprobs   the vLLM engine with `dense_rows = "logprobs"`: no logits processor, so on
                           a GPU vLLM runs its default model runner
   gateway-replicas        one transformers gateway per GPU (two on a machine without), sharing one
@@ -55,6 +59,8 @@ GATEWAY_TARGETS = [
     "gateway-sglang-engine",
     "gateway-sglang-server",
     "gateway-replicas",
+    "gateway-composed-sglang",
+    "gateway-composed-vllm",
 ]
 SERVER_TARGETS = ["sglang-server", "vllm-server", "vllm-server-v1"]
 TARGETS = [*GATEWAY_TARGETS, *SERVER_TARGETS, "transformers-generate"]
@@ -140,6 +146,7 @@ class OpenAICompletions:
     takes_grammars = True
 
     def __init__(self, base_url: str, server: str) -> None:
+        self.base_url = base_url
         self.client = openai.AsyncOpenAI(
             base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=3600
         )
@@ -190,18 +197,25 @@ class Spread:
 
 def gateway_toml(name: str, setup: Setup, redis_url: str | None = None) -> Path:
     """A one-model config for gateway target `name`: the backend and, for SGLang, its mode and args;
-    the output cache in Redis at `redis_url` when given."""
+    a composed model's dense backend; the output cache in Redis at `redis_url` when given."""
     backend, _, mode = name.removeprefix("gateway-").partition("-")
+    dense = None
     if backend == "replicas":
         backend, mode = "transformers", ""
+    elif backend == "composed":
+        backend, mode, dense = mode, "engine" if mode == "sglang" else "", "transformers"
     fields = {"name": SERVED_NAME, "model": str(setup.model_dir), "backend": backend, "dtype": setup.dtype}
-    if backend != "sglang":  # SGLang picks its GPU itself
+    if backend != "sglang" or dense:  # SGLang picks its GPU itself; the dense engine does not
         fields["device"] = setup.device
+    if dense:
+        fields["dense_backend"] = dense
     options = {}
     if backend == "vllm" and mode:
         options = {"dense_rows": mode}
     elif backend == "sglang":
         options = engine_options(mode)
+        if dense:  # the composed engine's share, which leaves its dense engine room
+            del options["mem_fraction_static"]
         if mode == "server":
             options |= {
                 "log_path": str(setup.logs / f"{name}-sglang.log"),

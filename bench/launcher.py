@@ -15,6 +15,33 @@ import httpx
 
 from backends.sglang.transport import free_port
 
+# Importing genlm-backend (the client's AsyncGatewayLM does, to register with it) sets VLLM_*
+# variables for the whole process, for a vLLM engine inside it (VLLM_USE_V2_MODEL_RUNNER=1 among
+# them, which vLLM's CPU build refuses and our engine's logits processor cannot run under): a
+# gateway started after it must not inherit them.
+_VLLM_AT_START = {key: value for key, value in os.environ.items() if key.startswith("VLLM_")}
+
+
+def restore_vllm_environment() -> None:
+    """This process's VLLM_* variables as they were when it started, for the children it starts
+    itself (`vllm serve`, `sglang.launch_server`)."""
+    for key in [k for k in os.environ if k.startswith("VLLM_") and k not in _VLLM_AT_START]:
+        del os.environ[key]
+    os.environ.update(_VLLM_AT_START)
+
+
+def child_environment(env: Mapping[str, str] | None) -> dict[str, str]:
+    """`env` (default: this process's), with the VLLM_* variables this process has changed since
+    it started as they were then; those `env` sets otherwise are kept."""
+    child = dict(os.environ if env is None else env)
+    for key in {*_VLLM_AT_START, *(k for k in os.environ if k.startswith("VLLM_"))}:
+        if child.get(key) == os.environ.get(key) != _VLLM_AT_START.get(key):
+            if key in _VLLM_AT_START:
+                child[key] = _VLLM_AT_START[key]
+            else:
+                del child[key]
+    return child
+
 
 @dataclass
 class GatewayProcess:
@@ -54,7 +81,8 @@ def start_gateway(
     module: str = "gateway.cli",
 ) -> GatewayProcess:
     """Serve on a free loopback port and wait until /health answers 200, or fail with the log tail
-    (a gateway whose model fails to load exits). `env`: its environment (default: this process's);
+    (a gateway whose model fails to load exits). `env`: its environment (default: this process's;
+    either without what importing genlm-backend set, `child_environment`);
     `module`: the command line run (a bench's stamped one: bench/stages/server.py)."""
     port = free_port()
     with log_path.open("w") as log_file:
@@ -62,7 +90,7 @@ def start_gateway(
             [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port), *args],
             stdout=log_file,
             stderr=subprocess.STDOUT,
-            env={**(os.environ if env is None else env), "TQDM_DISABLE": "1"},
+            env={**child_environment(env), "TQDM_DISABLE": "1"},
         )
     gateway = GatewayProcess(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + timeout

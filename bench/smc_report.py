@@ -4,8 +4,8 @@ A report: results[(P, way)] = rows/s of each repeat (the whole loop, sampling in
 calls[(P, way)] = ms per step spent in the next-token call; server[(P, way)] = the gateway's
 median (rows, encode) ms per step from Server-Timing; "caller ms/step" is the rest of each step
 (sampling, resampling: the caller's own work, the same for every way); checks[(P, way)] = the largest difference
-from an uncached forward pass. "vs engine" (and decode, genlm) is the median over repeats of each
-run's ratio to that way's run of the same repeat: the ways take turns within a repeat.
+from an uncached forward pass. "vs engine" (and gateway, decode, genlm) is the median over repeats of
+each run's ratio to that way's run of the same repeat: the ways take turns within a repeat.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ def print_tables(args: argparse.Namespace, report: dict) -> None:
         f"resample every {args.resample_every}, median of {args.repeats}\n"
     )
     print(
-        "| particles | way | rows/s | min-max | vs engine | vs decode | vs genlm | call ms/step "
-        "| caller ms/step | server rows + encode ms | max abs diff vs uncached |"
+        "| particles | way | rows/s | min-max | vs engine | vs gateway | vs decode | vs genlm "
+        "| call ms/step | caller ms/step | server rows + encode ms | max abs diff vs uncached |"
     )
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for (particles, mode), values in sorted(results.items(), key=lambda item: item[0][0]):
-        ratio = {m: _paired(results, particles, mode, m) for m in ("engine", "decode", "genlm")}
+        ratio = {m: _paired(results, particles, mode, m) for m in ("engine", "gateway", "decode", "genlm")}
         call = caller = "-"
         if (particles, mode) in calls:
             per_step = calls[particles, mode]
@@ -58,7 +58,8 @@ def print_tables(args: argparse.Namespace, report: dict) -> None:
         check = f"{checks[particles, mode]:.1e}" if (particles, mode) in checks else "-"
         print(
             f"| {particles} | {mode} | {median[particles, mode]:.1f} | {min(values):.1f}-{max(values):.1f} | "
-            f"{ratio['engine']} | {ratio['decode']} | {ratio['genlm']} | {call} | {caller} | {on_server} | {check} |"
+            f"{ratio['engine']} | {ratio['gateway']} | {ratio['decode']} | {ratio['genlm']} | {call} | "
+            f"{caller} | {on_server} | {check} |"
         )
 
 

@@ -17,12 +17,14 @@ from backends.placement import place_rows
 from backends.rows import PackedRows
 from backends.transformers.host_copy import rows_to_host
 from backends.types import EngineConfig
+from bench.checks import GIB, gpu_free
 from bench.launcher import GatewayProcess, start_gateway
 from logprob_gateway_client import AsyncGatewayLM
 
 NextRows = Callable[[list[list[int]]], Awaitable[np.ndarray]]  # rows -> float32 [rows, vocab]
 # SGLang with what scripts/stage.sh leaves out kept off; each engine takes a fraction of the GPU's
-# memory that leaves room for the bench's own transformers model and a second engine beside it.
+# memory that leaves room for the bench's own transformers model and a second engine beside it
+# (composed models too: their default share would leave room for their own dense engine only).
 SGLANG_ARGS = {
     "attention_backend": "triton",
     "sampling_backend": "pytorch",
@@ -161,19 +163,25 @@ def start_bench_gateway(
 ) -> GatewayProcess:
     """A gateway process serving `model_dir` as "smc" for `mode` (its output cache off for
     gateway-nocache, else of `cache_bytes` when given) on `backend` (default: the mode's, else
-    transformers), its command line run from `module`, stopped with `stack`."""
+    transformers; gateway-composed-G: G generating, transformers computing the rows), its command
+    line run from `module`, stopped with `stack`."""
     toml = tmp / f"{mode}.toml"
     cache = (
         "enabled = false" if mode == "gateway-nocache" else cache_bytes and f"memory_bytes = {cache_bytes}"
     )
     options = ", ".join(f"{key} = {value}" for key, value in args.engine_option)
     engine = mode.removeprefix("gateway-")
+    dense = ""
+    if engine.startswith("composed-"):  # the transformers engine's options go to the dense engine
+        engine = engine.removeprefix("composed-")
+        dense = f'dense_backend = "transformers"\ndense_options = {{{options}}}\n'
     if engine in ENGINE_ARGS:
         backend = engine
         options = ", ".join(f"{key} = {json.dumps(value)}" for key, value in ENGINE_ARGS[engine].items())
     toml.write_text(
         f'[[models]]\nname = "smc"\nmodel = "{model_dir}"\ndtype = "{args.dtype}"\ndevice = "{args.device}"\n'
         + (f'backend = "{backend}"\n' if backend else "")
+        + dense
         + f"options = {{{options}}}\n"
         + (f"[cache]\n{cache}\n" if cache else "")
     )
@@ -193,7 +201,11 @@ async def gateway_way(
 ) -> tuple[Callable[[int, int], NextRows], dict[int, list[tuple[float, float]]]]:
     """A gateway process for `mode`, and its rows per (P, repeat); the second value collects the
     server's (rows ms, encode ms) per request size from Server-Timing."""
+    before = gpu_free(args.device)
     gateway = start_bench_gateway(mode, model_dir, args, tmp, stack)
+    if before is not None:
+        after = gpu_free(args.device)
+        print(f"{mode}: {(before - after) / GIB:.1f} GiB of GPU memory at start, {after / GIB:.1f} left")
     # One client for every run, as a user keeps one: its connection and shared memory segments
     # are set up in the warm-up run, as the engine's memory is. Each run has its own prompt, so
     # no row of its cache is asked again.

@@ -12,7 +12,9 @@ with the generation engine's end-of-sequence ids (where its streams stop) and th
 two context lengths.
 
 Its config (`composed_config`) names the two backends; the model's `options` go to the
-generation engine, `dense_options` to the dense one; every other field to both.
+generation engine, `dense_options` to the dense one; every other field to both. On one GPU, the
+generation engine's memory share leaves room for the dense engine unless the options set it
+(memory.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from backends.composed.capabilities import (
     ComposedPrefixCache,
     ComposedWeights,
 )
+from backends.composed.memory import dense_gpu, fitted_options
 from backends.composed.vocabulary import vocabulary_difference
 from backends.engine import Engine
 from backends.errors import EngineMismatchError, EngineUnavailableError
@@ -53,6 +56,16 @@ def composed_config(
         DENSE_OPTIONS: dict(dense_options),
     }
     return replace(config, options=options)
+
+
+def generation_defaults(backend: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The generation engine's options, with the defaults it takes in a composed model where the
+    options leave them unset: it is never asked for dense rows, so vLLM runs without its
+    row-capturing logits processor, which would hold it to its older, slower model runner
+    (docs/engines.md, vLLM)."""
+    if backend == "vllm":
+        return {"dense_rows": "logprobs", **options}
+    return dict(options)
 
 
 def _close(engine: Engine) -> None:
@@ -100,15 +113,20 @@ class ComposedEngine(Engine):
 
     @classmethod
     def load(cls, config: EngineConfig) -> ComposedEngine:
-        """The dense engine, then the generation engine, each with its own options; both closed
-        again if the second fails to load or the two do not match."""
+        """The dense engine, then the generation engine, each with its own options (the second's
+        with `generation_defaults` and, on a GPU, a memory share that leaves room for the dense
+        engine, where the options leave them unset); both closed again if the second fails to load
+        or the two do not match."""
         options = config.options
         shared = replace(config, options={})
-        dense = engine_class(options[DENSE]).load(replace(shared, options=options.get(DENSE_OPTIONS, {})))
+        dense_config = replace(shared, options=options.get(DENSE_OPTIONS, {}))
+        dense = engine_class(options[DENSE]).load(dense_config)
         try:
-            generation = engine_class(options[GENERATION]).load(
-                replace(shared, options=options.get(GENERATION_OPTIONS, {}))
-            )
+            generation_options = generation_defaults(options[GENERATION], options.get(GENERATION_OPTIONS, {}))
+            on_gpu = dense_gpu(options[DENSE], dense_config)
+            if on_gpu is not None:  # room for the dense engine's cache (backends/composed/memory.py)
+                generation_options = fitted_options(options[GENERATION], generation_options, *on_gpu)
+            generation = engine_class(options[GENERATION]).load(replace(shared, options=generation_options))
         except BaseException:
             _close(dense)
             raise
