@@ -39,7 +39,7 @@ def passes(engine, monkeypatch):
     run = engine.steps._run_pass
 
     async def recording(groups):
-        recorded.append([tuple(r) for group in groups for r, _, _ in group])
+        recorded.append([tuple(r.tolist()) for group in groups for r, *_ in group])
         return await run(groups)
 
     monkeypatch.setattr(engine.steps, "_run_pass", recording)
