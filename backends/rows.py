@@ -2,15 +2,15 @@
 
 A dense request's rows are every row's ids one after another as little-endian int32 and where
 each row ends. A row's key is its ids' bytes (`row_key`; with its adapter, where adapters mix): a
-bytes object hashes once, keeps its hash, and compares in C, so the output cache, the batcher's
-merging of identical rows, de-duplication before an engine call and the decode lane's slots all
-use it as it is. The row a row extends by one token has the same bytes less the last id's (`parent_key`). An
+bytes object hashes once, keeps its hash, and compares in C, so the output cache, de-duplication
+before an engine call and within an engine's pass, and the decode lane's slots all use it as it
+is. The row a row extends by one token has the same bytes less the last id's (`parent_key`). An
 engine whose library takes lists asks for them (`lists`) once, where it calls the library.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -30,6 +30,19 @@ def parent_key(key: bytes) -> bytes:
 def key_length(key: bytes) -> int:
     """How many ids the row keyed `key` has."""
     return len(key) // INT32.itemsize
+
+
+def first_positions(keys: Sequence[Hashable]) -> tuple[list[int], list[int] | None]:
+    """Where each distinct key first comes, in order, and per key the index of its distinct key
+    among those; None for the second when every key is distinct."""
+    index: dict[Hashable, int] = {}
+    positions, firsts = [], []
+    for i, key in enumerate(keys):
+        position = index.setdefault(key, len(index))
+        if position == len(firsts):  # seen first here
+            firsts.append(i)
+        positions.append(position)
+    return firsts, None if len(firsts) == len(keys) else positions
 
 
 class GrowingRow:

@@ -35,7 +35,7 @@ from backends.builtin_models import resolve_model_dir
 from backends.engine import Engine
 from backends.errors import AdapterError
 from backends.grammar.constraint import LLGuidanceGrammars
-from backends.rows import GrowingRow, PackedRows, row_key
+from backends.rows import GrowingRow, PackedRows, first_positions, row_key
 from backends.sampling import Pick, greedy_alternatives, sample_tokens
 from backends.step_scheduler import StepScheduler, split_rows
 from backends.transformers.cache_argument import output_cache, with_cache
@@ -60,6 +60,7 @@ from backends.transformers.weights_collective import CollectiveGroups
 from backends.types import (
     EngineConfig,
     ModelInfo,
+    PassStats,
     PromptLogprobs,
     SamplingParams,
     TokenStep,
@@ -172,7 +173,8 @@ class TransformersEngine(Engine):
         self.adapters = TransformersAdapters(self)
         self.weights = TransformersWeights(self)
         # Dense rows and generation steps of concurrent requests share forward passes.
-        self.steps: StepScheduler[StepItem, StepResult] = StepScheduler(self._pass)
+        self.pass_stats = PassStats()
+        self.steps: StepScheduler[StepItem, StepResult] = StepScheduler(self._pass, stats=self.pass_stats)
         self.prefix_kv: PrefixKeysValues | None = None  # prefixes' keys/values, reused by dense rows
         if prefix_cache_bytes and supports_prefix_cache(model):
             self.prefix_kv = PrefixKeysValues(prefix_cache_bytes)
@@ -271,10 +273,19 @@ class TransformersEngine(Engine):
 
     def _step_results(self, groups: list[Sequence[StepItem]]) -> list[StepResult]:
         """Each group's rows on the host, its greedy stream's Pick, or (None) its rows written
-        into host memory from the device: only rows a caller reads cross to the host, once."""
+        into host memory from the device: only rows a caller reads cross to the host, once. A
+        row that several groups ask for (the same adapter) is computed once."""
         items = [item for group in groups for item in group]
         rows, keys, adapters = [i[0] for i in items], [i[1] for i in items], [i[2] for i in items]
+        positions = None  # a group's own rows are distinct already (backends/placement.py)
+        if len(groups) > 1:
+            firsts, positions = first_positions(list(zip(adapters, keys, strict=True)))
+            if positions is not None:
+                rows, keys, adapters = ([column[i] for i in firsts] for column in (rows, keys, adapters))
         dense = self.dense(rows, keys, adapters, use_lane=self._peft is None)
+        self.pass_stats.rows += len(rows)
+        if positions is not None:  # each group's rows, in its own order
+            dense = dense[torch.tensor(positions, device=dense.device)]
         results: list[StepResult] = [None] * len(groups)
         ends = np.cumsum([len(group) for group in groups]).tolist()
         spans = [(end - len(group), end) for group, end in zip(groups, ends, strict=True)]
