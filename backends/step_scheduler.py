@@ -16,6 +16,10 @@ of a pass's time (`max_wait_s` at most).
 
 When a pass fails, its submissions are retried one by one, so only the one that causes the failure
 gets the error.
+
+This is the one batching layer of the engines that use it: the gateway hands each request's rows
+to the engine as they come (at most the model's `max_batch_rows` distinct rows a call), and
+concurrent requests meet here.
 """
 
 from __future__ import annotations
