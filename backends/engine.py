@@ -11,6 +11,10 @@ A capability is an object or None, and `engine.<capability> is None` is the one 
     host_memory   HostMemory    rows written from the device straight into registered host memory
     prefix_cache  PrefixCache   prefix keys/values kept for reuse, which can be forgotten
     structured_outputs  StructuredOutputs   generation held to a grammar (SamplingParams.grammar)
+
+And one record an engine may keep: `pass_stats` (PassStats), the counters of its own scheduler,
+where an engine merges concurrent calls into shared passes itself (None: its library's scheduler
+does, or nothing does).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from backends.types import (
     EngineConfig,
     Grammar,
     ModelInfo,
+    PassStats,
     PromptLogprobs,
     SamplingParams,
     TokenStep,
@@ -151,6 +156,7 @@ class Engine(ABC):
     host_memory: HostMemory | None = None
     prefix_cache: PrefixCache | None = None
     structured_outputs: StructuredOutputs | None = None
+    pass_stats: PassStats | None = None
 
     @classmethod
     @abstractmethod
@@ -161,7 +167,9 @@ class Engine(ABC):
     async def next_token_logprobs(self, rows: PackedRows, adapters: Sequence[str | None]) -> np.ndarray:
         """log_softmax of the logits after each row: float32 [len(rows), vocab_size]. Row i under
         the LoRA adapter `adapters[i]` (None: the base model); one call may mix them. The rows are
-        distinct: callers come through backends/placement.py, which computes repeats once."""
+        distinct: callers come through backends/placement.py, which computes repeats once.
+        Concurrent calls are the engine's to merge into shared work (its scheduler); a call whose
+        caller has gone (cancelled) before its work began is never computed."""
 
     @abstractmethod
     async def prompt_logprobs(

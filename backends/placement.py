@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backends.engine import Engine, HostMemory
-from backends.rows import PackedRows
+from backends.rows import PackedRows, first_positions
 
 # `out` of place_rows: arrays the rows land in, each float32 [asked rows, vocab].
 Out = np.ndarray | tuple[np.ndarray, ...]
@@ -36,14 +36,8 @@ class DistinctRows:
             keys: list = rows.keys
         else:
             keys = list(zip(adapters, rows.keys, strict=True))
-        index: dict = {}
-        positions, firsts = [], []
-        for i, key in enumerate(keys):
-            position = index.setdefault(key, len(index))
-            if position == len(firsts):  # seen first here
-                firsts.append(i)
-            positions.append(position)
-        if len(firsts) == len(keys):
+        firsts, positions = first_positions(keys)
+        if positions is None:
             return cls(rows, list(adapters), None)
         return cls(rows.take(firsts), [adapters[i] for i in firsts], positions)
 

@@ -1,19 +1,72 @@
 """Token-id rows packed as the wire brings them, and each row's key, made once where rows enter.
 
 A dense request's rows are every row's ids one after another as little-endian int32 and where
-each row ends. A row's key is its ids' bytes (with its adapter, where adapters mix): a bytes
-object hashes once, keeps its hash, and compares in C, so the output cache, the batcher's merging
-of identical rows and de-duplication before an engine call all use it as it is. An engine whose
-library takes lists asks for them (`lists`) once, where it calls the library.
+each row ends. A row's key is its ids' bytes (`row_key`; with its adapter, where adapters mix): a
+bytes object hashes once, keeps its hash, and compares in C, so the output cache, de-duplication
+before an engine call and within an engine's pass, and the decode lane's slots all use it as it
+is. The row a row extends by one token has the same bytes less the last id's (`parent_key`). An
+engine whose library takes lists asks for them (`lists`) once, where it calls the library.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
 INT32 = np.dtype("<i4")
+
+
+def row_key(ids: np.ndarray) -> bytes:
+    """The key of the row `ids` (int32): its ids as little-endian int32 bytes."""
+    return np.asarray(ids, dtype=INT32).tobytes()
+
+
+def parent_key(key: bytes) -> bytes:
+    """The key of the row that the row keyed `key` extends by one token."""
+    return key[: -INT32.itemsize]
+
+
+def key_length(key: bytes) -> int:
+    """How many ids the row keyed `key` has."""
+    return len(key) // INT32.itemsize
+
+
+def first_positions(keys: Sequence[Hashable]) -> tuple[list[int], list[int] | None]:
+    """Where each distinct key first comes, in order, and per key the index of its distinct key
+    among those; None for the second when every key is distinct."""
+    index: dict[Hashable, int] = {}
+    positions, firsts = [], []
+    for i, key in enumerate(keys):
+        position = index.setdefault(key, len(index))
+        if position == len(firsts):  # seen first here
+            firsts.append(i)
+        positions.append(position)
+    return firsts, None if len(firsts) == len(keys) else positions
+
+
+class GrowingRow:
+    """A generation's ids so far as int32, grown in place: every step hands its engine a view of
+    them (and its key) without converting the whole sequence again."""
+
+    __slots__ = ("_ids", "_length")
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        self._ids = np.empty(max(2 * len(ids), 16), dtype=INT32)
+        self._ids[: len(ids)] = ids
+        self._length = len(ids)
+
+    def append(self, token: int) -> None:
+        if self._length == len(self._ids):  # earlier views keep the old array
+            grown = np.empty(2 * len(self._ids), dtype=INT32)
+            grown[: self._length] = self._ids
+            self._ids = grown
+        self._ids[self._length] = token
+        self._length += 1
+
+    def view(self) -> np.ndarray:
+        """The ids so far; later appends leave it as it is."""
+        return self._ids[: self._length]
 
 
 class PackedRows:
@@ -53,9 +106,9 @@ class PackedRows:
 
     @property
     def keys(self) -> list[bytes]:
-        """Row i's ids as little-endian int32 bytes: the row's identity everywhere it travels."""
+        """Row i's key (`row_key` of its ids): slices of the packed bytes."""
         if self._keys is None:
-            data = self._data if self._data is not None else self.ids.tobytes()
+            data = self._data if self._data is not None else row_key(self.ids)
             self._keys = [
                 data[4 * s : 4 * e] for s, e in zip(self.starts.tolist(), self.ends.tolist(), strict=True)
             ]
@@ -75,7 +128,7 @@ class PackedRows:
         """The rows whose keys are `keys`, in that order."""
         rows = cls(
             np.frombuffer(b"".join(keys), dtype=INT32),
-            np.cumsum(np.fromiter((len(k) // 4 for k in keys), dtype=np.int64, count=len(keys))),
+            np.cumsum(np.fromiter(map(key_length, keys), dtype=np.int64, count=len(keys))),
         )
         rows._keys = keys
         return rows

@@ -16,6 +16,10 @@ of a pass's time (`max_wait_s` at most).
 
 When a pass fails, its submissions are retried one by one, so only the one that causes the failure
 gets the error.
+
+This is the one batching layer of the engines that use it: the gateway hands each request's rows
+to the engine as they come (at most the model's `max_batch_rows` distinct rows a call), and
+concurrent requests meet here.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import numpy as np
+
+from backends.types import PassStats
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +60,7 @@ class StepScheduler(Generic[Item, Result]):
         *,
         max_rows: int = 1024,
         max_wait_s: float = 0.05,
+        stats: PassStats | None = None,
     ) -> None:
         # one pass over every submission's items: a result per submission, in order
         self._run_pass = run_pass
@@ -63,8 +70,8 @@ class StepScheduler(Generic[Item, Result]):
         self._worker: asyncio.Task[None] | None = None
         self._last_callers = 0  # submissions served by the last pass
         self._last_pass_s = 0.0
-        self.passes = 0  # forward passes run, for tests and benches
-        self.largest = 0  # most submissions merged into one pass
+        # passes, submissions and the largest pass counted here; rows by `run_pass`, which knows them
+        self.stats = stats if stats is not None else PassStats()
 
     async def submit(self, items: Sequence[Item]) -> Result:
         """The items' result, computed in a pass shared with whatever else is waiting."""
@@ -104,8 +111,6 @@ class StepScheduler(Generic[Item, Result]):
         return batch
 
     async def _serve(self, batch: list[_Submission[Item, Result]]) -> None:
-        self.passes += 1
-        self.largest = max(self.largest, len(batch))
         try:
             results = await self._run_pass([s.items for s in batch])
         except Exception as exc:
@@ -118,6 +123,10 @@ class StepScheduler(Generic[Item, Result]):
             if not batch[0].future.done():
                 batch[0].future.set_exception(exc)
             return
+        stats = self.stats
+        stats.passes += 1
+        stats.submissions += len(batch)
+        stats.largest = max(stats.largest, len(batch))
         for submission, result in zip(batch, results, strict=True):
             if not submission.future.done():
                 submission.future.set_result(result)

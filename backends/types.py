@@ -125,6 +125,17 @@ class TokenStep:
     finish_reason: str | None  # "stop" (end-of-sequence token), "length" (max_tokens), or None
 
 
+@dataclass
+class PassStats:
+    """Counters of an engine's shared passes (backends/step_scheduler.py): where its concurrent
+    dense calls and generation steps are merged."""
+
+    passes: int = 0  # passes that computed their rows (a failed one's are retried one by one)
+    submissions: int = 0  # dense calls and generation steps served
+    rows: int = 0  # rows computed, identical rows of one pass once
+    largest: int = 0  # most submissions in one pass
+
+
 @dataclass(frozen=True)
 class PromptLogprobs:
     """Log-probabilities of prompt tokens 1..T-1, each given the tokens before it."""

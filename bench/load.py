@@ -447,7 +447,7 @@ async def run_load(
 @dataclass
 class ServerState:
     in_flight: float  # other than the scrape that measured it
-    queued: float  # dense requests waiting in every model's batcher
+    queued: float  # dense engine calls not answered yet, every model's
     server_errors: float  # 5xx responses counted by the server since it started (/health aside)
 
 
@@ -459,7 +459,7 @@ def server_state(base_url: str, api_key: str | None = None) -> ServerState:
         for sample in family.samples:
             if sample.name == "logprob_gateway_requests_in_flight":
                 in_flight = sample.value - 1  # the scrape itself is in flight
-            elif sample.name == "logprob_gateway_batch_queue_requests":
+            elif sample.name == "logprob_gateway_engine_calls_in_progress":
                 queued += sample.value
             elif sample.name == "logprob_gateway_requests_total" and sample.labels["status"].startswith("5"):
                 errors += 0 if sample.labels["route"] == "/health" else sample.value  # 503 while loading

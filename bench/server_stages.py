@@ -11,7 +11,7 @@ the event loop thread's own CPU time, over the second half of that many rows' ca
 output cache filled). The stages, in a call's
 order: the frame read, the request's task running, the body decoded, the model resolved, token
 checks, the answer's bytes reserved, the client's segment found, the cache's keys and lookup, the
-batcher, the engine call, the rows landing in the client's memory, and the answer back through
+engine calls (the gateway's split over max_batch_rows), the engine call, the rows landing in the client's memory, and the answer back through
 each layer to the socket's write. Then the same for the client (`AsyncGatewayLM` in the bench,
 its calls over the local socket): the call, its keys and the request, the segment's lease, the
 exchange over the socket, the answer's matrix, its rows filed in the client's row cache, the

@@ -37,7 +37,7 @@ ENGINE_ARGS = {"sglang": {"mode": "engine", **SGLANG_ARGS}, "vllm": VLLM_ARGS}
 
 def engine_rows(engine: Engine) -> NextRows:
     async def next_rows(rows: list[list[int]]) -> np.ndarray:
-        index: dict[tuple[int, ...], int] = {}  # identical rows once, as the gateway's batcher does
+        index: dict[tuple[int, ...], int] = {}  # identical rows once, as AsyncGatewayLM asks for them
         for row in rows:
             index.setdefault(tuple(row), len(index))
         out = (await place_rows(engine, PackedRows.of(list(index)))).rows

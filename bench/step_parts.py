@@ -9,7 +9,7 @@ turns: `gateway` is AsyncGatewayLM as it comes (shared memory, then the gateway'
 `gateway-http` the same client with the local socket off (shared memory over HTTP). Default
 configuration (--no-cache: the output cache off). Prints the median ms per step of each part: the
 step's call end to end, the engine call (in process; in the gateway from its Server-Timing), the
-server's parse, cache and batcher, encode (the copy into the client's memory), what is left of
+server's parse, cache and the way to the engine, encode (the copy into the client's memory), what is left of
 the exchange (transport and the rest of the server), and the client's own work around it. Each
 part is the median over the steps that extend every row by a token: not the first (the prompt)
 nor those right after a resampling, which repeat rows and pay a gather of them.
@@ -154,7 +154,7 @@ def gateway_parts(lm: AsyncGatewayLM, exchange: Stopwatch, call: float) -> dict[
         "call": call,
         "engine": server["engine"],
         "parse": server["parse"],
-        "cache and batcher": server["rows"] - server["engine"],
+        "cache and the way to the engine": server["rows"] - server["engine"],
         "encode": server["encode"],
         "transport and the rest of the server": exchange.last
         - server["parse"]

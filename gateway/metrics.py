@@ -85,16 +85,9 @@ class Metrics:
         )
         self.batch_rows = Histogram(
             f"{PREFIX}_batch_rows",
-            "Distinct rows per engine call of the dense batcher.",
+            "Distinct rows per dense engine call (a request's, at most max_batch_rows).",
             ["model"],
             buckets=ROW_BUCKETS,
-            registry=r,
-        )
-        self.batch_queue_wait = Histogram(
-            f"{PREFIX}_batch_queue_wait_seconds",
-            "Time a dense request waits before its engine call starts.",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.cache_lookups = Counter(
@@ -135,30 +128,32 @@ class Metrics:
 
 
 class StateCollector(Collector):
-    """Gauges read at scrape time: model readiness and the batchers' queues."""
+    """Read at scrape time: model readiness and the models' dense engine calls."""
 
     def __init__(self, models: Any, dense: Any) -> None:
         self.models = models  # the ModelRegistry
-        self.dense = dense  # the DenseService, whose batchers these are
+        self.dense = dense  # the DenseService, whose engine calls these are
 
     def collect(self) -> Iterable[Any]:
         ready = GaugeMetricFamily(
             f"{PREFIX}_model_ready", "1 when the model is loaded and healthy.", labels=["model"]
         )
-        queued = GaugeMetricFamily(
-            f"{PREFIX}_batch_queue_requests", "Dense requests waiting for the engine.", labels=["model"]
+        in_progress = GaugeMetricFamily(
+            f"{PREFIX}_engine_calls_in_progress",
+            "Dense engine calls not answered yet (queued in the engine's scheduler, or computing).",
+            labels=["model"],
         )
         engine_rows = CounterMetricFamily(
-            f"{PREFIX}_engine_rows", "Dense rows computed by the engine.", labels=["model"]
+            f"{PREFIX}_engine_rows", "Distinct dense rows of the engine calls answered.", labels=["model"]
         )
         for served in self.models.models.values():
             healthy = served.ready and served.engine is not None and served.engine.is_healthy()
             ready.add_metric([served.name], 1.0 if healthy else 0.0)
-            batcher = self.dense.batchers.get(served.name)
-            if batcher is not None:
-                queued.add_metric([served.name], batcher.queued)
-                engine_rows.add_metric([served.name], batcher.stats.engine_rows)
-        yield from (ready, queued, engine_rows)
+            calls = self.dense.engine_calls.get(served.name)
+            if calls is not None:
+                in_progress.add_metric([served.name], calls.stats.in_progress)
+                engine_rows.add_metric([served.name], calls.stats.engine_rows)
+        yield from (ready, in_progress, engine_rows)
 
 
 def set_labels(scope: Scope, model: str, adapter: str | None) -> None:

@@ -24,7 +24,6 @@
     adapters_root = "/adapters"    # run-time loads (admin endpoints) must lie inside it
     weights_root = "/checkpoints"  # /update_weights_from_disk must read inside it; unset: off
     max_batch_rows = 256           # distinct dense rows per engine call
-    batch_window_ms = 2.0          # how long an idle engine waits for more rows
     options = {}                   # backend-specific (with dense_backend: the generation engine's)
     dense_backend = "self"         # or "transformers": it computes the dense rows, `backend` generates
     dense_options = {}             # the dense engine's own options
@@ -91,7 +90,6 @@ class ModelSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: str = "auto"
     max_model_len: Annotated[int, msgspec.Meta(gt=0)] | None = None
     max_batch_rows: Annotated[int, msgspec.Meta(gt=0)] = 256  # distinct rows per engine call
-    batch_window_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0  # wait for more rows when idle
     adapters: dict[str, str] = {}  # LoRA adapters loaded at start: name -> PEFT directory
     adapters_root: str | None = None  # run-time loads must lie inside it; None: run-time loads off
     max_lora_rank: Annotated[int, msgspec.Meta(gt=0)] = 64

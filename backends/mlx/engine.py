@@ -14,6 +14,8 @@ of the same adapter (mlx-lm's LRUPromptCache, bounded by the `prompt_cache_bytes
 Concurrent streams decode together (backends/step_scheduler.py): each pass merges the K/V of the
 streams that wait for a token into one mlx-lm BatchKVCache, runs one forward pass, and hands each
 stream its K/V back; a stream that starts joins at its next step, one that stops is dropped.
+Concurrent dense calls share those passes too: their rows (each distinct row once) run together,
+left-padded, at most `DENSE_ROWS` to a forward pass.
 
 LoRA adapters (PEFT format) apply per row, so one forward pass serves several adapters and the
 base (see backends/mlx/lora.py).
@@ -44,12 +46,13 @@ from backends.engine import Engine
 from backends.errors import WeightsError
 from backends.grammar.constraint import LLGuidanceGrammars
 from backends.mlx.lora import AdapterSet
-from backends.rows import PackedRows
+from backends.rows import PackedRows, first_positions
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
 from backends.step_scheduler import StepScheduler, split_rows
 from backends.types import (
     EngineConfig,
     ModelInfo,
+    PassStats,
     PromptLogprobs,
     SamplingParams,
     TokenStep,
@@ -59,6 +62,7 @@ from backends.types import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+DENSE_ROWS = 256  # dense rows per forward pass, whose logits are [rows, longest row, vocab]
 
 
 class _Stream:
@@ -72,6 +76,7 @@ class _Stream:
 
 
 Step = tuple[_Stream, list[int]]  # a stream and the tokens to run: its prompt, or its last token
+DenseRow = tuple[bytes, np.ndarray, str | None]  # a dense call's row: its key, int32 ids, adapter
 
 
 def _log_softmax(logits: mx.array) -> np.ndarray:
@@ -183,8 +188,9 @@ class MlxEngine(Engine):
         self._adapters = AdapterSet(model)
         self._prompt_cache = LRUPromptCache(max_size=64, max_bytes=prompt_cache_bytes)
         self.prompt_tokens_computed = 0  # prompt tokens prefilled (not served from the prompt cache)
-        self.steps: StepScheduler[Step, np.ndarray] = StepScheduler(
-            lambda groups: self._run(self._step_pass, groups)
+        self.pass_stats = PassStats()
+        self.steps: StepScheduler[Step | DenseRow, np.ndarray] = StepScheduler(
+            lambda groups: self._run(self._step_pass, groups), stats=self.pass_stats
         )
         self.adapters = MlxAdapters(self)
         self.weights = MlxWeights(self)
@@ -237,10 +243,22 @@ class MlxEngine(Engine):
     # -- dense rows -----------------------------------------------------------------------------
 
     async def next_token_logprobs(self, rows: PackedRows, adapters: Sequence[str | None]) -> np.ndarray:
-        return await self._run(self._next_token_logprobs, rows, adapters)
+        return await self.steps.submit(list(zip(rows.keys, rows.views(), adapters, strict=True)))
 
-    def _next_token_logprobs(self, packed: PackedRows, adapters: Sequence[str | None]) -> np.ndarray:
-        rows = packed.lists()
+    def _dense_rows(self, items: Sequence[DenseRow]) -> np.ndarray:
+        """log_softmax after each of the dense rows of a pass, each distinct row computed once."""
+        firsts, positions = first_positions([(adapter, key) for key, _, adapter in items])
+        self.pass_stats.rows += len(firsts)
+        parts = []
+        for start in range(0, len(firsts), DENSE_ROWS):
+            chunk = [items[i] for i in firsts[start : start + DENSE_ROWS]]
+            parts.append(
+                self._next_token_logprobs([ids.tolist() for _, ids, _ in chunk], [a for *_, a in chunk])
+            )
+        computed = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return computed if positions is None else computed[positions]
+
+    def _next_token_logprobs(self, rows: Sequence[list[int]], adapters: Sequence[str | None]) -> np.ndarray:
         self._adapters.set_rows(adapters)
         width = max(len(r) for r in rows)
         padding = [width - len(r) for r in rows]
@@ -277,14 +295,23 @@ class MlxEngine(Engine):
         ):
             yield step
 
-    def _step_pass(self, groups: list[Sequence[Step]]) -> list[np.ndarray]:
-        """Logits after each step, a view per group: prompts prefilled one by one, the streams'
-        next tokens in one forward pass over their merged K/V (alone when a cache is not plain
-        KVCache, e.g. a sliding window's)."""
-        steps = [step for group in groups for step in group]
-        out = np.empty((len(steps), self.info.vocab_size), dtype=np.float32)
+    def _step_pass(self, groups: list[Sequence[Step | DenseRow]]) -> list[np.ndarray]:
+        """Log-probabilities after each dense row and logits after each step, a view per group:
+        the dense rows together, prompts prefilled one by one, the streams' next tokens in one
+        forward pass over their merged K/V (alone when a cache is not plain KVCache, e.g. a
+        sliding window's)."""
+        items = [item for group in groups for item in group]
+        dense = [i for i, item in enumerate(items) if not isinstance(item[0], _Stream)]
+        if len(dense) == len(items):  # dense calls alone: their rows as computed
+            return split_rows(self._dense_rows(items), groups)  # type: ignore[arg-type]
+        out = np.empty((len(items), self.info.vocab_size), dtype=np.float32)
+        if dense:
+            out[dense] = self._dense_rows([items[i] for i in dense])  # type: ignore[misc]
+        steps: list[Step] = [item for item in items if isinstance(item[0], _Stream)]  # type: ignore[misc]
+        at = [i for i, item in enumerate(items) if isinstance(item[0], _Stream)]
+        self.pass_stats.rows += len(steps)
         decoding = []
-        for i, (stream, ids) in enumerate(steps):
+        for i, (stream, ids) in zip(at, steps, strict=True):
             if not stream.cache:
                 stream.cache, out[i] = self._prefill(ids, stream.adapter)
             elif len(steps) > 1 and all(type(layer) is KVCache for layer in stream.cache):
@@ -292,16 +319,16 @@ class MlxEngine(Engine):
             else:
                 out[i] = self._forward(stream.cache, ids, stream.adapter)
         if len(decoding) == 1:
-            stream, ids = steps[decoding[0]]
+            stream, ids = items[decoding[0]]  # type: ignore[misc]
             out[decoding[0]] = self._forward(stream.cache, ids, stream.adapter)
         elif decoding:
-            streams = [steps[i][0] for i in decoding]
+            streams: list[_Stream] = [items[i][0] for i in decoding]  # type: ignore[misc]
             batch = [
                 BatchKVCache.merge([s.cache[layer] for s in streams])
                 for layer in range(len(streams[0].cache))
             ]
             self._adapters.set_rows([s.adapter for s in streams])
-            logits = self.model(mx.array([steps[i][1] for i in decoding]), cache=batch)[:, -1]
+            logits = self.model(mx.array([items[i][1] for i in decoding]), cache=batch)[:, -1]
             out[decoding] = np.array(logits.astype(mx.float32))
             for row, s in enumerate(streams):
                 s.cache = [layer.extract(row) for layer in batch]

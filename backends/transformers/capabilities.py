@@ -156,4 +156,6 @@ class TransformersHostMemory(CudaHostMemory, contract.HostMemory):
         """The rows in a pass shared like any other dense call's, written from the device where
         they go; returns once the copies are queued."""
         into = WrittenRows(arrays, positions)
-        await self.engine.steps.submit([(r, a, into) for r, a in zip(rows.views(), adapters, strict=True)])
+        await self.engine.steps.submit(
+            [(r, k, a, into) for r, k, a in zip(rows.views(), rows.keys, adapters, strict=True)]
+        )

@@ -11,7 +11,8 @@ column-n..column-1, and the step writes each row's new token at `column` (the ca
 write position, which every layer keeps). The attention mask, built inside the step from the rows'
 positions, keeps columns column-position..column of each row; whatever lies left of a row (another
 row's old tokens, zeros) is masked. A step first gathers the parents into slot order when they are
-not already there (SMC's resampling), so the lane holds exactly the rows of the last pass.
+not already there (SMC's resampling), so the lane holds exactly the rows of the last pass. Slots
+are keyed by the rows' keys (backends/rows.py), and a row finds its parent by `parent_key`.
 
 Shapes. Slots are a power of two (at least 8), width a multiple of 64 with room to grow; a pass
 with more rows or a longer row moves the rows into a larger shape, and a much smaller pass into a
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 from transformers import StaticCache
 
+from backends.rows import key_length, parent_key
 from backends.transformers.cache_argument import with_cache
 
 log = logging.getLogger(__name__)
@@ -169,7 +171,7 @@ class DecodeLane:
         self.graphs = graphs
         self._shapes: OrderedDict[tuple[int, int], _Shape] = OrderedDict()
         self._shape: _Shape | None = None  # the one holding the rows below
-        self._slot_of: dict[tuple[int, ...], int] = {}
+        self._slot_of: dict[bytes, int] = {}  # by the rows' keys (backends/rows.py)
         self._used = 0  # slots holding the last pass's rows (some empty where a row repeated)
         self._column = 0
         self.steps = 0  # passes served by the lane
@@ -211,12 +213,12 @@ class DecodeLane:
         self.model = model
         self._forward = _compiled(model) if self.compiled else None
 
-    def parents(self, rows: Sequence[Sequence[int]]) -> list[int | None]:
-        """Per row, the slot of the row it extends by one token, if the lane holds it."""
+    def parents(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Per row (by its key), the slot of the row it extends by one token, if the lane holds it."""
         slot_of = self._slot_of
         if not slot_of:
-            return [None] * len(rows)
-        return [slot_of.get(tuple(row[:-1])) if len(row) > 1 else None for row in rows]
+            return [None] * len(keys)
+        return [slot_of.get(parent_key(key)) if key_length(key) > 1 else None for key in keys]
 
     def fits(self, rows: int, longest: int) -> bool:
         """Whether a shape for these rows fits beside the one now held (whose rows it copies)."""
@@ -227,9 +229,9 @@ class DecodeLane:
         need = _kv_bytes(self.model, slots, width)
         return need <= self.max_bytes and ((slots, width) in self._shapes or held + need <= self.max_bytes)
 
-    def step(self, rows: Sequence[Sequence[int]], parents: Sequence[int]) -> torch.Tensor:
-        """Log-probabilities [len(rows), vocab] of rows whose parents the lane holds (a view of
-        the lane's output, valid until its next step)."""
+    def step(self, rows: Sequence[np.ndarray], keys: Sequence[bytes], parents: Sequence[int]) -> torch.Tensor:
+        """Log-probabilities [len(rows), vocab] of rows (int32 ids, and their keys) whose parents
+        the lane holds (a view of the lane's output, valid until its next step)."""
         shape = self._shape
         assert shape is not None
         slots = _slots_for(len(rows))
@@ -237,7 +239,7 @@ class DecodeLane:
             # Into a shape that fits: the rows' parents, in the rows' order.
             own = self.own_rows()
             assert own is not None
-            self._refill([(own[0], list(parents))], [tuple(row[:-1]) for row in rows])
+            self._refill([(own[0], list(parents))], [parent_key(key) for key in keys])
             shape = self._shape
             assert shape is not None
         elif any(p != i for i, p in enumerate(parents)):
@@ -250,34 +252,34 @@ class DecodeLane:
         shape.positions.copy_(torch.from_numpy(inputs[1]))
         out = shape.step()[: len(rows)]  # the step moves the cache's write column on by one
         self._column += 1
-        self._slot_of = {tuple(row): i for i, row in enumerate(rows)}
+        self._slot_of = dict(zip(keys, range(len(keys)), strict=True))
         self._used = len(rows)
         self.steps += 1
         return out
 
-    def own_rows(self) -> tuple[list[KV], list[tuple[int, ...]]] | None:
+    def own_rows(self) -> tuple[list[KV], list[bytes]] | None:
         """The lane's rows as a source for `refill`: K/V right-aligned at the write column, and
-        the rows by slot."""
+        the rows' keys by slot (b"" for a slot that holds none)."""
         if self._shape is None or not self._slot_of:
             return None
-        rows = [()] * self._used
-        for row, slot in self._slot_of.items():
-            rows[slot] = row
-        return [(k[:, :, : self._column], v[:, :, : self._column]) for k, v in self._shape.layers], rows
+        keys = [b""] * self._used
+        for key, slot in self._slot_of.items():
+            keys[slot] = key
+        return [(k[:, :, : self._column], v[:, :, : self._column]) for k, v in self._shape.layers], keys
 
-    def refill(self, sources: Sequence[tuple[list[KV], Sequence[Sequence[int]]]]) -> None:
+    def refill(self, sources: Sequence[tuple[list[KV], Sequence[bytes]]]) -> None:
         """Hold exactly the rows of these sources: a forward pass's K/V (row i right-aligned at its
-        last column) and the rows it holds, in order."""
-        rows = [tuple(row) for _, part in sources for row in part]
-        if not rows or not self.fits(len(rows), max(map(len, rows)) + 1):
+        last column) and the keys of the rows it holds, in order."""
+        keys = [key for _, part in sources for key in part]
+        if not keys or not self.fits(len(keys), max(map(key_length, keys)) + 1):
             self._slot_of = {}
             return
-        self._refill([(layers, list(range(len(part)))) for layers, part in sources], rows)
+        self._refill([(layers, list(range(len(part)))) for layers, part in sources], keys)
 
-    def _refill(self, sources: Sequence[tuple[list[KV], list[int]]], rows: list[tuple[int, ...]]) -> None:
+    def _refill(self, sources: Sequence[tuple[list[KV], list[int]]], keys: list[bytes]) -> None:
         # sources: (K/V right-aligned at their last column, which of their rows), in slot order.
-        longest = max(map(len, rows))
-        shape = self._shape_for(_slots_for(len(rows)), _width_for(longest + 1))
+        longest = max(map(key_length, keys))
+        shape = self._shape_for(_slots_for(len(keys)), _width_for(longest + 1))
         device = shape.ids.device
         parts = []  # copied out first: a source may be the target shape itself
         for layers, which in sources:
@@ -288,15 +290,15 @@ class DecodeLane:
         first = 0
         for part in parts:
             count, n = part[0][0].shape[0], part[0][0].shape[2]
-            for (keys, values), (k, v) in zip(shape.layers, part, strict=True):
-                keys[first : first + count, :, longest - n : longest] = k
-                values[first : first + count, :, longest - n : longest] = v
+            for (layer_keys, layer_values), (k, v) in zip(shape.layers, part, strict=True):
+                layer_keys[first : first + count, :, longest - n : longest] = k
+                layer_values[first : first + count, :, longest - n : longest] = v
             first += count
         shape.set_column(longest)
         self._shape = shape
         self._column = longest
-        self._slot_of = {row: i for i, row in enumerate(rows) if row}
-        self._used = len(rows)
+        self._slot_of = {key: i for i, key in enumerate(keys) if key}
+        self._used = len(keys)
         # the shape the rows came from may go now: past the budget, older shapes do
         for old in list(self._shapes):
             if self.nbytes <= self.max_bytes:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -44,10 +45,16 @@ class DenseRows:
 
     @torch.inference_mode()
     def __call__(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None], *, use_lane: bool
+        self,
+        rows: Sequence[np.ndarray],
+        keys: Sequence[bytes],
+        adapters: Sequence[str | None],
+        *,
+        use_lane: bool,
     ) -> torch.Tensor:
-        """float32 [len(rows), vocab] on the model's device; `use_lane`: the decode lane may serve
-        rows without an adapter (the model is not wrapped by PEFT)."""
+        """float32 [len(rows), vocab] on the model's device, for rows of int32 ids and their keys
+        (backends/rows.py); `use_lane`: the decode lane may serve rows without an adapter (the
+        model is not wrapped by PEFT)."""
         out: torch.Tensor | None = None  # [rows, vocab] float32 on the model's device
 
         def place(group: list[int], logprobs: torch.Tensor) -> None:
@@ -60,12 +67,12 @@ class DenseRows:
             out[torch.tensor(group, device=self.device)] = logprobs
 
         lane = self.lane if use_lane else None
-        parents = lane.parents(rows) if lane is not None else [None] * len(rows)
+        parents = lane.parents(keys) if lane is not None else [None] * len(rows)
         parents = [p if a is None else None for p, a in zip(parents, adapters, strict=True)]
         stepped = [i for i, p in enumerate(parents) if p is not None]
         if lane is not None and stepped and lane.fits(len(stepped), max(len(rows[i]) for i in stepped) + 1):
             part = [rows[i] for i in stepped]
-            place(stepped, lane.step(part, [parents[i] for i in stepped]))  # type: ignore[misc]
+            place(stepped, lane.step(part, [keys[i] for i in stepped], [parents[i] for i in stepped]))  # type: ignore[misc]
             self._count_tokens(part, reused=sum(map(len, part)) - len(part))
         else:
             stepped = []
@@ -74,20 +81,21 @@ class DenseRows:
             assert out is not None
             return out
         cache = self.prefix_cache
-        matches = [cache.match(adapters[i], rows[i]) if cache else (None, 0) for i in rest]
-        # Tokens each row must run through the model: those after its cached prefix, at least one.
-        todo = [
-            len(rows[i]) - min(depth, len(rows[i]) - 1) for i, (_, depth) in zip(rest, matches, strict=True)
+        tokens = [rows[i].tolist() for i in rest]  # the prefix cache's trie walks them
+        matches = [
+            cache.match(adapters[i], t) if cache else (None, 0) for i, t in zip(rest, tokens, strict=True)
         ]
-        passes = []  # (K/V, rows) of each forward pass, for the decode lane
+        # Tokens each row must run through the model: those after its cached prefix, at least one.
+        todo = [len(t) - min(depth, len(t) - 1) for t, (_, depth) in zip(tokens, matches, strict=True)]
+        passes = []  # (K/V, keys of its rows) of each forward pass, for the decode lane
         for group in plan_groups(todo, self.max_batch_tokens):
-            part = [rows[rest[j]] for j in group]
+            part = [tokens[j] for j in group]
             names = [adapters[rest[j]] for j in group]
             if cache is None:
                 logprobs = self._uncached_logprobs(part, names)
             else:
                 logprobs, layers = self._cached_logprobs(part, names, [matches[j] for j in group], cache)
-                passes.append((layers, part))
+                passes.append((layers, [keys[rest[j]] for j in group]))
             place([rest[j] for j in group], logprobs)
         if lane is not None and passes:
             own = lane.own_rows() if stepped else None

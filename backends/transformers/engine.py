@@ -35,7 +35,7 @@ from backends.builtin_models import resolve_model_dir
 from backends.engine import Engine
 from backends.errors import AdapterError
 from backends.grammar.constraint import LLGuidanceGrammars
-from backends.rows import PackedRows
+from backends.rows import GrowingRow, PackedRows, first_positions, row_key
 from backends.sampling import Pick, greedy_alternatives, sample_tokens
 from backends.step_scheduler import StepScheduler, split_rows
 from backends.transformers.cache_argument import output_cache, with_cache
@@ -60,6 +60,7 @@ from backends.transformers.weights_collective import CollectiveGroups
 from backends.types import (
     EngineConfig,
     ModelInfo,
+    PassStats,
     PromptLogprobs,
     SamplingParams,
     TokenStep,
@@ -77,10 +78,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _PROMPT_CHUNK = 512  # positions whose full-vocabulary log_softmax is held at once
 
 
-# A row to compute, its adapter, and what its caller needs of it: None, the whole row on the host;
-# a number, a greedy stream's Pick with that many alternatives; WrittenRows, the call's rows
-# written into host memory from the device (the same for every row of the call).
-StepItem = tuple[Sequence[int] | np.ndarray, str | None, int | WrittenRows | None]
+# A row to compute (int32 ids), its key (backends/rows.py), its adapter, and what its caller
+# needs of it: None, the whole row on the host; a number, a greedy stream's Pick with that many
+# alternatives; WrittenRows, the call's rows written into host memory from the device (the same
+# for every row of the call).
+StepItem = tuple[np.ndarray, bytes, str | None, int | WrittenRows | None]
 StepResult = np.ndarray | Pick | None
 
 
@@ -171,7 +173,8 @@ class TransformersEngine(Engine):
         self.adapters = TransformersAdapters(self)
         self.weights = TransformersWeights(self)
         # Dense rows and generation steps of concurrent requests share forward passes.
-        self.steps: StepScheduler[StepItem, StepResult] = StepScheduler(self._pass)
+        self.pass_stats = PassStats()
+        self.steps: StepScheduler[StepItem, StepResult] = StepScheduler(self._pass, stats=self.pass_stats)
         self.prefix_kv: PrefixKeysValues | None = None  # prefixes' keys/values, reused by dense rows
         if prefix_cache_bytes and supports_prefix_cache(model):
             self.prefix_kv = PrefixKeysValues(prefix_cache_bytes)
@@ -260,7 +263,7 @@ class TransformersEngine(Engine):
 
     async def next_token_logprobs(self, rows: PackedRows, adapters: Sequence[str | None]) -> np.ndarray:
         computed = await self.steps.submit(
-            [(r, a, None) for r, a in zip(rows.views(), adapters, strict=True)]
+            [(r, k, a, None) for r, k, a in zip(rows.views(), rows.keys, adapters, strict=True)]
         )
         assert isinstance(computed, np.ndarray)
         return computed
@@ -270,25 +273,33 @@ class TransformersEngine(Engine):
 
     def _step_results(self, groups: list[Sequence[StepItem]]) -> list[StepResult]:
         """Each group's rows on the host, its greedy stream's Pick, or (None) its rows written
-        into host memory from the device: only rows a caller reads cross to the host, once."""
+        into host memory from the device: only rows a caller reads cross to the host, once. A
+        row that several groups ask for (the same adapter) is computed once."""
         items = [item for group in groups for item in group]
-        # Dense calls' rows come as views of their packed ids: lists here, off the event loop.
-        rows = [r.tolist() if isinstance(r, np.ndarray) else r for r, _, _ in items]
-        dense = self.dense(rows, [a for _, a, _ in items], use_lane=self._peft is None)
+        rows, keys, adapters = [i[0] for i in items], [i[1] for i in items], [i[2] for i in items]
+        positions = None  # a group's own rows are distinct already (backends/placement.py)
+        if len(groups) > 1:
+            firsts, positions = first_positions(list(zip(adapters, keys, strict=True)))
+            if positions is not None:
+                rows, keys, adapters = ([column[i] for i in firsts] for column in (rows, keys, adapters))
+        dense = self.dense(rows, keys, adapters, use_lane=self._peft is None)
+        self.pass_stats.rows += len(rows)
+        if positions is not None:  # each group's rows, in its own order
+            dense = dense[torch.tensor(positions, device=dense.device)]
         results: list[StepResult] = [None] * len(groups)
         ends = np.cumsum([len(group) for group in groups]).tolist()
         spans = [(end - len(group), end) for group, end in zip(groups, ends, strict=True)]
-        picked = [i for i, group in enumerate(groups) if isinstance(group[0][2], int)]
+        picked = [i for i, group in enumerate(groups) if isinstance(group[0][3], int)]
         if picked:  # one item per generation step
             first = [spans[i][0] for i in picked]
-            picks = greedy_picks(dense[first], [groups[i][0][2] for i in picked])  # type: ignore[misc]
+            picks = greedy_picks(dense[first], [groups[i][0][3] for i in picked])  # type: ignore[misc]
             for i, pick in zip(picked, picks, strict=True):
                 results[i] = pick
         for (start, end), group in zip(spans, groups, strict=True):
-            into = group[0][2]
+            into = group[0][3]
             if isinstance(into, WrittenRows):  # repeats copied on the device
                 write_rows_into(dense[start:end], into.arrays, into.positions, self.host_memory)
-        wanted = [i for i, group in enumerate(groups) if group[0][2] is None]
+        wanted = [i for i, group in enumerate(groups) if group[0][3] is None]
         if wanted:
             kept = (
                 dense if len(wanted) == len(groups) else dense[[r for i in wanted for r in range(*spans[i])]]
@@ -338,7 +349,7 @@ class TransformersEngine(Engine):
         the passes the engine shares among requests: concurrent streams decode together, and a
         step costs one token. Without it (attention the prefix cache cannot hold), a stream keeps
         its own K/V and runs alone."""
-        sequence = list(ids)
+        sequence = GrowingRow(ids)
         state = _DecodeState()
 
         alternatives = greedy_alternatives(params)
@@ -347,12 +358,13 @@ class TransformersEngine(Engine):
             # Through the scheduler, rows of log-probabilities: the sampler's choices are those
             # of the logits (a constant shift of every logit changes none), its scores the rows;
             # a greedy stream's token is chosen on the device.
+            if self.prefix_kv is None:
+                return await self._run(self._forward, state, list(ids) if token is None else [token], adapter)
             if token is not None:
                 sequence.append(token)
-            if self.prefix_kv is not None:
-                result = await self.steps.submit([(tuple(sequence), adapter, alternatives)])
-                return result if isinstance(result, Pick) else result[0]
-            return await self._run(self._forward, state, sequence if token is None else [token], adapter)
+            row = sequence.view()
+            result = await self.steps.submit([(row, row_key(row), adapter, alternatives)])
+            return result if isinstance(result, Pick) else result[0]
 
         normalized = self.prefix_kv is not None
         grammars = self.structured_outputs

@@ -4,7 +4,7 @@ $STAGE_OUT followed by the process's PID when it ends.
 
 The stages, in a call's order: the frame read, the request's task running, the body decoded, the
 model resolved, token checks, the answer's bytes reserved, the service, the client's segment
-found, the cache's keys and lookup, the batcher, the engine call, the rows landing in the
+found, the cache's keys and lookup, the engine calls, the engine call, the rows landing in the
 client's memory, and the answer back through each layer to the socket's write. Each wrapped
 function is named by reference (bench/stages/stamps.py): one renamed in the gateway stops this
 command at its start."""
@@ -18,7 +18,7 @@ import sys
 
 import gateway.access
 import gateway.cli
-import gateway.dense.batcher
+import gateway.dense.engine_calls
 import gateway.dense.local_socket
 import gateway.dense.row_cache
 import gateway.dense.service
@@ -52,8 +52,8 @@ def install() -> None:
     )
     cache = gateway.dense.row_cache.RowCache
     stamp(cache, cache.lookup, "lookup", "looked up")
-    batcher = gateway.dense.batcher.RowBatcher
-    stamp(batcher, batcher.submit, "batcher", "batcher done")
+    calls = gateway.dense.engine_calls.EngineCalls
+    stamp(calls, calls.rows, "engine calls", "engine calls done")
     engines, host_memories = [MockEngine], [MockHostMemory]
     try:
         from backends.transformers.capabilities import TransformersHostMemory

@@ -8,7 +8,8 @@ from gateway import requests, responses
 from gateway.contract.operation import OPENAPI, Operation
 from gateway.dense.service import DenseService
 from gateway.schemas.logprobs import (
-    BatchingStats,
+    DenseStats,
+    EnginePassStats,
     NextTokenLogprobsBinaryMatrixResponse,
     NextTokenLogprobsBinaryResponse,
     NextTokenLogprobsMatrixResponse,
@@ -41,7 +42,7 @@ def _dense(request: Request) -> DenseService:
     "body. An answer written into shared memory names, in its `Logprob-Gateway-Socket` header, a Unix "
     "socket of the gateway's host where later calls may go without HTTP (docs/api.md). Request bodies "
     "may be MessagePack too (`Content-Type: application/msgpack`). Concurrent "
-    "requests share engine batches; rows may come from the output cache (`usage.cache_hits`), "
+    "requests share the engine's forward passes; rows may come from the output cache (`usage.cache_hits`), "
     "bit-identical to computing them.",
     tags=["Dense logprobs"],
     opt={
@@ -87,21 +88,30 @@ async def next_token_logprobs(request: Request) -> Response:
 
 @get(
     "/v1/models/{model:str}/stats",
-    summary="Batching counters",
-    description="Counters of the dense-row batcher of a model.",
+    summary="Dense-row counters",
+    description="Counters of a model's dense rows: the requests that asked its engine for rows, "
+    "the engine calls they made (at most `max_batch_rows` distinct rows each), and, where the "
+    "engine merges concurrent calls in a scheduler of its own (transformers, MLX), its shared passes.",
     tags=["Dense logprobs"],
-    opt={OPENAPI: Operation(content={"application/json": BatchingStats})},
+    opt={OPENAPI: Operation(content={"application/json": DenseStats})},
 )
-async def batching_stats(request: Request, model: str) -> Response:
+async def dense_stats(request: Request, model: str) -> Response:
     served, _ = requests.resolve_model(request, model)
-    s = _dense(request).batcher(served).stats
+    s = _dense(request).calls(served).stats
+    engine = served.require_engine().pass_stats
+    passes = None
+    if engine is not None:
+        passes = EnginePassStats(
+            passes=engine.passes, submissions=engine.submissions, rows=engine.rows, largest=engine.largest
+        )
     return responses.json_response(
-        BatchingStats(
+        DenseStats(
             model=served.name,
             requests=s.requests,
             rows=s.rows,
             engine_rows=s.engine_rows,
-            batches=s.batches,
-            largest_batch=s.largest_batch,
+            engine_calls=s.calls,
+            largest_call=s.largest_call,
+            engine_passes=passes,
         )
     )

@@ -2,19 +2,19 @@
 
     DenseService.answer
      ├── where the answer goes: the body, or the client's shared memory (shared_memory.py)
-     ├── rows: the output cache (row_cache.py), the batcher (batcher.py) and the engine for the rest
+     ├── rows: the output cache (row_cache.py), the engine for the rest (engine_calls.py)
      └── the answer's bytes (delivery.py)
 
 An engine that can write rows into host memory itself (backends.engine.HostMemory: a GPU engine)
-gets the client's segment, registered with it, as `out` for a request alone in its engine call
-with none of its rows cached and a float32 answer: its rows then reach the client in one copy
-from the device. With an output cache, rows asked for before (`RowCache.asked`) are copied for
-it too: `out` also names page-locked rows of the engine's own (`host_memory.empty`), which the
-cache keeps once the client's segment has been handed on; the answer goes once the client's rows
-have landed, and the cache's copy is stored once it has too. Rows never asked before, every step
-of an SMC loop, get neither the second copy nor the cache's bookkeeping: most are never asked
-again, and the copy, its page-locked memory and the store cost about as much of the gateway's
-time per call as everything else it does (docs/performance.md).
+gets the client's segment, registered with it, as `out` for a request with none of its rows
+cached, at most `max_batch_rows` distinct rows (one engine call) and a float32 answer: its rows
+then reach the client in one copy from the device. With an output cache, rows asked for before
+(`RowCache.asked`) are copied for it too: `out` also names page-locked rows of the engine's own
+(`host_memory.empty`), which the cache keeps once the client's segment has been handed on; the
+answer goes once the client's rows have landed, and the cache's copy is stored once it has too.
+Rows never asked before, every step of an SMC loop, get neither the second copy nor the cache's
+bookkeeping: most are never asked again, and the copy, its page-locked memory and the store cost
+about as much of the gateway's time per call as everything else it does (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from backends.errors import EngineUnavailableError
 from backends.placement import Placed
 from backends.rows import PackedRows
 from gateway.dense import delivery
-from gateway.dense.batcher import EngineTimes, RowBatcher
 from gateway.dense.delivery import answer_nbytes
+from gateway.dense.engine_calls import EngineCalls, EngineTimes
 from gateway.dense.quiet_time import QuietTime
 from gateway.dense.row_cache import RowCache
 from gateway.dense.shared_memory import Destination, SharedMemoryWriter
@@ -80,28 +80,19 @@ class DenseService:
         self.shared_memory = shared_memory
         self.quiet = QuietTime()  # begins with every engine call of dense rows
         self.cache: RowCache | None = None  # set once the app has started (row_cache.build_cache)
-        self.batchers: dict[str, RowBatcher] = {}
+        self.engine_calls: dict[str, EngineCalls] = {}
 
-    def batcher(self, served: ServedModel) -> RowBatcher:
-        """The model's batcher, made at its first dense request."""
-        batcher = self.batchers.get(served.name)
-        if batcher is None:
-            engine = served.require_engine()
-            observe_rows = self.metrics.batch_rows.labels(served.name).observe
-
-            def on_batch(rows: int) -> None:
-                observe_rows(rows)
-                self.quiet.now()
-
-            batcher = RowBatcher(
-                engine,
+    def calls(self, served: ServedModel) -> EngineCalls:
+        """The model's engine calls, made ready at its first dense request."""
+        calls = self.engine_calls.get(served.name)
+        if calls is None:
+            calls = self.engine_calls[served.name] = EngineCalls(
+                served.require_engine(),
                 max_batch_rows=served.settings.max_batch_rows,
-                window_s=served.settings.batch_window_ms / 1000,
-                on_batch=on_batch,
-                on_wait=self.metrics.batch_queue_wait.labels(served.name).observe,
+                on_call=self.quiet.now,
+                on_answer=self.metrics.batch_rows.labels(served.name).observe,
             )
-            self.batchers[served.name] = batcher
-        return batcher
+        return calls
 
     async def serve(
         self,
@@ -190,9 +181,9 @@ class DenseService:
         landing = time.perf_counter()
         placed.wait_landed()
         landing_s = time.perf_counter() - landing
-        # Milliseconds, for clients and benches: the request read and checked, rows (the cache,
-        # the batcher's queue and the engine: `engine` is its call and its rows' landing, 0 when
-        # every row was cached), encode (or the copy into shared memory).
+        # Milliseconds, for clients and benches: the request read and checked, rows (the cache
+        # and the engine: `engine` is its call, from the engine's queue to its answer, and its
+        # rows' landing, 0 when every row was cached), encode (or the copy into shared memory).
         engine_s = times.ended - times.began + landing_s
         timing = ", ".join(
             f"{name};dur={seconds * 1e3:.2f}"
@@ -231,10 +222,10 @@ class DenseService:
         are there, once landed (`Placed.wait_landed`). `times`: when the engine's call for them
         began and ended. The caller holds the model's weights for reading
         (`served.weights.reading()`)."""
-        batcher = self.batcher(served)
+        calls = self.calls(served)
         cache = self.cache
         if cache is None:
-            return await batcher.submit(rows, adapter, into, times), 0
+            return await calls.rows(rows, adapter, into, times), 0
         adapter_id = None if adapter is None else f"{adapter}:{served.adapters[adapter].fingerprint}"
         keys = cache.keys(served.cache_scope, adapter_id, rows)
         # Rows never asked for nor stored before (every SMC step) get no second copy from the
@@ -243,12 +234,12 @@ class DenseService:
         new = into is not None and cache.asked is not None and not cache.asked.before(keys)
         if new and not cache.shared:
             cache.missed(len(keys))
-            return await batcher.submit(rows, adapter, into, times), 0
+            return await calls.rows(rows, adapter, into, times), 0
         vocab_size = served.require_engine().info.vocab_size
         cached = await cache.lookup(keys, vocab_size)
         if not any(map(is_not, cached, repeat(None))):  # nothing cached (every SMC step): rows as they come
             if into is None or new:
-                placed = await batcher.submit(rows, adapter, into, times)
+                placed = await calls.rows(rows, adapter, into, times)
                 if into is None:
                     cache.store_later(keys, placed.rows)
                 return placed, 0
@@ -259,7 +250,7 @@ class DenseService:
             host_memory = served.require_engine().host_memory
             assert host_memory is not None
             own = host_memory.empty(len(rows))
-            placed = await batcher.submit(rows, adapter, (into, own), times)
+            placed = await calls.rows(rows, adapter, (into, own), times)
             cache.store_later(keys, own, partial(placed.wait_landed, own))
             return placed, 0
         missing = [i for i, row in enumerate(cached) if row is None]
@@ -268,15 +259,13 @@ class DenseService:
             if row is not None:
                 out[i] = row
         if missing:
-            fresh = (await batcher.submit(rows.take(missing), adapter, times=times)).rows
+            fresh = (await calls.rows(rows.take(missing), adapter, times=times)).rows
             out[missing] = fresh
             cache.store_later([keys[i] for i in missing], fresh)
         log.debug("model %s: %d rows, %d from the cache", served.name, len(rows), len(rows) - len(missing))
         return Placed(out), len(rows) - len(missing)
 
     async def aclose(self) -> None:
-        for batcher in self.batchers.values():
-            await batcher.aclose()
         if self.cache is not None:
             await self.cache.aclose()
         if self.shared_memory is not None:

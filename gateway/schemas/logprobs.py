@@ -129,10 +129,20 @@ class DetokenizeResponse(msgspec.Struct, kw_only=True):
     prompt: str
 
 
-class BatchingStats(msgspec.Struct, kw_only=True):
+class EnginePassStats(msgspec.Struct, kw_only=True):
+    """An engine's own shared passes, where concurrent dense calls and generation steps meet."""
+
+    passes: int
+    submissions: int  # dense calls and generation steps served
+    rows: int  # rows computed, identical rows of one pass once
+    largest: int  # most submissions in one pass
+
+
+class DenseStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str
-    requests: int
-    rows: int
-    engine_rows: int
-    batches: int
-    largest_batch: int
+    requests: int  # dense requests that asked the engine for rows (not all cached)
+    rows: int  # rows they asked the engine for
+    engine_rows: int  # distinct rows of the engine calls answered
+    engine_calls: int  # a request over max_batch_rows distinct rows makes several
+    largest_call: int  # most distinct rows in one engine call
+    engine_passes: EnginePassStats | None = None  # absent: the engine reports none (vLLM, SGLang, mock)

@@ -1,7 +1,8 @@
 """Logprob triples of SGLang's /generate: `(logprob, token id, text or null)`, for prompt
 positions (from logprob_start_len, the first entry null), generated tokens, their top-k, and the
 ids a request names (`token_ids_logprob`, read off whole next-token rows: the dense service's, as
-/v1/next_token_logprobs reads them, so the output cache and the batcher serve them too)."""
+/v1/next_token_logprobs reads them, so the output cache and the engine's shared passes serve
+them too)."""
 
 from __future__ import annotations
 
@@ -78,10 +79,10 @@ async def next_token_rows(
     dense: DenseService, item: Item, prefixes: Iterable[Sequence[int]]
 ) -> AsyncIterator[np.ndarray]:
     """The model's whole next-token row (log_softmax of the logits, float32 [vocab]) after each
-    prefix, in order, from the dense service: the output cache, then the batcher with every other
-    route's rows. Asked one engine batch (the model's max_batch_rows) at a time, and `prefixes`
-    taken as lazily, so an item holds one batch of rows however many positions it scores. The
-    caller holds the model's weights for reading."""
+    prefix, in order, from the dense service: the output cache, then the engine, whose passes
+    every other route's rows share. Asked one engine call (the model's max_batch_rows) at a time,
+    and `prefixes` taken as lazily, so an item holds one call's rows however many positions it
+    scores. The caller holds the model's weights for reading."""
     served, pending = item.served, iter(prefixes)
     while batch := list(islice(pending, served.settings.max_batch_rows)):
         placed, _ = await dense.rows(served, item.adapter, PackedRows.of(batch))

@@ -104,7 +104,7 @@ async def test_constrained_streams_share_passes_and_leave_others_unchanged(engin
         for topic in ("cats", "rain", "tea", "jazz")
     ]
     alone = [await generate(engine, ids, max_tokens=16) for ids in prompts]
-    passes = engine.steps.passes
+    passes = engine.pass_stats.passes
     together = await asyncio.gather(
         *(generate(engine, ids, max_tokens=16) for ids in prompts),
         *(generate(engine, ids, PERSON, max_tokens=16) for ids in prompts[:2]),
@@ -114,7 +114,7 @@ async def test_constrained_streams_share_passes_and_leave_others_unchanged(engin
         assert [s.token_id for s in shared] == [s.token_id for s in own]
         np.testing.assert_allclose([s.logprob for s in shared], [s.logprob for s in own], atol=1e-4)
     # eight streams of up to 16 tokens each: far fewer passes than the 8 x 16 they would take alone
-    assert engine.steps.passes - passes <= 2 * 16 and engine.steps.largest >= 8
+    assert engine.pass_stats.passes - passes <= 2 * 16 and engine.pass_stats.largest >= 8
     for steps in together[4:6]:
         assert text_of(engine, steps).startswith("{")
 

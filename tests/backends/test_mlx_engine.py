@@ -50,6 +50,24 @@ async def test_batched_rows_match_transformers(engine, reference):
         assert np.max(np.abs(alone - row)) <= 1e-4  # padding and positions are right
 
 
+async def test_concurrent_dense_calls_and_a_stream_share_a_pass(engine, reference):
+    import asyncio
+
+    rows = [reference.tokenizer(t).input_ids for t in TEXTS]
+    alone = [await engine_rows(engine, [ids]) for ids in rows]
+    passes, computed = engine.pass_stats.passes, engine.pass_stats.rows
+    generator = engine.generate(rows[0], SamplingParams(max_tokens=1, temperature=0))
+    first, second, steps = await asyncio.gather(
+        engine_rows(engine, rows[:2]), engine_rows(engine, rows[1:]), anext(generator)
+    )
+    await generator.aclose()
+    assert engine.pass_stats.passes - passes == 1 and engine.pass_stats.largest >= 3
+    assert engine.pass_stats.rows - computed == 4  # the row both calls ask for once, and the stream's
+    for got, want in ((first, alone[:2]), (second, alone[1:])):
+        np.testing.assert_allclose(got, np.concatenate(want), rtol=0, atol=1e-4)
+    assert steps.token_id == reference.greedy(rows[0], 1)[0]
+
+
 async def test_generation_reuses_cached_prompt_prefixes(model_dir, reference, lora):
     paths, _ = lora
     engine = MlxEngine.load(EngineConfig(model=str(model_dir)))

@@ -158,7 +158,6 @@ def test_config_toml_writes_any_value_faithfully(render, tmp_path):
         "model": "/models/x y",
         "backend": "vllm",
         "max_model_len": 4096,
-        "batch_window_ms": 2.5,
         "adapters": {"v1.2": "/adapters/v1.2", "plain_name": "/adapters/p"},
         "weights_root": "/models/checkpoints",
         "options": {

@@ -57,6 +57,7 @@ BAD = {
         "config": {"models": [{**MODEL, "backend": "vllm", "dense_backend": "vllm"}]}
     },
     "misplaced model field": {"config": {"models": [{**MODEL, "max_tokens": 10}]}},
+    "removed model field": {"config": {"models": [{**MODEL, "batch_window_ms": 2}]}},
     "unknown dtype": {"config": {"models": [{**MODEL, "dtype": "fp8"}]}},
     "redis url in the config": {"config": {"cache": {"redis_url": "redis://x"}}},
     "port in the config": {"config": {"port": 9000}},

@@ -1,26 +1,145 @@
-"""gateway.dense.batcher.RowBatcher on a recording engine: what each request gets back, when that
-is a view of the engine's output rather than a copy, and when its memory reaches the engine."""
+"""One batching layer: the gateway hands each request's rows to its engine as they come
+(gateway/dense/engine_calls.py), and the engine's scheduler merges concurrent requests.
+
+On the real transformers engine: concurrent requests share a pass and rows they share are computed
+once, each getting its rows as if alone; a lone client's requests never wait for company; a
+failing request fails alone; a request cancelled while queued is never computed. On a recording
+engine: a request's rows are the engine's array itself, its memory reaches the engine's host
+memory, and a request over max_batch_rows is split into calls and gathered back in order."""
 
 from __future__ import annotations
 
 import asyncio
 
 import numpy as np
+import pytest
 
 from backends.rows import PackedRows
-from gateway.dense.batcher import RowBatcher
+from backends.transformers.engine import TransformersEngine
+from backends.types import EngineConfig
+from gateway.dense.engine_calls import EngineCalls, EngineTimes
+
+POISON = 4242  # a token id the failing pass below refuses
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return TransformersEngine.load(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
+
+
+@pytest.fixture()
+def passes(engine, monkeypatch):
+    """The rows of each submission of every pass the engine's scheduler runs; `gate`, when set to
+    an unset event, holds the next pass until it is set."""
+    recorded: list[list[list[tuple[int, ...]]]] = []
+    run = engine.steps._run_pass
+
+    async def recording(groups):
+        recorded.append([[tuple(r.tolist()) for r, *_ in group] for group in groups])
+        gate = recording.gate
+        if gate is not None:
+            recording.gate = None
+            await gate.wait()
+        return await run(groups)
+
+    recording.gate = None
+    monkeypatch.setattr(engine.steps, "_run_pass", recording)
+    recording.recorded = recorded
+    return recording
+
+
+def ids(engine, text: str) -> list[int]:
+    return engine.info.tokenizer(text).input_ids
+
+
+async def test_concurrent_requests_share_a_pass_and_rows_they_share_are_computed_once(engine, passes):
+    first = [ids(engine, "The capital of France is"), ids(engine, "Once upon a time")]
+    second = [ids(engine, "Once upon a time"), ids(engine, "Water boils at")]
+    alone = [(await EngineCalls(engine).rows(PackedRows.of(rows))).rows.copy() for rows in (first, second)]
+    passes.recorded.clear()
+    computed = engine.pass_stats.rows
+    calls = EngineCalls(engine)
+    together = await asyncio.gather(calls.rows(PackedRows.of(first)), calls.rows(PackedRows.of(second)))
+    assert [list(map(len, submissions)) for submissions in passes.recorded] == [[2, 2]]  # one pass
+    assert engine.pass_stats.rows - computed == 3  # the row both asked for, once
+    for placed, own in zip(together, alone, strict=True):
+        np.testing.assert_allclose(placed.rows, own, rtol=0, atol=1e-4)
+    stats = calls.stats
+    assert (stats.requests, stats.rows, stats.calls, stats.engine_rows, stats.largest_call) == (2, 4, 2, 4, 2)
+    assert stats.in_progress == 0
+
+
+async def test_a_lone_clients_requests_each_run_at_once_in_a_pass_of_their_own(engine, passes):
+    calls = EngineCalls(engine)
+    row = ids(engine, "An SMC loop asks one step at a time:")
+    for step in range(4):
+        row = [*row, 100 + step]
+        await calls.rows(PackedRows.of([row, [*row[:-1], 200]]))
+    assert [list(map(len, submissions)) for submissions in passes.recorded] == [[2]] * 4
+
+
+async def test_a_failing_request_fails_alone(engine, passes, monkeypatch):
+    compute = engine.dense
+
+    def refusing(rows, keys, adapters, **options):
+        if any(POISON in row.tolist() for row in rows):
+            raise ValueError("a poisoned row")
+        return compute(rows, keys, adapters, **options)
+
+    monkeypatch.setattr(engine, "dense", refusing)
+    good = [[ids(engine, f"Neighbour number {i} asks")] for i in range(3)]
+    alone = [(await EngineCalls(engine).rows(PackedRows.of(rows))).rows.copy() for rows in good]
+    passes.recorded.clear()
+    calls = EngineCalls(engine)
+    results = await asyncio.gather(
+        *(calls.rows(PackedRows.of(rows)) for rows in good[:2]),
+        calls.rows(PackedRows.of([[1, POISON]])),
+        calls.rows(PackedRows.of(good[2])),
+        return_exceptions=True,
+    )
+    failed = results.pop(2)
+    assert isinstance(failed, ValueError)
+    for placed, own in zip(results, alone, strict=True):
+        np.testing.assert_allclose(placed.rows, own, rtol=0, atol=1e-4)
+    assert len(passes.recorded[0]) == 4  # they met in one pass, which failed, then one by one
+    assert calls.stats.calls == 3 and calls.stats.in_progress == 0
+
+
+async def test_a_request_cancelled_while_queued_is_never_computed(engine, passes):
+    calls = EngineCalls(engine)
+    busy_rows = [ids(engine, "The engine is busy with this request")]
+    gone_rows = [ids(engine, "Nobody waits for this one any more")]
+    passes.gate = gate = asyncio.Event()
+    computed = engine.pass_stats.rows
+    busy = asyncio.create_task(calls.rows(PackedRows.of(busy_rows)))
+    while not passes.recorded:  # its pass has begun, held at the gate
+        await asyncio.sleep(0.001)
+    gone = asyncio.create_task(calls.rows(PackedRows.of(gone_rows)))
+    await asyncio.sleep(0.01)  # queued in the engine's scheduler behind the busy pass
+    assert calls.stats.in_progress == 2
+    gone.cancel()
+    gate.set()
+    await busy
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    later = await calls.rows(PackedRows.of([[*busy_rows[0], 13]]))  # the engine serves on
+    assert later.rows.shape == (1, engine.info.vocab_size)
+    everything = [row for submissions in passes.recorded for rows in submissions for row in rows]
+    assert tuple(gone_rows[0]) not in everything
+    assert engine.pass_stats.rows - computed == 2  # the busy row and the later one
+    assert calls.stats.calls == 2 and calls.stats.in_progress == 0
 
 
 class RecordingEngine:
+    """Each row's answer: its ids' sum, its length, its adapter's hash; every call recorded."""
+
     host_memory = None
 
     def __init__(self) -> None:
         self.outputs: list[np.ndarray] = []
-        self.callers: list[asyncio.Task | None] = []
 
     async def next_token_logprobs(self, rows, adapters) -> np.ndarray:
-        self.callers.append(asyncio.current_task())
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.001)
         computed = np.array(
             [[sum(r), len(r), hash(a) % 7] for r, a in zip(rows.lists(), adapters, strict=True)], np.float32
         )
@@ -45,110 +164,31 @@ class RecordingHostMemory:
         pass
 
 
-async def test_a_request_alone_gets_a_view_and_shared_batches_get_their_own_rows():
+async def test_a_requests_rows_are_the_engines_array_and_repeats_are_computed_once():
     engine = RecordingEngine()
-    batcher = RowBatcher(engine, window_s=0.05)
-    alone = (await batcher.submit(PackedRows.of([[1, 2], [3], [4, 5, 6]]))).rows
-    assert np.shares_memory(alone, engine.outputs[-1])  # the engine's rows as they are
-    assert alone[:, 0].tolist() == [3, 3, 15]
-    first, second = (
-        placed.rows
-        for placed in await asyncio.gather(
-            batcher.submit(PackedRows.of([[1], [2], [3]])),
-            batcher.submit(PackedRows.of([[2], [9], [1]])),  # overlapping rows
-        )
-    )
-    assert len(engine.outputs) == 2 and len(engine.outputs[-1]) == 4  # one call, rows de-duplicated
-    assert first[:, 0].tolist() == [1, 2, 3] and second[:, 0].tolist() == [2, 9, 1]
-    assert np.shares_memory(first, engine.outputs[-1])  # its rows are consecutive in the batch
-    assert not np.shares_memory(second, engine.outputs[-1])  # gathered: a copy
-    await batcher.aclose()
+    calls = EngineCalls(engine)
+    times = EngineTimes()
+    rows = (await calls.rows(PackedRows.of([[1, 2], [3], [4, 5, 6]]), times=times)).rows
+    assert rows is engine.outputs[-1] and rows[:, 0].tolist() == [3, 3, 15]
+    assert 0 < times.began < times.ended
+    repeated = (await calls.rows(PackedRows.of([[1], [2], [1]]))).rows
+    assert engine.outputs[-1][:, 0].tolist() == [1, 2] and repeated[:, 0].tolist() == [1, 2, 1]
+    assert calls.stats.engine_rows == 5 and calls.stats.largest_call == 3
 
 
-async def test_the_window_is_waited_only_under_concurrent_traffic():
-    engine = RecordingEngine()
-    batcher = RowBatcher(engine, window_s=0.3)
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    for step in range(3):  # a lone client, one request per step: never waits for company
-        await batcher.submit(PackedRows.of([[step]]))
-    assert loop.time() - started < 0.3 and len(engine.outputs) == 3
-
-    async def late(rows, delay):
-        await asyncio.sleep(delay)
-        return await batcher.submit(PackedRows.of(rows))
-
-    await asyncio.gather(
-        batcher.submit(PackedRows.of([[1]])), batcher.submit(PackedRows.of([[2]]))
-    )  # concurrent: window on
-    calls = len(engine.outputs)
-    await asyncio.gather(batcher.submit(PackedRows.of([[3]])), late([[4]], 0.1))  # the late one still joins
-    assert len(engine.outputs) == calls + 1 and len(engine.outputs[-1]) == 2
-    await batcher.aclose()
-
-
-async def test_memory_to_write_into_reaches_the_engine_only_for_a_request_alone_in_its_call():
+async def test_memory_to_write_into_reaches_the_engine_unless_the_request_is_split():
     engine = RecordingEngine()
     engine.host_memory = memory = RecordingHostMemory(engine)
-    batcher = RowBatcher(engine, window_s=0.05)
+    calls = EngineCalls(engine, max_batch_rows=2)
     into, own = np.zeros((3, 3), np.float32), np.zeros((3, 3), np.float32)
-    alone = await batcher.submit(PackedRows.of([[1, 2], [3], [4, 5, 6]]), None, (into, own))
-    assert alone.rows is into and len(memory.targets) == 1 and memory.targets[0][0] == (into, own)
-    assert into[:, 0].tolist() == [3, 3, 15] and np.array_equal(own, into)
-    # Rows that repeat: computed once each, every repeat written where it goes.
-    twice = np.zeros((3, 3), np.float32)
-    written = await batcher.submit(PackedRows.of([[1], [2], [1]]), None, (twice,))
-    assert written.rows is twice and engine.outputs[-1][:, 0].tolist() == [1, 2]
-    assert memory.targets[-1][1] == [[1], [2]] and twice[:, 0].tolist() == [1, 2, 1]
-    await asyncio.gather(
-        batcher.submit(PackedRows.of([[7]])), batcher.submit(PackedRows.of([[8]]))
-    )  # concurrent: window on
-    target = np.zeros((1, 3), np.float32)
-    shared, _ = await asyncio.gather(
-        batcher.submit(PackedRows.of([[9]]), None, (target,)), batcher.submit(PackedRows.of([[10]]))
-    )  # shares its engine call: its rows are copied into its memory from the call's
-    assert shared.rows is target and target[0, 0] == 9
-    assert len(memory.targets) == 2 and len(engine.outputs) == 4
-    await batcher.aclose()
-
-
-async def test_a_lone_request_calls_the_engine_itself_and_engine_calls_never_overlap():
-    engine = RecordingEngine()
-    active, most = 0, 0
-    compute = engine.next_token_logprobs
-
-    async def counted(rows, adapters):
-        nonlocal active, most
-        active += 1
-        most = max(most, active)
-        try:
-            return await compute(rows, adapters)
-        finally:
-            active -= 1
-
-    engine.next_token_logprobs = counted
-    batcher = RowBatcher(engine, window_s=0.05)
-
-    async def lone():
-        return (await batcher.submit(PackedRows.of([[1], [1], [2]]))).rows  # repeats: computed once
-
-    task = asyncio.create_task(lone())
-    rows = await task
-    assert engine.callers == [task] and rows[:, 0].tolist() == [1, 1, 2]
-    assert batcher.stats.engine_rows == 2 and batcher.stats.largest_batch == 2
-
-    # Requests that come while a lone request's call runs wait for it, then share one call.
-    first = asyncio.create_task(batcher.submit(PackedRows.of([[5]])))
-    await asyncio.sleep(0.002)  # its call under way
-    later = [batcher.submit(PackedRows.of([[6]])), batcher.submit(PackedRows.of([[7]]))]
-    one, two, three = (placed.rows for placed in await asyncio.gather(first, *later))
-    assert [one[0, 0], two[0, 0], three[0, 0]] == [5, 6, 7]
-    assert len(engine.outputs) == 3 and len(engine.outputs[-1]) == 2 and most == 1
-
-    # A lone request cancelled during its call leaves the engine to the next request.
-    gone = asyncio.create_task(batcher.submit(PackedRows.of([[8]])))
-    await asyncio.sleep(0.002)
-    gone.cancel()
-    await asyncio.gather(gone, return_exceptions=True)
-    assert (await batcher.submit(PackedRows.of([[9]]))).rows[0, 0] == 9
-    await batcher.aclose()
+    written = await calls.rows(PackedRows.of([[1], [2], [1]]), None, (into, own))  # 2 distinct rows
+    assert written.rows is into and memory.targets == [((into, own), [[1], [2]])]
+    assert into[:, 0].tolist() == [1, 2, 1] and np.array_equal(own, into)
+    # 3 distinct rows, over max_batch_rows: two calls, the rows gathered into `out` in order
+    target = np.zeros((4, 3), np.float32)
+    split = await calls.rows(PackedRows.of([[7], [8], [9], [7]]), None, (target,))
+    assert split.rows is target and target[:, 0].tolist() == [7, 8, 9, 7]
+    assert len(memory.targets) == 1 and [out[:, 0].tolist() for out in engine.outputs[-2:]] == [[7, 8], [9]]
+    plain = (await calls.rows(PackedRows.of([[5], [6], [4]]))).rows  # distinct: the calls' rows as they are
+    assert plain[:, 0].tolist() == [5, 6, 4]
+    assert calls.stats.calls == 5 and calls.stats.largest_call == 2 and calls.stats.requests == 3

@@ -32,7 +32,7 @@ def mock_gateway(tmp_path, options, extra=""):
 def faulty(tmp_path_factory):
     """One gateway for the tests that leave it serving (a process start costs more than they do):
     "mock" answers at once; "failing" fails requests holding FAIL, and its steps take 50 ms so that
-    requests sent together share an engine batch."""
+    requests sent together are under way at once."""
     workdir = tmp_path_factory.mktemp("faults")
     gateway = mock_gateway(
         workdir,
@@ -65,7 +65,7 @@ def test_an_engine_failure_fails_only_its_own_request(faulty):
 
     async def together():
         async with httpx.AsyncClient(base_url=faulty.base_url, timeout=30) as client:
-            # Sent at once, so the poisoned request lands in the same engine batch as others.
+            # Sent at once, so the poisoned request's engine call runs beside the others'.
             return await asyncio.gather(
                 *(dense(client, r, "failing") for r in [*good_rows[:3], [[1, FAIL]], *good_rows[3:]])
             )
@@ -171,13 +171,14 @@ def test_queued_dense_rows_of_a_departed_client_are_never_computed(gateway, refe
     busy = [[1, *map(int, rng.integers(100, 40000, 600))] for _ in range(24)]  # a few seconds of work
     dropped = [[1, *map(int, rng.integers(100, 40000, 8))] for _ in range(5)]
     before = metric(gateway.base_url, "logprob_gateway_engine_rows_total", model=MODEL)
+    computed = engine_pass_rows(gateway.base_url)
     first = threading.Thread(
         target=httpx.post,
         args=(gateway.base_url + "/v1/next_token_logprobs",),
         kwargs={"json": {"model": MODEL, "input": busy}, "timeout": 300},
     )
     first.start()
-    time.sleep(0.5)  # the busy rows are in the engine; the next request waits in the queue
+    time.sleep(0.5)  # the busy rows are in the engine; the next request waits in its scheduler
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             gateway.base_url + "/v1/next_token_logprobs", json={"model": MODEL, "input": dropped}, timeout=1.0
@@ -185,7 +186,13 @@ def test_queued_dense_rows_of_a_departed_client_are_never_computed(gateway, refe
     first.join()
     time.sleep(0.5)
     assert metric(gateway.base_url, "logprob_gateway_engine_rows_total", model=MODEL) - before == len(busy)
-    assert metric(gateway.base_url, "logprob_gateway_batch_queue_requests", model=MODEL) == 0
+    assert engine_pass_rows(gateway.base_url) - computed == len(busy)  # the engine's own count
+    assert metric(gateway.base_url, "logprob_gateway_engine_calls_in_progress", model=MODEL) == 0
+
+
+def engine_pass_rows(base_url) -> int:
+    """Rows the served model's engine computed in its passes, as it counts them."""
+    return httpx.get(f"{base_url}/v1/models/{MODEL}/stats", timeout=30).json()["engine_passes"]["rows"]
 
 
 def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path):

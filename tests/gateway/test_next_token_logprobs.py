@@ -295,7 +295,7 @@ def test_response_sizes(http, reference):
 # --- batching across concurrent requests --------------------------------------------------------
 
 
-def test_concurrent_requests_are_batched_and_deduplicated(http, gateway, reference):
+def test_concurrent_requests_share_engine_passes_and_are_deduplicated(http, gateway, reference):
     n = 64
     distinct = [
         reference.tokenizer(
@@ -343,17 +343,20 @@ def test_concurrent_requests_are_batched_and_deduplicated(http, gateway, referen
     for response in responses:
         assert response.status_code == 200, response.text
         bodies.append(msgspec.msgpack.decode(response.content))
-    submitted = sum(3 - b["usage"]["cache_hits"] for b in bodies)  # rows that reached the batcher
-    delta = {k: after[k] - before[k] for k in ("requests", "rows", "engine_rows", "batches")}
-    print(f"\n64 concurrent requests: stats delta {delta}, largest_batch {after['largest_batch']}")
-    assert delta["requests"] == n
-    assert delta["rows"] == submitted
+    submitted = sum(3 - b["usage"]["cache_hits"] for b in bodies)  # rows that reached the engine
+    delta = {k: after[k] - before[k] for k in ("requests", "rows", "engine_rows", "engine_calls")}
+    passes = {k: after["engine_passes"][k] - before["engine_passes"][k] for k in ("passes", "rows")}
+    largest = after["engine_passes"]["largest"]
+    print(f"\n64 concurrent requests: stats delta {delta}, engine passes {passes}, largest pass {largest}")
+    assert delta["requests"] == n == delta["engine_calls"]  # a call each: the engine merges them
+    assert delta["rows"] == delta["engine_rows"] == submitted
     assert submitted >= n  # each distinct row was new to the cache
-    assert delta["batches"] <= 16
-    # identical rows of different requests were computed once
-    assert delta["engine_rows"] < delta["rows"]
-    assert n <= delta["engine_rows"] <= n + len(shared) * delta["batches"]
-    assert 2 <= after["largest_batch"] <= ModelSettings().max_batch_rows
+    assert after["largest_call"] <= ModelSettings().max_batch_rows
+    # the engine's scheduler merged them into few passes, identical rows of a pass computed once
+    assert passes["passes"] <= 16
+    assert passes["rows"] < delta["rows"]
+    assert n <= passes["rows"] <= n + len(shared) * passes["passes"]
+    assert largest >= 2
 
     # each request got its own rows: equal to a separate sequential request and to the reference
     shared_want = [expected_row(reference, ids) for ids in shared]

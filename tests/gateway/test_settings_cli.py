@@ -234,6 +234,10 @@ BAD_FILES = {
         "[[models]]\ntemprature = 0.5\n",
         "Object contains unknown field `temprature` - at `$.models[0]`",
     ),
+    "removed-batch-window": (  # gone with the gateway's own batching: the engine's scheduler batches
+        "[[models]]\nbatch_window_ms = 2.0\n",
+        "Object contains unknown field `batch_window_ms` - at `$.models[0]`",
+    ),
     "port-out-of-range": ("port = 70000\n", "Expected `int` <= 65535 - at `$.port`"),
     "no-models": ("models = []\n", "at least one model must be configured"),
     "models-not-a-list": ('models = "smollm2-135m"\n', "Expected `array`, got `str` - at `$.models`"),

@@ -117,8 +117,8 @@ def test_token_ids_logprob_reads_the_named_ids_at_every_position(http, reference
         np.testing.assert_allclose([t[0] for t in entry], rows[len(ids) - 1 + i, wanted], atol=1e-4)
 
 
-def test_token_ids_logprob_rows_go_through_the_output_cache_and_the_batcher(http, gateway, reference):
-    """/generate reads whole rows where /v1/next_token_logprobs does: its rows reach the batcher
+def test_token_ids_logprob_rows_go_through_the_output_cache_and_the_engine(http, gateway, reference):
+    """/generate reads whole rows where /v1/next_token_logprobs does: its rows reach the engine
     once, the same request again is answered from the output cache, and so are dense requests for
     the same prefixes, with the very numbers of the direct forward pass."""
     ids = reference.tokenizer("Rows of a generate request, read once and cached:")["input_ids"]
@@ -134,19 +134,19 @@ def test_token_ids_logprob_rows_go_through_the_output_cache_and_the_batcher(http
     # the row after each proper prefix of the prompt (scores of positions 1 .. P-1), then one per token
     prefixes = [ids[:p] for p in range(1, len(ids))] + [ids, ids + expected[:1]]
 
-    def batcher_rows() -> int:
+    def engine_rows() -> int:
         return http.get(f"/v1/models/{MODEL}/stats").json()["rows"]
 
-    before = batcher_rows()
+    before = engine_rows()
     first = generate(http, **body)
-    assert batcher_rows() - before == len(prefixes)  # every row was new to the cache
+    assert engine_rows() - before == len(prefixes)  # every row was new to the cache
     again = generate(http, **body)
-    assert batcher_rows() - before == len(prefixes)  # none reached the batcher again
+    assert engine_rows() - before == len(prefixes)  # none reached the engine again
     assert again["meta_info"]["input_token_ids_logprobs"] == first["meta_info"]["input_token_ids_logprobs"]
     assert again["meta_info"]["output_token_ids_logprobs"] == first["meta_info"]["output_token_ids_logprobs"]
 
     matrix, hits = dense_rows(gateway.base_url, prefixes)
-    assert hits == len(prefixes) and batcher_rows() - before == len(prefixes)
+    assert hits == len(prefixes) and engine_rows() - before == len(prefixes)
     meta = first["meta_info"]
     assert first["output_ids"] == expected and meta["input_token_ids_logprobs"][0] is None
     entries = meta["input_token_ids_logprobs"][1:] + meta["output_token_ids_logprobs"]
@@ -182,8 +182,8 @@ def test_more_rows_than_one_engine_batch_keep_their_order():
         prefixes = [ids[:p] for p in range(1, len(ids) + 1)]  # then the row after the whole prompt
         assert len(entries) == len(prefixes)
         stats = client.get("/v1/models/mock/stats").json()
-        assert stats["rows"] == len(prefixes) and stats["batches"] >= 2
-        assert stats["largest_batch"] <= max_batch_rows
+        assert stats["rows"] == len(prefixes) and stats["engine_calls"] >= 2
+        assert stats["largest_call"] <= max_batch_rows and "engine_passes" not in stats
         dense = client.post(
             "/v1/next_token_logprobs",
             json={"model": "mock", "input": prefixes, "layout": "matrix"},
