@@ -69,8 +69,16 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
     _body_timer: asyncio.TimerHandle | None = None
     _head_bytes = 0  # bytes received since the head being read began
     _body_bytes = 0  # bytes of the current request's unfinished body counted in the server's budget
+    # After an error answer the connection is half-closed and what the client still sends is read
+    # and dropped, for at most this long: closed with its bytes unread, the connection would be
+    # reset and a client still sending its body could lose the answer.
+    linger_s: float = 2.0
+    _lingering = False
+    _linger_timer: asyncio.TimerHandle | None = None
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # answered already: the rest of the request is dropped
         awaiting = self._awaiting_head()
         super().data_received(data)
         if self.transport.is_closing():
@@ -104,10 +112,16 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._release_body_bytes()
-        for timer in (self._head_timer, self._stall_timer, self._body_timer):
+        for timer in (self._head_timer, self._stall_timer, self._body_timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
         super().connection_lost(exc)
+
+    def eof_received(self) -> bool | None:
+        if self._lingering:  # the client has sent all it will: the answer is out, close
+            self.transport.close()
+            return None
+        return super().eof_received()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -191,8 +205,22 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         head.append(b"content-type: application/json\r\n")
         head.append(b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body))
         # Written as bytes by both parsers' protocols: no request is in progress and the connection closes.
+        if self._lingering:
+            return  # answered already
         self.transport.write(b"".join(head) + body)
-        self.transport.close()
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close once the answer is out: half-close now (the answer, then end of stream), drop what
+        the client still sends, and close at its end of stream or after `linger_s`."""
+        try:
+            self.transport.write_eof()
+        except (NotImplementedError, RuntimeError, OSError):
+            self.transport.close()
+            return
+        self._lingering = True
+        self._release_body_bytes()
+        self._linger_timer = self.loop.call_later(self.linger_s, self.transport.close)
 
 
 def protocol_with_limits(limits: Limits) -> type[GatewayHTTPProtocol]:
