@@ -168,7 +168,8 @@ def test_a_departed_client_stops_generation_on_the_mock_engine(faulty, stream):
 @pytest.mark.slow
 def test_queued_dense_rows_of_a_departed_client_are_never_computed(gateway, reference):
     rng = np.random.default_rng(3)
-    busy = [[1, *map(int, rng.integers(100, 40000, 600))] for _ in range(24)]  # a few seconds of work
+    # seconds of work on the engine, well beyond the 1.5 s the next request waits
+    busy = [[1, *map(int, rng.integers(100, 40000, 600))] for _ in range(8)]
     dropped = [[1, *map(int, rng.integers(100, 40000, 8))] for _ in range(5)]
     before = metric(gateway.base_url, "logprob_gateway_engine_rows_total", model=MODEL)
     computed = engine_pass_rows(gateway.base_url)
