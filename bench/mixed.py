@@ -147,9 +147,11 @@ class Workloads:
         return list(await asyncio.gather(*(stream(i) for i in range(self.args.streams))))
 
     async def warm_up(self) -> None:
-        """One SMC run of a few steps and one completion per stream, at once."""
+        """One whole SMC run and one completion per stream, at once: a run's later steps reach
+        longer prefixes, whose compiled shapes a shorter warm-up would leave to the solo phase."""
         ids = self.tokenizer(f"{PROMPT} ({next(self.runs)})").input_ids  # type: ignore[attr-defined]
-        steps = smc_steps(batch_rows(self.lm), ids, self.args.particles, 4, self.args.resample_every, 0, [])
+        args = self.args
+        steps = smc_steps(batch_rows(self.lm), ids, args.particles, args.steps, args.resample_every, 0, [])
         prompts = [prompt(i) for i in range(self.args.streams)]
         await asyncio.gather(self.client.round(prompts, self.args.max_tokens), _drain(steps))
 
