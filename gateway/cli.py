@@ -10,7 +10,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from backends.registry import BACKEND_NAMES
+from backends.registry import BACKEND_NAMES, DENSE_BACKEND_NAMES
 from gateway.server.preflight import check_before_loading
 from gateway.settings import CacheSettings, ConfigError, ModelSettings, Settings, load_settings
 
@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a local Hugging Face directory or a built-in model (default: {model.model})",
     )
     serve.add_argument("--backend", choices=BACKEND_NAMES, help=f"the engine (default: {model.backend})")
+    serve.add_argument(
+        "--dense-backend",
+        choices=DENSE_BACKEND_NAMES,
+        help="the engine that computes dense rows and prompt scores while --backend generates; "
+        f"self: --backend does both (default: {model.dense_backend})",
+    )
     serve.add_argument(
         "--served-model-name", dest="name", help="the name clients use (default: from --model)"
     )

@@ -309,7 +309,8 @@ def test_parser_reads_every_flag_into_settings():
             "--host", "0.0.0.0",
             "--port", "9001",
             "--model", "/weights/my-model",
-            "--backend", "mock",
+            "--backend", "vllm",
+            "--dense-backend", "mock",
             "--served-model-name", "mine",
             "--dtype", "bfloat16",
             "--device", "cpu",
@@ -324,8 +325,9 @@ def test_parser_reads_every_flag_into_settings():
     assert len(settings.models) == 1
     model = settings.models[0]
     assert model.served_name == "mine"
-    assert (model.model, model.backend, model.dtype, model.device, model.max_model_len) == (
+    assert (model.model, model.backend, model.dense_backend, model.dtype, model.device, model.max_model_len) == (
         "/weights/my-model",
+        "vllm",
         "mock",
         "bfloat16",
         "cpu",
@@ -363,6 +365,7 @@ def test_flags_beat_environment_and_file(tmp_path, monkeypatch):
     "argv",
     [
         ["serve", "--backend", "tensorrt"],
+        ["serve", "--dense-backend", "vllm"],
         ["serve", "--dtype", "float64"],
         ["serve", "--port", "http"],
         ["serve", "--log-level", "loud"],
