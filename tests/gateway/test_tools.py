@@ -134,7 +134,10 @@ def test_a_streamed_call_is_sent_as_openai_sends_it(tools_client):
     assert first.id and first.type == "function" and first.function.name == "get_weather"
     assert first.function.arguments == ""
     assert len(fragments) > 1 and all(f.id is None and f.function.name is None for f in fragments)
-    assert "".join(f.function.arguments for f in fragments) == whole.message.tool_calls[0].function.arguments
+    arguments = whole.message.tool_calls[0].function.arguments
+    assert "".join(f.function.arguments for f in fragments) == arguments
+    # compact, as OpenAI's, though the template shows the model spaced JSON
+    assert arguments == json.dumps(json.loads(arguments), separators=(",", ":"), ensure_ascii=False)
     # the finish reason comes alone, after the last fragment: the SDK's helper closes the call on it
     assert (
         chunks[-1].choices[0].finish_reason == "tool_calls" and chunks[-1].choices[0].delta.tool_calls is None
