@@ -160,7 +160,39 @@ def calls_grammar(
 def arguments_schema(function: FunctionSpec, style: dict[str, Any]) -> dict[str, Any]:
     """The function's parameters as a schema of its own (its `$defs` at its root), JSON spaced by
     `style` unless the schema's own "x-guidance" says otherwise."""
-    parameters = NO_ARGUMENTS if function.parameters is None else function.parameters
+    parameters = function_parameters(function)
     own = parameters.get("x-guidance", {})
     # a schema's own options that are no object are the grammar engine's to refuse
     return {**parameters, "x-guidance": {**style, **own} if isinstance(own, dict) else own}
+
+
+def function_parameters(function: FunctionSpec) -> dict[str, Any]:
+    """The schema a call's arguments are held to: the function's `parameters`, each object that
+    lists its properties closed to others unless it says (`additionalProperties` or
+    `unevaluatedProperties`), as vLLM's and SGLang's default grammar engine (xgrammar's strict
+    mode) holds them; open, a small model writes keys of its own until `max_tokens`."""
+    return NO_ARGUMENTS if function.parameters is None else _closed(function.parameters)
+
+
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples", "x-guidance"})  # values, not schemas
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _closed(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # names to schemas: each name's schema
+            closed[key] = {name: _closed(item) for name, item in value.items()}
+        elif key in _DATA_KEYS or key == "allOf":
+            # an allOf's branches are parts of one object: closing each would refuse the others' keys
+            closed[key] = value
+        else:
+            closed[key] = _closed(value)
+    lists_properties = "properties" in schema or "patternProperties" in schema
+    if lists_properties and not {"additionalProperties", "unevaluatedProperties", "allOf"} & schema.keys():
+        closed["additionalProperties"] = False
+    return closed

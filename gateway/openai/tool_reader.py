@@ -2,9 +2,10 @@
 
 The grammar (gateway/openai/tool_formats.py) has already held the text to its format, so reading
 it needs no JSON parser: content until the trigger, then each call's head (its name), then its
-arguments, whose end is where their JSON value closes. Text and argument fragments come out as
-soon as they are known, which is what a stream sends; the whole answer is the same events
-gathered.
+arguments, whose end is where their JSON value closes. The arguments come out compact (no
+whitespace outside strings), as OpenAI's do, however the model's format spaces them. Text and
+argument fragments come out as soon as they are known, which is what a stream sends; the whole
+answer is the same events gathered.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 from gateway.openai.tool_formats import ToolFormat
 
+_JSON_WHITESPACE = " \t\n\r"
 _CALL_HEAD = re.compile(r'\{"name":\s?"([A-Za-z0-9_-]{1,64})",\s?"(?:arguments|parameters)":\s?(?=\S)')
 
 
@@ -180,22 +182,23 @@ class CallReader:
         self._buffer, self._state, self._value = self._buffer[head.end() :], "arguments", _JsonValueEnd()
 
     def _read_arguments(self, events: list[Event]) -> None:
-        call, buffer = self.calls[-1], self._buffer
+        call, buffer, value = self.calls[-1], self._buffer, self._value
+        kept: list[str] = []
         for i, char in enumerate(buffer):
-            if (
-                self._value.started
-                and self._value.depth == 0
-                and not self._value.in_string
-                and char in ",}];\n"
-            ):
+            if value.started and value.depth == 0 and not value.in_string and char in ",}];\n":
                 # a scalar's end is the first character past it
-                self._close_call(buffer[:i], buffer[i:], events)
+                self._close_call("".join(kept), buffer[i:], events)
                 return
-            if self._value.ends_at(char):
-                self._close_call(buffer[: i + 1], buffer[i + 1 :], events)
+            if not value.in_string and char in _JSON_WHITESPACE:
+                continue  # compact, as OpenAI's arguments are (the template's JSON is spaced)
+            kept.append(char)
+            if value.ends_at(char):
+                self._close_call("".join(kept), buffer[i + 1 :], events)
                 return
-        call.arguments += buffer
-        events.append(ArgumentsDelta(len(self.calls) - 1, buffer))
+        text = "".join(kept)
+        call.arguments += text
+        if text:
+            events.append(ArgumentsDelta(len(self.calls) - 1, text))
         self._buffer = ""
 
     def _close_call(self, arguments: str, rest: str, events: list[Event]) -> None:

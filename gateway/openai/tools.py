@@ -26,9 +26,9 @@ from gateway.errors import InvalidRequestError
 from gateway.models.served import ServedModel
 from gateway.openai.tool_formats import (
     GATEWAY_JSON,
-    NO_ARGUMENTS,
     ToolFormat,
     calls_grammar,
+    function_parameters,
     template_format,
 )
 from gateway.openai.tool_reader import CallReader
@@ -96,8 +96,7 @@ def requested_calls(body: ChatCompletionRequest, served: ServedModel) -> ToolCal
             raise InvalidRequestError(f"no tool is named {named!r}", param="tool_choice")
     chosen = [functions[named]] if named is not None else list(functions.values())
     if fmt is None and named is not None:
-        parameters = NO_ARGUMENTS if chosen[0].parameters is None else chosen[0].parameters
-        return ToolCalls(Grammar("json_schema", json.dumps(parameters)), None, named)
+        return ToolCalls(Grammar("json_schema", json.dumps(function_parameters(chosen[0]))), None, named)
     fmt = fmt or GATEWAY_JSON
     trigger_token = _special_token(served, fmt.trigger)
     grammar = calls_grammar(

@@ -33,7 +33,7 @@ FunctionName = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9_-]{1,64}$")]
 
 class FunctionCall(msgspec.Struct, kw_only=True):
     name: FunctionName
-    arguments: str  # JSON text, as OpenAI sends it
+    arguments: str  # compact JSON text, as OpenAI sends it
 
 
 class ToolCall(msgspec.Struct, kw_only=True):

@@ -134,7 +134,10 @@ def test_a_streamed_call_is_sent_as_openai_sends_it(tools_client):
     assert first.id and first.type == "function" and first.function.name == "get_weather"
     assert first.function.arguments == ""
     assert len(fragments) > 1 and all(f.id is None and f.function.name is None for f in fragments)
-    assert "".join(f.function.arguments for f in fragments) == whole.message.tool_calls[0].function.arguments
+    arguments = whole.message.tool_calls[0].function.arguments
+    assert "".join(f.function.arguments for f in fragments) == arguments
+    # compact, as OpenAI's, though the template shows the model spaced JSON
+    assert arguments == json.dumps(json.loads(arguments), separators=(",", ":"), ensure_ascii=False)
     # the finish reason comes alone, after the last fragment: the SDK's helper closes the call on it
     assert (
         chunks[-1].choices[0].finish_reason == "tool_calls" and chunks[-1].choices[0].delta.tool_calls is None
@@ -250,6 +253,44 @@ def test_a_forced_call_cut_by_max_tokens_is_a_truncated_call(tools_client):
         assert full.startswith(call.function.arguments)
         with pytest.raises(ValueError):
             json.loads(call.function.arguments)
+
+
+# As most tools are written (vLLM's own tests among them): properties listed, nothing said of others.
+OPEN_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a given location",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "The city, e.g. 'San Francisco'"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("model", ("llama3_json", "mistral", "plain"))
+def test_a_forced_call_holds_only_the_listed_keys(tools_client, model):
+    """Open to other keys, the model wrote the schema itself as arguments until max_tokens (or keys
+    of its own); closed, as vLLM's and SGLang's default grammar engine holds it, the call ends."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        answer = tools_client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "What is the weather in Dallas, Texas?"}],
+            tools=[OPEN_WEATHER],
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            max_tokens=60,
+            temperature=0,
+        )
+        answered = answer.choices[0]
+        assert answered.finish_reason == "tool_calls", (choice, answered.message)
+        (call,) = answered.message.tool_calls
+        assert set(json.loads(call.function.arguments)) <= {"city", "unit"}, call.function.arguments
 
 
 def test_a_forced_call_wins_over_response_format(tools_client):
