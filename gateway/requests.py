@@ -11,9 +11,10 @@ from litestar import Request
 
 from gateway.access import Access
 from gateway.body_decode import BodyDecoder, decode_body
-from gateway.errors import UnsupportedMediaTypeError
+from gateway.errors import PayloadTooLargeError, UnsupportedMediaTypeError
 from gateway.guard import ANSWER_BYTES_KEY, KEY_NAME, STREAM_KEY
 from gateway.metrics import set_labels
+from gateway.schemas.logprobs import NextTokenLogprobsRequest
 from gateway.models.registry import ModelRegistry
 from gateway.models.served import ServedModel
 from gateway.settings import Settings
@@ -43,11 +44,27 @@ async def decode_json(request: Request, body_type: type[T]) -> T:
             f"Content-Type {media_type[:100]!r} is not supported: send the body as application/json "
             f"(or {MSGPACK_TYPES[0]})"
         )
+    if body_type is not NextTokenLogprobsRequest:
+        check_non_dense_size(request, request.headers.get("content-length"))
     body = await request.body()
+    if body_type is not NextTokenLogprobsRequest:
+        check_non_dense_size(request, len(body))
     decoder = body_decoder(request)
     if decoder.inline(body):
         return decode_body(body, binary, body_type)
     return await decoder.decode(body, binary, body_type)
+
+
+def check_non_dense_size(request: Request, size: int | str | None) -> None:
+    """A 413 for a body of another route than the dense one past `max_non_dense_body_bytes`
+    (by its Content-Length before it is read, by its bytes after): such a body, once valid, is
+    decoded on the event loop, so its size bounds how long the loop is held."""
+    limit = settings(request).limits.max_non_dense_body_bytes
+    if size is not None and str(size).isdigit() and int(size) > limit:
+        raise PayloadTooLargeError(
+            f"the request body is {int(size)} bytes; this route takes at most {limit} "
+            "(max_non_dense_body_bytes; only /v1/next_token_logprobs takes up to max_body_bytes)"
+        )
 
 
 def body_decoder(request: Request) -> BodyDecoder:

@@ -34,6 +34,7 @@
 
     [limits]                       # all enforced with a 4xx in OpenAI's error format
     max_body_bytes = 67108864      # 413 beyond
+    max_non_dense_body_bytes = 4194304  # every other route's bodies; 413 beyond
     max_text_chars = 131072        # characters per text; unset: 16 x the model's max_model_len
     max_streams = 256              # open streamed responses; 429 beyond
     max_in_flight_per_key = 0      # 0: unlimited; 429 + Retry-After beyond
@@ -154,6 +155,9 @@ class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # None: 16 per token of the model's max_model_len (gateway/prompts.py says why)
     max_text_chars: Annotated[int, msgspec.Meta(gt=0)] | None = None
     max_body_bytes: Annotated[int, msgspec.Meta(gt=0)] = 64 * 2**20  # request bodies (413 beyond)
+    # bodies of every route but the dense one, which a valid request has decoded on the event loop
+    # (msgspec holds the GIL): this bounds that decode (413 beyond)
+    max_non_dense_body_bytes: Annotated[int, msgspec.Meta(gt=0)] = 4 * 2**20
     max_streams: Annotated[int, msgspec.Meta(gt=0)] = 256  # open streamed responses, server-wide
     max_in_flight_per_key: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: unlimited
     rows_per_minute_per_key: Annotated[int, msgspec.Meta(ge=0)] = 0  # dense rows; 0: unlimited

@@ -7,6 +7,7 @@ stays quick)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from urllib.parse import urlsplit
@@ -197,3 +198,31 @@ def test_half_sent_bodies_stay_within_the_servers_budget_of_unfinished_bytes(tmp
     assert len(refused) >= 4, [r[:40] for r in results]
     assert b"retry-after: 1" in refused[0].lower()
     assert msgspec.json.decode(refused[0].split(b"\r\n\r\n", 1)[1])["error"]["code"] == "server_busy"
+
+
+def test_routes_other_than_the_dense_one_take_bodies_up_to_their_own_limit():
+    """A valid body of another route is decoded on the event loop, so `max_non_dense_body_bytes`
+    (its default, as it ships) bounds it: the largest completion the default model takes (64
+    prompts of 8,192 five-digit ids) fits; a larger body is a 413 in the API's error format, by
+    its Content-Length or, sent chunked, by its bytes; a dense body as large is decoded."""
+    from tests.conftest import mock_app_client
+
+    # spaced after commas, as Python's json module (and so httpx and the openai SDK) writes it
+    largest = json.dumps({"model": "mock", "prompt": [[12345] * 8192] * 64, "max_tokens": 1}).encode()
+    assert 3.5 * 2**20 < len(largest) <= 4 * 2**20
+    too_large = msgspec.json.encode({"model": "mock", "prompt": "a" * (4 * 2**20), "max_tokens": 1})
+    dense = msgspec.json.encode(
+        {"model": "mock", "input": [[12345] * 2000] * 400, "encoding_format": "base64", "layout": "matrix"}
+    )
+    assert len(dense) > 4 * 2**20
+    headers = {"content-type": "application/json"}
+    with mock_app_client() as (_, client):
+        assert client.post("/v1/completions", content=largest, headers=headers).status_code != 413
+        for content in (too_large, iter([too_large[: 2**20], too_large[2**20 :]])):
+            answer = client.post("/v1/completions", content=content, headers=headers)
+            assert answer.status_code == 413, answer.text[:300]
+            assert "max_non_dense_body_bytes" in answer.json()["error"]["message"]
+        answer = client.post("/v1/chat/completions", content=too_large, headers=headers)
+        assert answer.status_code == 413
+        answer = client.post("/v1/next_token_logprobs", content=dense, headers=headers)
+        assert answer.status_code == 200, answer.text[:300]
