@@ -179,20 +179,32 @@ _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitio
 
 
 def _closed(schema: Any) -> Any:
-    if isinstance(schema, list):
-        return [_closed(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    closed = {}
-    for key, value in schema.items():
-        if key in _SCHEMA_MAPS and isinstance(value, dict):  # names to schemas: each name's schema
-            closed[key] = {name: _closed(item) for name, item in value.items()}
-        elif key in _DATA_KEYS or key == "allOf":
-            # an allOf's branches are parts of one object: closing each would refuse the others' keys
-            closed[key] = value
+    """A copy of `schema` with its objects closed as `function_parameters` says, walked with a
+    stack: a body may nest deeper than Python recurses (msgspec decodes it in C)."""
+    root: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any]] = [(schema, root, 0)]  # (a value, its copy's parent, its key)
+    while stack:
+        value, parent, key = stack.pop()
+        if isinstance(value, list):
+            parent[key] = copied = [None] * len(value)
+            stack.extend((item, copied, i) for i, item in enumerate(value))
+        elif isinstance(value, dict):
+            parent[key] = closed = dict.fromkeys(value)  # the keys in their order, filled below
+            for name, part in value.items():
+                if name in _SCHEMA_MAPS and isinstance(part, dict):  # names to schemas: each one's
+                    closed[name] = schemas = dict.fromkeys(part)
+                    stack.extend((item, schemas, field) for field, item in part.items())
+                elif name in _DATA_KEYS or name == "allOf":
+                    # an allOf's branches are parts of one object: closing each would refuse the others' keys
+                    closed[name] = part
+                else:
+                    stack.append((part, closed, name))
+            lists_properties = "properties" in value or "patternProperties" in value
+            if (
+                lists_properties
+                and not {"additionalProperties", "unevaluatedProperties", "allOf"} & value.keys()
+            ):
+                closed["additionalProperties"] = False
         else:
-            closed[key] = _closed(value)
-    lists_properties = "properties" in schema or "patternProperties" in schema
-    if lists_properties and not {"additionalProperties", "unevaluatedProperties", "allOf"} & schema.keys():
-        closed["additionalProperties"] = False
-    return closed
+            parent[key] = value
+    return root[0]

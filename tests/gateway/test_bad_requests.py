@@ -45,6 +45,14 @@ def raw(text: str) -> bytes:
     return text.encode()
 
 
+def deep_tool_chat(depth: int) -> bytes:
+    """A chat that must call a tool whose one parameter's schema is `depth` anyOf's deep."""
+    schema = b'{"anyOf":[' * depth + b'{"type":"string"}' + b"]}" * depth
+    parameters = b'{"type":"object","properties":{"a":' + schema + b"}}"
+    tools = b'[{"type":"function","function":{"name":"f","parameters":' + parameters + b"}}]"
+    return json.dumps(chat(tool_choice="required")).encode()[:-1] + b', "tools": ' + tools + b"}"
+
+
 @dataclass(frozen=True)
 class Case:
     endpoint: str
@@ -483,6 +491,14 @@ CASES = {
     ),
     "generate-unknown-lora": Case(
         GENERATE, {"text": "Hi", "lora_path": "nope"}, 404, "model", "no adapter", NOT_FOUND
+    ),
+    # nested as deep as a body decodes, deeper than Python recurses: the grammar engine's limit
+    "chat-tool-nested-deep": Case(
+        "/v1/chat/completions",
+        deep_tool_chat(450),
+        400,
+        "tool_choice",
+        "recursion limit exceeded",
     ),
     "generate-n-too-large": Case(
         GENERATE, {"text": "Hi", "sampling_params": {"n": 10**3}}, 400, "n", "n must be"

@@ -7,7 +7,14 @@ import llguidance
 import llguidance.hf
 import pytest
 
-from gateway.openai.tool_formats import GATEWAY_JSON, HERMES, LLAMA3_JSON, MISTRAL, calls_grammar
+from gateway.openai.tool_formats import (
+    GATEWAY_JSON,
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    calls_grammar,
+    function_parameters,
+)
 from gateway.openai.tool_reader import ArgumentsDelta, CallReader, CallStarted, ContentDelta
 from gateway.schemas.chat import FunctionSpec
 
@@ -129,3 +136,18 @@ def test_a_call_holds_only_the_keys_its_function_lists(vocabulary):
     assert accepts({**open_ended, "additionalProperties": True}, '{"city": "Rome", "x": 1}')
     both = {"allOf": [open_ended, {"type": "object", "properties": {"x": {"type": "integer"}}}]}
     assert accepts(both, '{"city": "Rome", "x": 1}')  # an allOf's parts stay open to each other
+
+
+def test_parameters_nested_deeper_than_python_recurses_are_closed():
+    """msgspec decodes bodies nested deeper than Python recurses: closing their objects walks
+    them with a stack (recursing, a 450-deep tool was a 500)."""
+    innermost = {"type": "object", "properties": {"city": {"type": "string"}}}
+    schema: dict = innermost
+    for _ in range(5000):
+        schema = {"anyOf": [schema], "properties": {"p": {"items": [innermost]}}}
+    closed = function_parameters(FunctionSpec(name="f", parameters=schema))
+    for _ in range(5000):
+        assert closed["additionalProperties"] is False  # each level lists properties
+        assert closed["properties"]["p"]["items"][0]["additionalProperties"] is False
+        closed = closed["anyOf"][0]
+    assert closed == {**innermost, "additionalProperties": False}
