@@ -14,9 +14,9 @@ from gateway.body_decode import BodyDecoder, decode_body
 from gateway.errors import PayloadTooLargeError, UnsupportedMediaTypeError
 from gateway.guard import ANSWER_BYTES_KEY, KEY_NAME, STREAM_KEY
 from gateway.metrics import set_labels
-from gateway.schemas.logprobs import NextTokenLogprobsRequest
 from gateway.models.registry import ModelRegistry
 from gateway.models.served import ServedModel
+from gateway.schemas.logprobs import NextTokenLogprobsRequest
 from gateway.settings import Settings
 
 T = TypeVar("T")
@@ -44,10 +44,11 @@ async def decode_json(request: Request, body_type: type[T]) -> T:
             f"Content-Type {media_type[:100]!r} is not supported: send the body as application/json "
             f"(or {MSGPACK_TYPES[0]})"
         )
-    if body_type is not NextTokenLogprobsRequest:
+    dense = body_type is NextTokenLogprobsRequest
+    if not dense:
         check_non_dense_size(request, request.headers.get("content-length"))
     body = await request.body()
-    if body_type is not NextTokenLogprobsRequest:
+    if not dense:
         check_non_dense_size(request, len(body))
     decoder = body_decoder(request)
     if decoder.inline(body):

@@ -248,7 +248,16 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             m.check()
 
 
-_MODEL_KEYS = ("model", "backend", "dense_backend", "name", "dtype", "device", "max_model_len", "weights_root")
+_MODEL_KEYS = (
+    "model",
+    "backend",
+    "dense_backend",
+    "name",
+    "dtype",
+    "device",
+    "max_model_len",
+    "weights_root",
+)
 _ENV_KEYS = {
     "HOST": "host",
     "PORT": "port",

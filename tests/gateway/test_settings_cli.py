@@ -325,7 +325,14 @@ def test_parser_reads_every_flag_into_settings():
     assert len(settings.models) == 1
     model = settings.models[0]
     assert model.served_name == "mine"
-    assert (model.model, model.backend, model.dense_backend, model.dtype, model.device, model.max_model_len) == (
+    assert (
+        model.model,
+        model.backend,
+        model.dense_backend,
+        model.dtype,
+        model.device,
+        model.max_model_len,
+    ) == (
         "/weights/my-model",
         "vllm",
         "mock",
