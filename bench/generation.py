@@ -25,7 +25,8 @@ this process. Without --targets: `gateway-<--backend>`.
 Every target gets the same requests: N streams each send one greedy completion (`--max-tokens`,
 default 48; every stream its own prompt, logprobs=1, no stop sequences) through the `openai` SDK at
 once (transformers-generate: one batch of the N prompts); a stream's latency is its request's wall
-time. The targets run one after another, each started once for all stream counts and stopped
+time. `--logprobs 1 none` runs each count both ways (`none`: no logprobs asked for, the table
+gains a `logprobs` column and each setting its own ratios). The targets run one after another, each started once for all stream counts and stopped
 before the next starts (one GPU). Each count runs `--repeats` times after one warm-up round.
 
 Prints one Markdown table on stdout, progress on stderr: per target and stream count the median
@@ -156,6 +157,7 @@ def progress(line: str) -> None:
 class Row:
     target: str
     constraint: str
+    logprobs: int | None  # what each request asked for (None: no logprobs)
     streams: int
     rate: float  # median aggregate tokens/s
     tokens_per_stream: float  # mean completion tokens
@@ -175,8 +177,9 @@ def agreement(done: list[Completion], alone: list[Completion]) -> tuple[int, flo
         if got.text != single.text:
             continue
         equal += 1
-        pairs = zip(got.token_logprobs, single.token_logprobs, strict=True)
-        worst = max([worst, *(abs(a - b) for a, b in pairs)])
+        if got.token_logprobs:  # asked for
+            pairs = zip(got.token_logprobs, single.token_logprobs, strict=True)
+            worst = max([worst, *(abs(a - b) for a, b in pairs)])
     return equal, worst
 
 
@@ -195,7 +198,7 @@ class Runs:
 async def measure(
     name: str, target: Target, args: argparse.Namespace, constraints: list[str], rows: list[Row]
 ) -> None:
-    """Appends a row per stream count and constraint to `rows` as it is measured."""
+    """Appends a row per stream count, constraint and logprobs setting to `rows` as it is measured."""
     most = max(args.streams)
     needed = {CONSTRAINTS[c](i) for c in constraints for i in range(most)}
     alone: dict[tuple[int, OutputGrammar | None], Completion] = {}
@@ -206,14 +209,14 @@ async def measure(
     for count in args.streams:
         prompts = [prompt(i) for i in range(count)]
         grammars = {c: [CONSTRAINTS[c](i) for i in range(count)] for c in constraints}
-        runs = {c: Runs([], []) for c in constraints}
+        runs = {(c, n): Runs([], []) for c in constraints for n in args.logprobs}
         progress(f"{name}: {count} streams")
-        for constraint in constraints:  # warm-up
-            await target.round(prompts, args.max_tokens, grammars[constraint])
-        for _ in range(args.repeats):  # the constraints in turn, so a slow spell falls on all
-            for constraint, run in runs.items():
+        for constraint, logprobs in runs:  # warm-up
+            await target.round(prompts, args.max_tokens, grammars[constraint], logprobs)
+        for _ in range(args.repeats):  # the variants in turn, so a slow spell falls on all
+            for (constraint, logprobs), run in runs.items():
                 started = time.perf_counter()
-                done = await target.round(prompts, args.max_tokens, grammars[constraint])
+                done = await target.round(prompts, args.max_tokens, grammars[constraint], logprobs)
                 run.rates.append(sum(c.tokens for c in done) / (time.perf_counter() - started))
                 run.done.extend(done)
                 same, diff = agreement(done, [alone[i, g] for i, g in enumerate(grammars[constraint])])
@@ -221,7 +224,7 @@ async def measure(
                 held = [(c, g) for c, g in zip(done, grammars[constraint], strict=True) if g is not None]
                 run.valid += sum(matches(c.text, g) for c, g in held)
                 run.constrained += len(held)
-        for constraint, run in runs.items():
+        for (constraint, logprobs), run in runs.items():
             p50, p95 = np.percentile([c.latency_s for c in run.done], [50, 95])
             tokens = statistics.mean(c.tokens for c in run.done)
             rate, compared = statistics.median(run.rates), count * args.repeats
@@ -229,6 +232,7 @@ async def measure(
                 Row(
                     name,
                     constraint,
+                    logprobs,
                     count,
                     rate,
                     tokens,
@@ -241,7 +245,8 @@ async def measure(
                     run.constrained,
                 )
             )
-            progress(f"{name}: {count} streams, {constraint}, {rate:.1f} tok/s")  # kept if cut short
+            # kept if cut short
+            progress(f"{name}: {count} streams, {constraint}, logprobs {logprobs}, {rate:.1f} tok/s")
 
 
 async def dense_sample(target: OpenAICompletions, setup: Setup, max_tokens: int) -> Kept:
@@ -294,12 +299,15 @@ def print_table(rows: list[Row], reference: str, max_tokens: int, repeats: int) 
     """Unconstrained only: the table of old. With constraints: their columns, each stream count's
     rows together."""
     constrained = any(row.constraint != "none" for row in rows)
-    base = {(r.streams, r.constraint): r.rate for r in rows if r.target == reference}
-    free = {(r.target, r.streams): r.rate for r in rows if r.constraint == "none"}
+    settings = list(dict.fromkeys(row.logprobs for row in rows))
+    base = {(r.streams, r.constraint, r.logprobs): r.rate for r in rows if r.target == reference}
+    free = {(r.target, r.streams, r.logprobs): r.rate for r in rows if r.constraint == "none"}
     heads = ["target", "streams", "aggregate tok/s", f"vs {reference}"]
     if constrained:
         heads[1:1] = ["constraint"]
         heads += ["vs none", "tokens per stream"]
+    if settings != [1]:
+        heads[1:1] = ["logprobs"]
     heads += ["latency p50 s", "latency p95 s", "texts equal alone", "max logprob diff"]
     heads += ["outputs valid"] if constrained else []
     title = f"Concurrent greedy completions of {max_tokens} tokens, median of {repeats}"
@@ -308,18 +316,24 @@ def print_table(rows: list[Row], reference: str, max_tokens: int, repeats: int) 
     print("| " + " | ".join("---" if head in ("target", "constraint") else "---:" for head in heads) + " |")
     targets = {name: i for i, name in enumerate(dict.fromkeys(row.target for row in rows))}
     kinds = {name: i for i, name in enumerate(CONSTRAINTS)}
-    for row in sorted(rows, key=lambda r: (r.streams, targets[r.target], kinds[r.constraint])):
+    order = {setting: i for i, setting in enumerate(settings)}
+    for row in sorted(
+        rows, key=lambda r: (order[r.logprobs], r.streams, targets[r.target], kinds[r.constraint])
+    ):
         cells = [
             row.target,
             str(row.streams),
             f"{row.rate:.1f}",
-            ratio(row.rate, base.get((row.streams, row.constraint))),
+            ratio(row.rate, base.get((row.streams, row.constraint, row.logprobs))),
         ]
         if constrained:
             cells[1:1] = [row.constraint]
-            cells += [ratio(row.rate, free.get((row.target, row.streams))), f"{row.tokens_per_stream:.1f}"]
+            free_rate = free.get((row.target, row.streams, row.logprobs))
+            cells += [ratio(row.rate, free_rate), f"{row.tokens_per_stream:.1f}"]
+        if settings != [1]:
+            cells[1:1] = [str(row.logprobs) if row.logprobs is not None else "none"]
         cells += [f"{row.latency_p50:.2f}", f"{row.latency_p95:.2f}", f"{row.equal}/{row.compared}"]
-        cells += [f"{row.worst_diff:.1e}"]
+        cells += [f"{row.worst_diff:.1e}" if row.logprobs is not None else "-"]
         cells += [f"{row.valid}/{row.constrained}" if row.constrained else "-"] if constrained else []
         print("| " + " | ".join(cells) + " |")
 
@@ -346,9 +360,18 @@ def main() -> None:
         default=["none"],
         help="run each stream count under each (see above); default: none",
     )
+    parser.add_argument(
+        "--logprobs",
+        nargs="+",
+        choices=["1", "none"],
+        default=["1"],
+        help="what each request asks for (`none`: no logprobs field); each setting runs in turn "
+        "with the same prompts; default: 1",
+    )
     parser.add_argument("--logs", type=Path, help="keep the targets' logs here (default: removed at the end)")
     args = parser.parse_args()
     args.targets = list(dict.fromkeys(args.targets or [f"gateway-{args.backend}"]))
+    args.logprobs = [None if setting == "none" else int(setting) for setting in dict.fromkeys(args.logprobs)]
     reference = args.reference or args.targets[0]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

@@ -111,10 +111,15 @@ class Target(Protocol):
     takes_grammars: bool
 
     async def round(
-        self, prompts: Sequence[str], max_tokens: int, grammars: Sequence[OutputGrammar | None] = ()
+        self,
+        prompts: Sequence[str],
+        max_tokens: int,
+        grammars: Sequence[OutputGrammar | None] = (),
+        logprobs: int | None = 1,
     ) -> list[Completion]:
-        """One greedy completion of each prompt (logprobs of the chosen tokens), all at once;
-        prompt i under `grammars[i]` where given and not None."""
+        """One greedy completion of each prompt, all at once, asking for `logprobs` (None: none;
+        the chosen tokens' logprobs come back where asked); prompt i under `grammars[i]` where
+        given and not None."""
         ...
 
 
@@ -129,15 +134,17 @@ def start_failure(path: Path, kept: bool) -> str:
 
 
 async def send_round(
-    one: Callable[[str, int, OutputGrammar | None], Awaitable[Completion]],
+    one: Callable[[str, int, OutputGrammar | None, int | None], Awaitable[Completion]],
     prompts: Sequence[str],
     max_tokens: int,
     grammars: Sequence[OutputGrammar | None],
+    logprobs: int | None,
 ) -> list[Completion]:
     """Each prompt its own request through `one`, with its grammar (none past the given ones), all
     sent at once."""
     chosen = [*grammars, *[None] * (len(prompts) - len(grammars))]
-    return list(await asyncio.gather(*(one(p, max_tokens, g) for p, g in zip(prompts, chosen, strict=True))))
+    sent = (one(p, max_tokens, g, logprobs) for p, g in zip(prompts, chosen, strict=True))
+    return list(await asyncio.gather(*sent))
 
 
 class OpenAICompletions:
@@ -152,26 +159,32 @@ class OpenAICompletions:
         )
         self.server = server  # whose spelling of a grammar the requests use
 
-    async def one(self, prompt: str, max_tokens: int, grammar: OutputGrammar | None) -> Completion:
+    async def one(
+        self, prompt: str, max_tokens: int, grammar: OutputGrammar | None, logprobs: int | None
+    ) -> Completion:
         started = time.perf_counter()
         answer = await self.client.completions.create(
             model=SERVED_NAME,
             prompt=prompt,
             max_tokens=max_tokens,
             temperature=0,
-            logprobs=1,
+            logprobs=logprobs,
             extra_body=grammar_fields(grammar, self.server) or None,
         )
         latency = time.perf_counter() - started
         choice = answer.choices[0]
-        logprobs = [float(x) for x in choice.logprobs.token_logprobs]
-        tokens = answer.usage.completion_tokens if answer.usage else len(logprobs)
-        return Completion(choice.text, logprobs, tokens, latency)
+        chosen = [float(x) for x in choice.logprobs.token_logprobs] if logprobs is not None else []
+        tokens = answer.usage.completion_tokens if answer.usage else len(chosen)
+        return Completion(choice.text, chosen, tokens, latency)
 
     async def round(
-        self, prompts: Sequence[str], max_tokens: int, grammars: Sequence[OutputGrammar | None] = ()
+        self,
+        prompts: Sequence[str],
+        max_tokens: int,
+        grammars: Sequence[OutputGrammar | None] = (),
+        logprobs: int | None = 1,
     ) -> list[Completion]:
-        return await send_round(self.one, prompts, max_tokens, grammars)
+        return await send_round(self.one, prompts, max_tokens, grammars, logprobs)
 
 
 class Spread:
@@ -185,14 +198,20 @@ class Spread:
         self.replicas = replicas
         self.sent = 0
 
-    def one(self, prompt: str, max_tokens: int, grammar: OutputGrammar | None) -> Awaitable[Completion]:
+    def one(
+        self, prompt: str, max_tokens: int, grammar: OutputGrammar | None, logprobs: int | None
+    ) -> Awaitable[Completion]:
         self.sent += 1
-        return self.replicas[self.sent % len(self.replicas)].one(prompt, max_tokens, grammar)
+        return self.replicas[self.sent % len(self.replicas)].one(prompt, max_tokens, grammar, logprobs)
 
     async def round(
-        self, prompts: Sequence[str], max_tokens: int, grammars: Sequence[OutputGrammar | None] = ()
+        self,
+        prompts: Sequence[str],
+        max_tokens: int,
+        grammars: Sequence[OutputGrammar | None] = (),
+        logprobs: int | None = 1,
     ) -> list[Completion]:
-        return await send_round(self.one, prompts, max_tokens, grammars)
+        return await send_round(self.one, prompts, max_tokens, grammars, logprobs)
 
 
 def gateway_toml(name: str, setup: Setup, redis_url: str | None = None) -> Path:
@@ -284,7 +303,8 @@ def server_command(name: str, setup: Setup) -> tuple[list[str], dict[str, str]]:
 
 class TransformersGenerate:
     """transformers' `generate` of a round's prompts as one left-padded batch; every stream's
-    latency is the call's. Logprobs are those of the raw logits of each chosen token."""
+    latency is the call's. Logprobs are those of the raw logits of each chosen token, computed
+    whether asked for or not."""
 
     takes_grammars = False
 
@@ -303,7 +323,11 @@ class TransformersGenerate:
         self.eos_ids = set([eos] if isinstance(eos, int) else eos or [])
 
     async def round(
-        self, prompts: Sequence[str], max_tokens: int, grammars: Sequence[OutputGrammar | None] = ()
+        self,
+        prompts: Sequence[str],
+        max_tokens: int,
+        grammars: Sequence[OutputGrammar | None] = (),
+        logprobs: int | None = 1,
     ) -> list[Completion]:
         if any(grammars):
             raise RuntimeError("transformers-generate takes no grammar")
