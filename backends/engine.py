@@ -7,7 +7,9 @@ boundary as numpy, never as per-float Python objects.
 A capability is an object or None, and `engine.<capability> is None` is the one way to ask:
 
     adapters      Adapters      LoRA adapters loaded and unloaded at run time
-    weights       Weights       new weights in place; `.collective`: over a trainer's collective
+    weights       Weights       new weights in place; `.collective`: over a trainer's collective;
+                                `.own_tensors` / `.device_tensors`: handed between two engines on
+                                one device (a composed model's) with no trip through the host
     host_memory   HostMemory    rows written from the device straight into registered host memory
     prefix_cache  PrefixCache   prefix keys/values kept for reuse, which can be forgotten
     structured_outputs  StructuredOutputs   generation held to a grammar (SamplingParams.grammar)
@@ -20,7 +22,8 @@ does, or nothing does).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -71,10 +74,33 @@ class Collective(ABC):
         """WeightsError if the engine is in no group of that name."""
 
 
+class OwnTensors(ABC):
+    """The tensors an engine computes with, lent to another engine on the same device."""
+
+    @abstractmethod
+    async def named(self, names: Collection[str] | None = None) -> list[tuple[str, Any]]:
+        """(checkpoint name, torch tensor) of each parameter named (None: every one, tied weights
+        once), the tensors themselves on the engine's device, once every write into them has
+        finished; valid until the engine's weights change."""
+
+
+class DeviceTensors(ABC):
+    """New weights given as tensors on the engine's device by another engine there (a composed
+    model's dense engine), loaded with no trip through the host or the disk."""
+
+    @abstractmethod
+    async def load(self, tensors: Sequence[tuple[str, Any]]) -> None:
+        """Load `tensors` ((checkpoint name, torch tensor) on this engine's device) in place, as
+        `Weights.load` does; parameters not named keep their weights. The caller leaves the
+        tensors unchanged until this returns. WeightsError: the engine refused them."""
+
+
 class Weights(ABC):
     """New weights of the same architecture, loaded in place between forward passes."""
 
     collective: Collective | None = None  # None: from disk only
+    own_tensors: OwnTensors | None = None  # None: lends none
+    device_tensors: DeviceTensors | None = None  # None: takes none
     # `generate` computes a step only when its consumer asks for the next one, so a stream can be
     # held between steps (generation paused) while weights change; engines whose streams run
     # ahead leave this False.

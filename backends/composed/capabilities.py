@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Collection, Sequence
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -14,7 +14,7 @@ import numpy as np
 from backends import engine as contract
 from backends.errors import EngineUnavailableError, WeightsError
 from backends.rows import PackedRows
-from backends.types import ModelInfo
+from backends.types import AnnouncedTensor, ModelInfo, WeightsGroup
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,13 +80,61 @@ class ComposedAdapters(contract.Adapters):
             await self.generation.unload(name)
 
 
+async def hand_over(engine: ComposedEngine, names: Collection[str] | None = None) -> None:
+    """The dense engine's tensors (those `names`, or all) loaded into the generation engine on
+    the same device."""
+    lent = engine.dense.weights.own_tensors if engine.dense.weights else None
+    taken = engine.generation.weights.device_tensors if engine.generation.weights else None
+    assert lent is not None and taken is not None
+    await taken.load(await lent.named(names))
+
+
+def hands_over(engine: ComposedEngine) -> bool:
+    """Whether new weights pass from the dense engine to the generation engine as tensors."""
+    dense, generation = engine.dense.weights, engine.generation.weights
+    return bool(dense and generation and dense.own_tensors and generation.device_tensors)
+
+
+class ComposedCollective(contract.Collective):
+    """A trainer's collective joined by the dense engine alone: each update it receives passes on
+    to the generation engine on the same device as tensors (no second broadcast). When that
+    hand-over fails, the engines hold different weights and the model serves nothing
+    (EngineUnavailableError) until weights load into both."""
+
+    def __init__(self, engine: ComposedEngine, dense: contract.Collective) -> None:
+        self.engine = engine
+        self.dense = dense
+
+    async def join(self, group: WeightsGroup) -> None:
+        await self.dense.join(group)
+
+    async def receive(self, group_name: str, tensors: Sequence[AnnouncedTensor]) -> None:
+        await to_the_end(self._receive(group_name, tensors))
+
+    async def _receive(self, group_name: str, tensors: Sequence[AnnouncedTensor]) -> None:
+        await self.dense.receive(group_name, tensors)  # WeightsError: nothing changed
+        engine = self.engine
+        try:
+            await hand_over(engine, [t.name for t in tensors])
+        except Exception as exc:
+            engine.unusable = (
+                f"its engines hold different weights: the generation engine refused the tensors a "
+                f"trainer sent ({type(exc).__name__}: {exc}); load weights again"
+            )
+            log.error("composed model: %s", engine.unusable)
+            raise EngineUnavailableError(engine.unusable) from exc
+
+    async def leave(self, group_name: str) -> None:
+        await self.dense.leave(group_name)
+
+
 class ComposedWeights(contract.Weights):
     """New weights into the dense engine, which checks every tensor before it copies one, then
-    into the generation engine; when the second fails, the first loads its old weights again. If
-    that fails too, the engines hold different weights and the model serves nothing
-    (EngineUnavailableError) until weights load into both. No trainer collective yet."""
-
-    collective = None
+    into the generation engine: handed over as tensors on their device where the two engines can
+    (`hands_over`), from disk again otherwise. When the second fails, the first loads its old
+    weights again. If that fails too, the engines hold different weights and the model serves
+    nothing (EngineUnavailableError) until weights load into both. A trainer's collective reaches
+    the generation engine only by hand-over (ComposedCollective)."""
 
     def __init__(self, engine: ComposedEngine) -> None:
         generation = engine.generation.weights
@@ -94,6 +142,8 @@ class ComposedWeights(contract.Weights):
         self.engine = engine
         # generation streams are the ones an update may hold: the dense engine runs no stream
         self.held_between_steps = generation.held_between_steps
+        dense = engine.dense.weights.collective
+        self.collective = ComposedCollective(engine, dense) if dense and hands_over(engine) else None
 
     async def load(self, path: str) -> None:
         await to_the_end(self._load(path))
@@ -105,7 +155,7 @@ class ComposedWeights(contract.Weights):
         old = engine.dense.info.path
         await dense.load(path)  # WeightsError: nothing changed anywhere
         try:
-            await generation.load(path)
+            await (hand_over(engine) if hands_over(engine) else generation.load(path))
         except Exception as exc:
             await self._restore(old, exc)
             raise

@@ -142,6 +142,19 @@ class SglangAdapters(contract.Adapters):
         self.engine._adapters.discard(name)
 
 
+def _tp_size(mode: str, options: dict[str, Any]) -> int:
+    """SGLang's tensor-parallel ranks, each sent its own handles of tensors handed over: the
+    `tp_size` option ("engine": a ServerArgs field; "url": what the server runs), or the "server"
+    mode's `--tp-size`."""
+    if mode == "server":
+        args = [str(arg) for arg in options.get("launch_args", [])]
+        for flag in ("--tp-size", "--tp"):
+            if flag in args[:-1]:
+                return int(args[args.index(flag) + 1])
+        return 1
+    return int(options.get("tp_size", 1) if mode == "engine" else options.pop("tp_size", 1))
+
+
 class SglangEngine(Engine):
     def __init__(
         self,
@@ -153,6 +166,7 @@ class SglangEngine(Engine):
         max_model_len: int | None,
         vocab_size: int | None = None,
         dense_rows: str = "sorted",
+        tp_size: int = 1,
     ) -> None:
         self.transport = transport
         self.dense_rows = dense_rows  # "raw" or "b64" through the processor, or "sorted"
@@ -168,7 +182,7 @@ class SglangEngine(Engine):
         )
         self._adapters: set[str] = set()
         self.adapters = SglangAdapters(self)
-        self.weights = SglangWeights(self)
+        self.weights = SglangWeights(self, tp_size)
         self.structured_outputs = LLGuidanceGrammars(tokenizer, self.info.vocab_size, self.info.eos_token_ids)
 
     @classmethod
@@ -183,6 +197,7 @@ class SglangEngine(Engine):
         if options.pop("dense_rows", "sorted") == "processor" and mode == "url":
             dense_rows = "b64"
         tokenizer = AutoTokenizer.from_pretrained(path)
+        tp_size = _tp_size(mode, options)
         http = {
             "timeout_s": float(options.pop("request_timeout_s", 600.0)),
             "max_connections": int(options.pop("max_connections", 256)),
@@ -203,6 +218,7 @@ class SglangEngine(Engine):
             max_model_len=config.max_model_len,
             vocab_size=vocab_size,
             dense_rows=dense_rows,
+            tp_size=tp_size,
         )
 
     @staticmethod

@@ -7,6 +7,7 @@ Every transport takes the same request: a dict whose keys are `GenerateReqInput`
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import socket
@@ -32,7 +33,17 @@ WEIGHTS_CALLS = {
     "init_weights_update_group": "InitWeightsUpdateGroupReqInput",
     "update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
 }
+
+
+def _base64_bytes(value: Any) -> Any:
+    """JSON has no bytes: SGLang's HTTP API takes them (serialized tensors) base64-encoded."""
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    if isinstance(value, list):
+        return [_base64_bytes(item) for item in value]
+    return value
 
 
 class Transport(Protocol):
@@ -200,7 +211,7 @@ class HttpTransport:
         """SGLang's endpoint of that name: 200 or 400, both with `success` and `message`."""
         if name not in WEIGHTS_CALLS:
             raise ValueError(f"not one of SGLang's weights calls: {name}")
-        response = await self._post("/" + name, body)
+        response = await self._post("/" + name, {key: _base64_bytes(v) for key, v in body.items()})
         try:
             answer = response.json()
         except ValueError:

@@ -149,14 +149,47 @@ class SglangCollective(contract.Collective):
         log.info("left a weights update group through SGLang")
 
 
+def serialized_tensors(tensors: Sequence[tuple[str, Any]]) -> bytes:
+    """`tensors` as SGLang's `update_weights_from_tensor` reads them, pickled the way its
+    MultiprocessingSerializer does (torch's ForkingPickler): a CUDA tensor travels as an IPC
+    handle to its memory, a CPU tensor as shared memory, so SGLang's processes copy from the
+    tensors themselves."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 (registers torch's reductions with ForkingPickler)
+
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(list(tensors))
+    return buffer.getvalue()
+
+
+class SglangDeviceTensors(contract.DeviceTensors):
+    """New weights from tensors on SGLang's GPU, through SGLang's `update_weights_from_tensor`:
+    each of its tensor-parallel ranks gets the handles and loads the tensors with the model's own
+    `load_weights` (checkpoint names; it shards and fuses them itself)."""
+
+    def __init__(self, transport: Transport, tp_size: int) -> None:
+        self.transport = transport
+        self.tp_size = tp_size
+
+    async def load(self, tensors: Sequence[tuple[str, Any]]) -> None:
+        if not tensors:
+            raise WeightsError("no tensors to load")
+        payload = serialized_tensors(tensors)
+        body = {"serialized_named_tensors": [payload] * self.tp_size, "flush_cache": True}
+        await _call(self.transport, "update_weights_from_tensor", body)
+
+
 class SglangWeights(contract.Weights):
     # SGLang's scheduler decodes a stream's tokens ahead of the gateway reading them, so there is
     # no step to hold a stream at: an update waits for streams in flight to end, as with vLLM.
     held_between_steps = False
 
-    def __init__(self, engine: HasTransport) -> None:
+    def __init__(self, engine: HasTransport, tp_size: int) -> None:
         self.engine = engine
         self.collective = SglangCollective(engine.transport)
+        self.device_tensors = SglangDeviceTensors(engine.transport, tp_size)
 
     async def load(self, path: str) -> None:
         # SGLang reloads its original weights itself when loading new ones fails

@@ -5,7 +5,7 @@ so never during a forward pass."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
@@ -113,12 +113,31 @@ class TransformersCollective(contract.Collective):
         await self.engine.groups.leave(group_name)
 
 
+class TransformersOwnTensors(contract.OwnTensors):
+    def __init__(self, engine: TransformersEngine) -> None:
+        self.engine = engine
+
+    async def named(self, names: Collection[str] | None = None) -> list[tuple[str, Any]]:
+        return await self.engine._run(self._named, names)
+
+    def _named(self, names: Collection[str] | None) -> list[tuple[str, Any]]:
+        """On the worker thread, after the device has run every copy into the parameters (they
+        were queued on this thread's stream)."""
+        parameters = model_parameters(self.engine.model, aliases=names is not None)
+        if names is not None:
+            parameters = {name: parameters[name] for name in names}
+        if any(p.is_cuda for p in parameters.values()):
+            torch.cuda.current_stream().synchronize()
+        return [(name, p.detach()) for name, p in parameters.items()]
+
+
 class TransformersWeights(contract.Weights):
     held_between_steps = True  # generation steps are computed when asked for
 
     def __init__(self, engine: TransformersEngine) -> None:
         self.engine = engine
         self.collective = TransformersCollective(engine)
+        self.own_tensors = TransformersOwnTensors(engine)
 
     async def load(self, path: str) -> None:
         await self.engine._run(self._load, path)

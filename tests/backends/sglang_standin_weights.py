@@ -1,4 +1,4 @@
-"""The stand-in SGLang server's weights (sglang_standin.py): SGLang 0.5.17's four weight endpoints,
+"""The stand-in SGLang server's weights (sglang_standin.py): SGLang 0.5.17's five weight endpoints,
 answered as its http_server.py answers them (200 or 400, `success` and `message`, and for a load
 from disk `num_paused_requests`), each body first built into sglang's own request type and through
 the msgpack its scheduler receives (a field it lacks, or of another type, is a 422 as FastAPI's).
@@ -6,12 +6,14 @@ the msgpack its scheduler receives (a field it lacks, or of another type, is a 4
 The fake model's weights are a version string that `distribution()` hashes in: a load from disk
 sets it from the directory's files; an update over a collective joins, as SGLang's scheduler does,
 a real torch.distributed group (SGLang's own `init_custom_process_group`), receives every announced
-tensor from rank 0's broadcasts, and sets it from the tensors' bytes. An update waits for the
+tensor from rank 0's broadcasts, and sets it from the tensors' bytes; an update from tensors
+reads them with SGLang's own deserializer and does the same. An update waits for the
 requests in flight, as SGLang's tokenizer manager does under its writer lock.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -24,12 +26,14 @@ WEIGHTS_PATHS = (
     "/init_weights_update_group",
     "/update_weights_from_distributed",
     "/destroy_weights_update_group",
+    "/update_weights_from_tensor",
 )
 _TYPES = {
     "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
 }
 
 
@@ -101,6 +105,10 @@ class Weights:
 
     def answer(self, path: str, body: dict) -> tuple[int, dict]:
         """(HTTP status, answer) of SGLang's endpoint `path` for `body`."""
+        if path == "/update_weights_from_tensor":  # FastAPI decodes the base64 (Base64Bytes)
+            payloads = body.get("serialized_named_tensors")
+            if isinstance(payloads, list) and all(isinstance(p, str) for p in payloads):
+                body = {**body, "serialized_named_tensors": [base64.b64decode(p) for p in payloads]}
         if self.validate:
             try:
                 self._request(path, body)
@@ -172,6 +180,21 @@ class Weights:
         if body.get("weight_version") is not None:
             message += f" Weight version updated to {body['weight_version']}."
         return True, message
+
+    def update_weights_from_tensor(self, body: dict):
+        """Rank 0's payload read as SGLang's weight updater reads it (its own deserializer, which
+        refuses what it does not know), the tensors hashed into the weights."""
+        import torch
+        from sglang.srt.utils.common import MultiprocessingSerializer
+
+        with self._updating_alone():
+            try:
+                tensors = MultiprocessingSerializer.deserialize(body["serialized_named_tensors"][0])
+                received = {n: t.contiguous().view(torch.uint8).numpy().tobytes() for n, t in tensors}
+            except Exception as exc:
+                return False, f"Failed to update weights: {type(exc).__name__}: {exc}"
+            self.version = weights_version({"": self.version.encode(), **received})
+        return True, "Success"
 
     def destroy_weights_update_group(self, body: dict):
         import torch

@@ -6,6 +6,7 @@ refusals are WeightsErrors with its message. The real engine, from disk: the las
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -200,6 +201,30 @@ async def test_a_join_nobody_answers_is_given_up_at_the_groups_timeout(engine):
         await engine.weights.collective.receive("alone", [AnnouncedTensor("w", "float32", (1,))])
 
 
+@contextlib.contextmanager
+def cpu_tensors_by_name():
+    """CPU tensors shared with another process by shared-memory name: torch's default passes a
+    file descriptor, which only a process of the same family may take (a CUDA tensor, as a
+    composed model's engines pass them, travels as an IPC handle either way)."""
+    before = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        torch.multiprocessing.set_sharing_strategy(before)
+
+
+async def test_tensors_handed_over_are_read_by_sglangs_own_deserializer(engine, original):
+    tensors = {"model.norm.weight": torch.rand(576), "lm_head.weight": torch.rand(4, 3)}
+    with cpu_tensors_by_name():
+        await engine.weights.device_tensors.load(list(tensors.items()))
+    await assert_rows(engine, received_version("", tensors))
+    body = sent(engine, "/update_weights_from_tensor")[-1]
+    assert len(body["serialized_named_tensors"]) == 1 and body["flush_cache"] is True  # one rank
+    with pytest.raises(WeightsError, match="no tensors"):
+        await engine.weights.device_tensors.load([])
+
+
 # -- the in-process transport, without CUDA -----------------------------------------------------
 
 # Run with -c from the repository root, where it imports tests/ from.
@@ -229,6 +254,7 @@ bodies = {
     "update_weights_from_distributed": {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]],
                                         "group_name": "g", "flush_cache": True},
     "destroy_weights_update_group": {"group_name": "g"},
+    "update_weights_from_tensor": {"serialized_named_tensors": [b"handles"], "flush_cache": True},
 }
 answers = {name: asyncio.run(transport.weights_call(name, body)) for name, body in bodies.items()}
 print(json.dumps({"seen": seen, "answers": answers, "calls": WEIGHTS_CALLS}))
@@ -250,6 +276,7 @@ def test_the_in_process_transport_awaits_the_tokenizer_managers_own_methods():
         "init_weights_update_group": [True, "init_weights_update_group answered"],
         "update_weights_from_distributed": [True, "update_weights_from_distributed answered"],
         "destroy_weights_update_group": [False, "destroy_weights_update_group answered"],
+        "update_weights_from_tensor": [True, "update_weights_from_tensor answered"],
     }
 
 
