@@ -118,7 +118,12 @@ def cache_fill_steps(particles: int, vocab_size: int, cache_bytes: int | None = 
 
 
 def random_model_dir(
-    shape: str, dtype: torch.dtype, device: torch.device, directory: Path, tokenizer_dir: Path | None
+    shape: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    directory: Path,
+    tokenizer_dir: Path | None,
+    seed: int = 0,
 ) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
@@ -129,7 +134,7 @@ def random_model_dir(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.device(device):  # initialising a billion weights on a GPU takes a second, not a minute
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(directory)
