@@ -368,6 +368,12 @@ def main() -> None:
         help="what each request asks for (`none`: no logprobs field); each setting runs in turn "
         "with the same prompts; default: 1",
     )
+    parser.add_argument(
+        "--sglang-share",
+        type=float,
+        help="mem_fraction_static of SGLang in engine mode, composed or not (default: 0.3 alone, "
+        "what the composed engine sets when composed)",
+    )
     parser.add_argument("--logs", type=Path, help="keep the targets' logs here (default: removed at the end)")
     args = parser.parse_args()
     args.targets = list(dict.fromkeys(args.targets or [f"gateway-{args.backend}"]))
@@ -387,7 +393,7 @@ def main() -> None:
             model_dir = resolve_model_dir(args.model)
         logs = args.logs or tmp
         logs.mkdir(parents=True, exist_ok=True)
-        setup = Setup(model_dir, args.dtype, args.device, logs, logs_kept=args.logs is not None)
+        setup = Setup(model_dir, args.dtype, args.device, logs, args.logs is not None, args.sglang_share)
         reports: list[TargetReport] = []
         rows = asyncio.run(run_targets(args, setup, reports))
         check_rows(reports, model_dir, args.dtype, args.device)

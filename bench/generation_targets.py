@@ -77,6 +77,7 @@ class Setup:
     device: str
     logs: Path  # the targets' logs and config files
     logs_kept: bool  # whether `logs` outlives the run
+    sglang_share: float | None = None  # SGLang's mem_fraction_static in engine mode (None: the default)
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,8 @@ def gateway_toml(name: str, setup: Setup, redis_url: str | None = None) -> Path:
         options = engine_options(mode)
         if dense:  # the composed engine's share, which leaves its dense engine room
             del options["mem_fraction_static"]
+        if setup.sglang_share is not None and mode == "engine":
+            options["mem_fraction_static"] = setup.sglang_share
         if mode == "server":
             options |= {
                 "log_path": str(setup.logs / f"{name}-sglang.log"),

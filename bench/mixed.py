@@ -140,7 +140,7 @@ class Workloads:
         async def stream(i: int) -> Tally:
             tally = Tally()
             while True:
-                done = await self.client.one(prompt(i), self.args.max_tokens, None)
+                done = await self.client.one(prompt(i), self.args.max_tokens, None, 1)
                 if not clock.count(tally, done.tokens, done.latency_s):
                     return tally
 
