@@ -16,7 +16,8 @@ in each engine's own terms (read in their sources, vLLM 0.26-0.32, SGLang 0.5):
 - SGLang's `mem_fraction_static` is a fraction of the memory free when its scheduler starts
   (`pre_model_load_memory`), and covers weights and K/V cache only; the rest of that free memory is
   its headroom for activations and CUDA graphs, which its default sizes from the GPU's capacity
-  (`sglang_headroom`). So `(budget - headroom) / free`.
+  (`sglang_headroom`). So `(budget - headroom) / free`, but no more than its weights (as much as
+  the dense engine took) and SGLANG_KV_CAP of K/V cache.
 
 With `backend = "sglang"` in mode "server" the share goes to the child's command line
 (`launch_args`); a "url" server holds its own memory and is left alone.
@@ -40,6 +41,9 @@ GIB = 1 << 30
 MARGIN = 4 * GIB
 SHARE_OPTIONS = {"vllm": "gpu_memory_utilization", "sglang": "mem_fraction_static"}
 SGLANG_SHARE_FLAG = "--mem-fraction-static"
+# SGLang generates markedly slower with a very large K/V pool (docs/performance.md, "Composed
+# models"), so by default its static share holds its weights and at most this much K/V cache.
+SGLANG_KV_CAP = 40 * GIB
 # SGLang's defaults by GPU capacity: (below this many MiB, chunked-prefill tokens, largest CUDA-graph
 # batch); larger GPUs 16384 and 512.
 _SGLANG_SIZES = ((20 << 10, 2048, 8), (35 << 10, 2048, 24), (60 << 10, 4096, 32), (160 << 10, 8192, 256))
@@ -75,6 +79,8 @@ def generation_share(backend: str, memory: GpuMemory, dense_reserve: int) -> flo
         share = budget / memory.total
     else:
         share = (budget - sglang_headroom(memory.total)) / memory.free
+        # What is in use is the dense engine's: mostly the weights SGLang loads too.
+        share = min(share, (memory.total - memory.free + SGLANG_KV_CAP) / memory.free)
     share = math.floor(share * 1000) / 1000
     if share <= 0:
         raise EngineUnavailableError(

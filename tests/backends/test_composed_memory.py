@@ -12,6 +12,7 @@ from backends.composed.engine import ComposedEngine, composed_config
 from backends.composed.memory import (
     GIB,
     MARGIN,
+    SGLANG_KV_CAP,
     GpuMemory,
     dense_gpu,
     fitted_options,
@@ -39,10 +40,21 @@ def test_sglang_gets_the_same_room_with_its_own_headroom_as_a_share_of_what_is_f
     assert sglang_headroom(H200) == 13_440 << 20  # SGLang's own default reserve on an H200
     assert sglang_headroom(80 << 30) == 13_440 << 20  # an H100: its chunked prefill and graphs
     assert sglang_headroom(24 << 30) == 3_760 << 20
+    gpu = 24 << 30  # a GPU where the room left is below the K/V cap
+    after_dense, cache = GpuMemory(free=14 * GIB, total=gpu), gpu // 10
+    share = generation_share("sglang", after_dense, cache)
+    static = share * after_dense.free  # SGLang's weights and K/V cache
+    assert static + sglang_headroom(gpu) <= after_dense.free - cache - MARGIN
+    assert static + sglang_headroom(gpu) > after_dense.free - cache - MARGIN - 0.001 * after_dense.free
+
+
+def test_sglangs_k_v_cache_is_held_to_the_cap_where_the_gpu_has_more_room():
     share = generation_share("sglang", AFTER_DENSE, CACHE)
-    static = share * AFTER_DENSE.free  # SGLang's weights and K/V cache
-    assert static + sglang_headroom(H200) <= AFTER_DENSE.free - CACHE - MARGIN
-    assert static + sglang_headroom(H200) > AFTER_DENSE.free - CACHE - MARGIN - 0.001 * AFTER_DENSE.free
+    in_use = AFTER_DENSE.total - AFTER_DENSE.free  # the dense engine's: as much as SGLang's weights
+    assert share * AFTER_DENSE.free <= in_use + SGLANG_KV_CAP
+    assert share * AFTER_DENSE.free > in_use + SGLANG_KV_CAP - 0.001 * AFTER_DENSE.free
+    room = (AFTER_DENSE.free - CACHE - MARGIN - sglang_headroom(H200)) / AFTER_DENSE.free
+    assert share < room - 0.4  # an H200 would have room for three times the cap
 
 
 def test_a_gpu_without_room_for_the_generation_engine_is_refused_with_what_to_set():
