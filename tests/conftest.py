@@ -201,8 +201,8 @@ def composed_vllm_starting(
 ) -> Iterator[Future[GatewayProcess]]:
     """A gateway of the default model made of two real engines (`backend = "vllm"` generating,
     `dense_backend = "transformers"`), float32, started in the background (vLLM takes ~30 s to
-    start here) while its first users' references load; its admin key "admin-secret", new weights
-    from under pytest's base directory, adapters from `composed_vllm_adapters`. Shared by
+    start here) while its first users' references load; its admin key "admin-secret" (a trainer's
+    weight sync needs none), new weights from under pytest's base directory, adapters from `composed_vllm_adapters`. Shared by
     tests/gateway/test_composed_vllm.py and the SGLang clients of tests/gateway/test_sglang_native.py;
     whoever changes its weights or adapters puts them back."""
     workdir = tmp_path_factory.mktemp("composed")
@@ -213,7 +213,8 @@ adapters_root = "{composed_vllm_adapters}"
 weights_root = "{tmp_path_factory.getbasetemp()}"
 """
     with ThreadPoolExecutor(1) as pool:
-        gateway = pool.submit(start_real_gateway, model_dir, workdir, 'admin_key = "admin-secret"', model)
+        settings = 'admin_key = "admin-secret"\ntrusted_weight_sync = true'  # a trainer without the key
+        gateway = pool.submit(start_real_gateway, model_dir, workdir, settings, model)
         yield gateway
         gateway.result().stop()
 

@@ -28,6 +28,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from backends import engine as contract
+from backends.device_tensors import pickled
 from backends.errors import WeightsError, WeightsGroupError
 from backends.sglang.transport import Transport
 from backends.types import AnnouncedTensor, WeightsGroup
@@ -149,21 +150,6 @@ class SglangCollective(contract.Collective):
         log.info("left a weights update group through SGLang")
 
 
-def serialized_tensors(tensors: Sequence[tuple[str, Any]]) -> bytes:
-    """`tensors` as SGLang's `update_weights_from_tensor` reads them, pickled the way its
-    MultiprocessingSerializer does (torch's ForkingPickler): a CUDA tensor travels as an IPC
-    handle to its memory, a CPU tensor as shared memory, so SGLang's processes copy from the
-    tensors themselves."""
-    import io
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401 (registers torch's reductions with ForkingPickler)
-
-    buffer = io.BytesIO()
-    ForkingPickler(buffer).dump(list(tensors))
-    return buffer.getvalue()
-
-
 class SglangDeviceTensors(contract.DeviceTensors):
     """New weights from tensors on SGLang's GPU, through SGLang's `update_weights_from_tensor`:
     each of its tensor-parallel ranks gets the handles and loads the tensors with the model's own
@@ -176,7 +162,7 @@ class SglangDeviceTensors(contract.DeviceTensors):
     async def load(self, tensors: Sequence[tuple[str, Any]]) -> None:
         if not tensors:
             raise WeightsError("no tensors to load")
-        payload = serialized_tensors(tensors)
+        payload = pickled(tensors)
         body = {"serialized_named_tensors": [payload] * self.tp_size, "flush_cache": True}
         await _call(self.transport, "update_weights_from_tensor", body)
 

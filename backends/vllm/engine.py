@@ -65,6 +65,7 @@ from backends.types import (
     resolve_auto_dtype,
 )
 from backends.vllm.capture import CAPTURE_KEY, DenseRowCapture
+from backends.vllm.handover import VllmDeviceTensors
 from backends.weights_in_place import check_same_tensors
 
 try:  # vLLM >= 0.27: one base class for the errors a request causes
@@ -122,6 +123,7 @@ def _engine_args(config: EngineConfig, path: Path) -> AsyncEngineArgs:
         options.setdefault("max_lora_rank", next(r for r in _LORA_RANKS if r >= config.max_lora_rank))
     else:
         options.pop("max_loras")
+    options.setdefault("worker_extension_cls", "backends.vllm.handover.HandedTensors")
     return AsyncEngineArgs(
         model=str(path),
         dtype=_compute_dtype(config.dtype),
@@ -199,6 +201,7 @@ class VllmWeights(contract.Weights):
 
     def __init__(self, engine: VllmEngine) -> None:
         self.engine = engine
+        self.device_tensors = VllmDeviceTensors(engine.engine)
 
     async def load(self, path: str) -> None:
         engine = self.engine

@@ -23,6 +23,7 @@ from tests.conftest import (
     make_lora_adapter,
     require_engine_library,
 )
+from tests.gateway.test_weight_sync import TrainerProcess
 
 require_engine_library("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -171,6 +172,31 @@ def misshapen_copy(model_dir, path):
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     (path / "config.json").write_text((model_dir / "config.json").read_text())
     return path
+
+
+def test_a_trainers_update_reaches_vllm_through_the_dense_engine(
+    composed, reference, scaled, model_dir, tmp_path_factory
+):
+    """TorchRL's weight sync (gloo; the trainer a process of its own, tests/gateway/
+    weight_sync_trainer.py): the dense engine alone joins the group and receives the broadcasts,
+    then hands the tensors to vLLM's workers; rows and generated text both follow, and back."""
+    base_url, prompt = composed.base_url, "In 1492,"
+    ids = ids_of(reference, prompt)
+    log = tmp_path_factory.mktemp("composed-trainer") / "trainer.log"
+    trainer = TrainerProcess(base_url, model_dir, log)
+    try:
+        joined = trainer.call("init")
+        assert joined["status"] == 200 and joined["body"]["success"] is True, joined
+        for weights, scale in ((scaled, 1.5), (reference, 1.0)):
+            answer = trainer.call("update", scale=scale, mode="retract")
+            assert answer["status"] == 200 and answer["body"]["success"] is True, answer
+            rows, hits = dense_rows(base_url, [ids])
+            assert hits == 0  # a new fingerprint: no row of the weights before
+            np.testing.assert_allclose(rows[0], weights.logprobs(ids)[-1], rtol=0, atol=EXACT)
+            text = completion(base_url, MODEL, prompt, max_tokens=12)["text"]
+            assert text == reference.tokenizer.decode(weights.greedy(ids, 12))  # vLLM's too
+    finally:
+        trainer.stop()
 
 
 def test_new_weights_reach_both_engines_and_a_failed_load_changes_neither(
