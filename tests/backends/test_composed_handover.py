@@ -78,7 +78,7 @@ async def test_weights_from_disk_reach_the_generation_engine_as_the_dense_engine
     await composed.weights.load(str(scaled_dir))
     ids = [1, 2, 3, 4]
     got = (await engine_rows(composed, [ids]))[0]
-    np.testing.assert_allclose(got, last_row(scaled.model, ids), atol=2e-5)
+    np.testing.assert_allclose(got, last_row(scaled.model, ids), atol=1e-4)  # float32, as the engine sums
     await assert_generation_rows(composed, await handed_version(composed, version))
     assert len(sent(composed.generation, "/update_weights_from_disk")) == from_disk  # no second read
     assert composed.info.path == str(scaled_dir)
@@ -116,7 +116,7 @@ async def test_a_trainers_update_reaches_the_generation_engine_through_the_dense
             norm.copy_(tensors["model.norm.weight"])
             want = last_row(reference.model, ids)
             norm.copy_(kept)
-        np.testing.assert_allclose((await engine_rows(composed, [ids]))[0], want, atol=2e-5)
+        np.testing.assert_allclose((await engine_rows(composed, [ids]))[0], want, atol=1e-4)
         await collective.leave(group.name)
     finally:
         trainer.stop()
