@@ -26,8 +26,9 @@ Every target gets the same requests: N streams each send one greedy completion (
 default 48; every stream its own prompt, logprobs=1, no stop sequences) through the `openai` SDK at
 once (transformers-generate: one batch of the N prompts); a stream's latency is its request's wall
 time. `--logprobs 1 none` runs each count both ways (`none`: no logprobs asked for, the table
-gains a `logprobs` column and each setting its own ratios). The targets run one after another, each started once for all stream counts and stopped
-before the next starts (one GPU). Each count runs `--repeats` times after one warm-up round.
+gains a `logprobs` column and each setting its own ratios). The targets run one after another,
+each started once for all stream counts and stopped before the next starts (one GPU). Each count
+runs `--repeats` times after one warm-up round.
 
 Prints one Markdown table on stdout, progress on stderr: per target and stream count the median
 aggregate tok/s, its ratio to `--reference` (default: the first target) at the same count, the

@@ -82,7 +82,7 @@ async def run(args: argparse.Namespace, dirs: list[Path]) -> None:
         ways: dict[str, Callable[[Path], Awaitable[object]]] = {
             "dense from disk": lambda d: dense.load(str(d)),
             "sglang from disk": lambda d: generation.load(str(d)),
-            "hand-over": lambda d: hand_over(engine),
+            "hand-over": lambda d: hand_over(dense.own_tensors, generation.device_tensors),
             "composed load": lambda d: engine.weights.load(str(d)),
         }
         copy = await device_copy(engine)

@@ -202,9 +202,9 @@ def composed_vllm_starting(
     """A gateway of the default model made of two real engines (`backend = "vllm"` generating,
     `dense_backend = "transformers"`), float32, started in the background (vLLM takes ~30 s to
     start here) while its first users' references load; its admin key "admin-secret" (a trainer's
-    weight sync needs none), new weights from under pytest's base directory, adapters from `composed_vllm_adapters`. Shared by
-    tests/gateway/test_composed_vllm.py and the SGLang clients of tests/gateway/test_sglang_native.py;
-    whoever changes its weights or adapters puts them back."""
+    weight sync needs none), new weights from under pytest's base directory, adapters from
+    `composed_vllm_adapters`. Shared by tests/gateway/test_composed_vllm.py and the SGLang clients
+    of tests/gateway/test_sglang_native.py; whoever changes its weights puts them back."""
     workdir = tmp_path_factory.mktemp("composed")
     model = f"""backend = "vllm"
 dense_backend = "transformers"

@@ -80,19 +80,12 @@ class ComposedAdapters(contract.Adapters):
             await self.generation.unload(name)
 
 
-async def hand_over(engine: ComposedEngine, names: Collection[str] | None = None) -> None:
+async def hand_over(
+    lent: contract.OwnTensors, taken: contract.DeviceTensors, names: Collection[str] | None = None
+) -> None:
     """The dense engine's tensors (those `names`, or all) loaded into the generation engine on
     the same device."""
-    lent = engine.dense.weights.own_tensors if engine.dense.weights else None
-    taken = engine.generation.weights.device_tensors if engine.generation.weights else None
-    assert lent is not None and taken is not None
     await taken.load(await lent.named(names))
-
-
-def hands_over(engine: ComposedEngine) -> bool:
-    """Whether new weights pass from the dense engine to the generation engine as tensors."""
-    dense, generation = engine.dense.weights, engine.generation.weights
-    return bool(dense and generation and dense.own_tensors and generation.device_tensors)
 
 
 class ComposedCollective(contract.Collective):
@@ -101,9 +94,16 @@ class ComposedCollective(contract.Collective):
     hand-over fails, the engines hold different weights and the model serves nothing
     (EngineUnavailableError) until weights load into both."""
 
-    def __init__(self, engine: ComposedEngine, dense: contract.Collective) -> None:
+    def __init__(
+        self,
+        engine: ComposedEngine,
+        dense: contract.Collective,
+        lent: contract.OwnTensors,
+        taken: contract.DeviceTensors,
+    ) -> None:
         self.engine = engine
         self.dense = dense
+        self.lent, self.taken = lent, taken
 
     async def join(self, group: WeightsGroup) -> None:
         await self.dense.join(group)
@@ -115,7 +115,7 @@ class ComposedCollective(contract.Collective):
         await self.dense.receive(group_name, tensors)  # WeightsError: nothing changed
         engine = self.engine
         try:
-            await hand_over(engine, [t.name for t in tensors])
+            await hand_over(self.lent, self.taken, [t.name for t in tensors])
         except Exception as exc:
             engine.unusable = (
                 f"its engines hold different weights: the generation engine refused the tensors a "
@@ -130,20 +130,22 @@ class ComposedCollective(contract.Collective):
 
 class ComposedWeights(contract.Weights):
     """New weights into the dense engine, which checks every tensor before it copies one, then
-    into the generation engine: handed over as tensors on their device where the two engines can
-    (`hands_over`), from disk again otherwise. When the second fails, the first loads its old
-    weights again. If that fails too, the engines hold different weights and the model serves
+    into the generation engine: handed over as tensors on their device where the dense engine
+    lends its tensors and the generation engine takes them, from disk again otherwise. When the
+    second fails, the first loads its old weights again. If that fails too, the engines hold different weights and the model serves
     nothing (EngineUnavailableError) until weights load into both. A trainer's collective reaches
     the generation engine only by hand-over (ComposedCollective)."""
 
     def __init__(self, engine: ComposedEngine) -> None:
-        generation = engine.generation.weights
-        assert generation is not None and engine.dense.weights is not None
+        generation, dense = engine.generation.weights, engine.dense.weights
+        assert generation is not None and dense is not None
         self.engine = engine
         # generation streams are the ones an update may hold: the dense engine runs no stream
         self.held_between_steps = generation.held_between_steps
-        dense = engine.dense.weights.collective
-        self.collective = ComposedCollective(engine, dense) if dense and hands_over(engine) else None
+        self.lent, self.taken = dense.own_tensors, generation.device_tensors
+        self.collective = None
+        if dense.collective is not None and self.lent is not None and self.taken is not None:
+            self.collective = ComposedCollective(engine, dense.collective, self.lent, self.taken)
 
     async def load(self, path: str) -> None:
         await to_the_end(self._load(path))
@@ -155,7 +157,10 @@ class ComposedWeights(contract.Weights):
         old = engine.dense.info.path
         await dense.load(path)  # WeightsError: nothing changed anywhere
         try:
-            await (hand_over(engine) if hands_over(engine) else generation.load(path))
+            if self.lent is not None and self.taken is not None:
+                await hand_over(self.lent, self.taken)
+            else:
+                await generation.load(path)
         except Exception as exc:
             await self._restore(old, exc)
             raise
