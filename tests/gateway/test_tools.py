@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jsonschema
@@ -169,29 +170,24 @@ def test_nested_pydantic_tools_are_called_with_valid_arguments(tools_client):
     tool = openai.pydantic_function_tool(Trip, name="plan_trip")
     assert "$defs" in tool["function"]["parameters"]
     ask = [{"role": "user", "content": "Plan a trip from Paris to Rome."}]
-    for model, choice in (
-        ("plain", "required"),
-        ("plain", {"type": "function", "function": {"name": "plan_trip"}}),
-        ("hermes", "required"),
-        ("hermes", {"type": "function", "function": {"name": "plan_trip"}}),
-    ):
-        answer = tools_client.chat.completions.create(
-            model=model, messages=ask, tools=[tool], tool_choice=choice, max_tokens=200, temperature=0
+    asks = [
+        dict(model=model, messages=ask, tools=[tool], tool_choice=choice, max_tokens=200, temperature=0)
+        for model, choice in (
+            ("plain", "required"),
+            ("plain", {"type": "function", "function": {"name": "plan_trip"}}),
+            ("hermes", "required"),
+            ("hermes", {"type": "function", "function": {"name": "plan_trip"}}),
         )
-        assert answer.choices[0].finish_reason == "tool_calls", (model, choice)
+    ]
+    one_call = {**asks[2], "parallel_tool_calls": False}
+    # All at once: the engine decodes them together, each as if alone.
+    with ThreadPoolExecutor(len(asks) + 1) as pool:
+        *answers, single = pool.map(lambda a: tools_client.chat.completions.create(**a), [*asks, one_call])
+    for request, answer in zip(asks, answers, strict=True):
+        assert answer.choices[0].finish_reason == "tool_calls", (request["model"], request["tool_choice"])
         for call in answer.choices[0].message.tool_calls:
             Trip.model_validate_json(call.function.arguments)
             jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
-    one_call = dict(
-        model="hermes",
-        messages=ask,
-        tools=[tool],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_tokens=200,
-        temperature=0,
-    )
-    single = tools_client.chat.completions.create(**one_call)
     assert single.choices[0].finish_reason == "tool_calls" and len(single.choices[0].message.tool_calls) == 1
     with tools_client.chat.completions.stream(**one_call) as stream:
         (done,) = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
