@@ -132,9 +132,10 @@ class ComposedWeights(contract.Weights):
     """New weights into the dense engine, which checks every tensor before it copies one, then
     into the generation engine: handed over as tensors on their device where the dense engine
     lends its tensors and the generation engine takes them, from disk again otherwise. When the
-    second fails, the first loads its old weights again. If that fails too, the engines hold different weights and the model serves
-    nothing (EngineUnavailableError) until weights load into both. A trainer's collective reaches
-    the generation engine only by hand-over (ComposedCollective)."""
+    second fails, the first loads its old weights again. If that fails too, the engines hold
+    different weights and the model serves nothing (EngineUnavailableError) until weights load
+    into both. A trainer's collective reaches the generation engine only by hand-over
+    (ComposedCollective)."""
 
     def __init__(self, engine: ComposedEngine) -> None:
         generation, dense = engine.generation.weights, engine.dense.weights

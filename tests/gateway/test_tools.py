@@ -180,7 +180,7 @@ def test_nested_pydantic_tools_are_called_with_valid_arguments(tools_client):
         )
     ]
     one_call = {**asks[2], "parallel_tool_calls": False}
-    # All at once: the engine decodes them together, each as if alone.
+    # All at once, so that the engine decodes them together.
     with ThreadPoolExecutor(len(asks) + 1) as pool:
         *answers, single = pool.map(lambda a: tools_client.chat.completions.create(**a), [*asks, one_call])
     for request, answer in zip(asks, answers, strict=True):
