@@ -28,7 +28,9 @@ once (transformers-generate: one batch of the N prompts); a stream's latency is 
 time. `--logprobs 1 none` runs each count both ways (`none`: no logprobs asked for, the table
 gains a `logprobs` column and each setting its own ratios). The targets run one after another,
 each started once for all stream counts and stopped before the next starts (one GPU). Each count
-runs `--repeats` times after one warm-up round.
+runs `--repeats` times after one warm-up round. `--turns N` runs the targets N times, in the given
+order, then reversed, and so on, each started anew: a machine's pace changes over minutes, and a
+target that always goes first or last would carry it (bench/generation_report.py merges the turns).
 
 Prints one Markdown table on stdout, progress on stderr: per target and stream count the median
 aggregate tok/s, its ratio to `--reference` (default: the first target) at the same count, the
@@ -80,6 +82,7 @@ import torch
 from backends.builtin_models import resolve_model_dir
 from backends.transformers.engine import resolve_device, resolve_dtype
 from bench.checks import Kept, TargetReport, check_rows, gateway_rows, gpu_free, print_reports, share_set
+from bench.generation_report import Row, merged, print_table
 from bench.generation_targets import (
     SERVED_NAME,
     TARGETS,
@@ -152,23 +155,6 @@ def matches(text: str, grammar: OutputGrammar) -> bool:
 
 def progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-
-
-@dataclass
-class Row:
-    target: str
-    constraint: str
-    logprobs: int | None  # what each request asked for (None: no logprobs)
-    streams: int
-    rate: float  # median aggregate tokens/s
-    tokens_per_stream: float  # mean completion tokens
-    latency_p50: float
-    latency_p95: float
-    equal: int  # streams whose text equals the request's alone
-    compared: int
-    worst_diff: float  # largest |token logprob difference| of the equal ones
-    valid: int  # constrained outputs that match their grammar
-    constrained: int
 
 
 def agreement(done: list[Completion], alone: list[Completion]) -> tuple[int, float]:
@@ -263,84 +249,49 @@ async def dense_sample(target: OpenAICompletions, setup: Setup, max_tokens: int)
 
 
 async def run_targets(args: argparse.Namespace, setup: Setup, reports: list[TargetReport]) -> list[Row]:
-    """The rows of the table; a report per target that started added to `reports`."""
-    rows: list[Row] = []
-    for name in args.targets:
-        progress(f"{name}: starting")
-        async with contextlib.AsyncExitStack() as stack:  # stops the target before the next starts
-            report = TargetReport(name, free_before=gpu_free(setup.device))
-            try:
-                target = await start_target(name, setup, stack)
-            except TargetUnavailable as exc:
-                progress(f"{name}: skipped, {exc}")
-                continue
-            report.free_started = gpu_free(setup.device)
-            report.share = share_set(setup.logs / f"{name}.log")
-            reports.append(report)
-            constraints = args.constraints
-            if not target.takes_grammars and constraints != ["none"]:
-                progress(f"{name}: takes no grammar, runs unconstrained only")
-                constraints = ["none"]
-            try:
-                await measure(name, target, args, constraints, rows)
-            except (
-                openai.OpenAIError,
-                RuntimeError,
-            ) as exc:  # a crash or out of memory: the others still run
-                progress(f"{name}: failed after {sum(r.target == name for r in rows)} rows: {exc!r}")
-            else:
-                if isinstance(target, OpenAICompletions) and target.server == "gateway":
-                    report.kept = await dense_sample(target, setup, args.max_tokens)
-            report.free_after = gpu_free(setup.device)
-        progress(f"{name}: stopped")
-    return rows
+    """The rows of the table, each target's turns merged; a report per target that started (its
+    first turn) added to `reports`."""
+    turns = []
+    for turn in range(args.turns):
+        order = args.targets if turn % 2 == 0 else args.targets[::-1]
+        rows: list[Row] = []
+        for name in order:
+            await run_target(name, args, setup, rows, reports if turn == 0 else [])
+        turns.append(rows)
+    return merged(turns)
 
 
-def print_table(rows: list[Row], reference: str, max_tokens: int, repeats: int) -> None:
-    """Unconstrained only: the table of old. With constraints: their columns, each stream count's
-    rows together."""
-    constrained = any(row.constraint != "none" for row in rows)
-    settings = list(dict.fromkeys(row.logprobs for row in rows))
-    base = {(r.streams, r.constraint, r.logprobs): r.rate for r in rows if r.target == reference}
-    free = {(r.target, r.streams, r.logprobs): r.rate for r in rows if r.constraint == "none"}
-    heads = ["target", "streams", "aggregate tok/s", f"vs {reference}"]
-    if constrained:
-        heads[1:1] = ["constraint"]
-        heads += ["vs none", "tokens per stream"]
-    if settings != [1]:
-        heads[1:1] = ["logprobs"]
-    heads += ["latency p50 s", "latency p95 s", "texts equal alone", "max logprob diff"]
-    heads += ["outputs valid"] if constrained else []
-    title = f"Concurrent greedy completions of {max_tokens} tokens, median of {repeats}"
-    print(f"### {title}{', with and without a grammar' if constrained else ''}\n")
-    print("| " + " | ".join(heads) + " |")
-    print("| " + " | ".join("---" if head in ("target", "constraint") else "---:" for head in heads) + " |")
-    targets = {name: i for i, name in enumerate(dict.fromkeys(row.target for row in rows))}
-    kinds = {name: i for i, name in enumerate(CONSTRAINTS)}
-    order = {setting: i for i, setting in enumerate(settings)}
-    for row in sorted(
-        rows, key=lambda r: (order[r.logprobs], r.streams, targets[r.target], kinds[r.constraint])
-    ):
-        cells = [
-            row.target,
-            str(row.streams),
-            f"{row.rate:.1f}",
-            ratio(row.rate, base.get((row.streams, row.constraint, row.logprobs))),
-        ]
-        if constrained:
-            cells[1:1] = [row.constraint]
-            free_rate = free.get((row.target, row.streams, row.logprobs))
-            cells += [ratio(row.rate, free_rate), f"{row.tokens_per_stream:.1f}"]
-        if settings != [1]:
-            cells[1:1] = [str(row.logprobs) if row.logprobs is not None else "none"]
-        cells += [f"{row.latency_p50:.2f}", f"{row.latency_p95:.2f}", f"{row.equal}/{row.compared}"]
-        cells += [f"{row.worst_diff:.1e}" if row.logprobs is not None else "-"]
-        cells += [f"{row.valid}/{row.constrained}" if row.constrained else "-"] if constrained else []
-        print("| " + " | ".join(cells) + " |")
-
-
-def ratio(rate: float, base: float | None) -> str:
-    return f"{rate / base:.2f}x" if base else "-"
+async def run_target(
+    name: str, args: argparse.Namespace, setup: Setup, rows: list[Row], reports: list[TargetReport]
+) -> None:
+    """One target started, measured at every count and setting, and stopped again."""
+    progress(f"{name}: starting")
+    async with contextlib.AsyncExitStack() as stack:  # stops the target before the next starts
+        report = TargetReport(name, free_before=gpu_free(setup.device))
+        try:
+            target = await start_target(name, setup, stack)
+        except TargetUnavailable as exc:
+            progress(f"{name}: skipped, {exc}")
+            return
+        report.free_started = gpu_free(setup.device)
+        report.share = share_set(setup.logs / f"{name}.log")
+        reports.append(report)
+        constraints = args.constraints
+        if not target.takes_grammars and constraints != ["none"]:
+            progress(f"{name}: takes no grammar, runs unconstrained only")
+            constraints = ["none"]
+        try:
+            await measure(name, target, args, constraints, rows)
+        except (
+            openai.OpenAIError,
+            RuntimeError,
+        ) as exc:  # a crash or out of memory: the others still run
+            progress(f"{name}: failed after {sum(r.target == name for r in rows)} rows: {exc!r}")
+        else:
+            if isinstance(target, OpenAICompletions) and target.server == "gateway":
+                report.kept = await dense_sample(target, setup, args.max_tokens)
+        report.free_after = gpu_free(setup.device)
+    progress(f"{name}: stopped")
 
 
 def main() -> None:
@@ -354,6 +305,13 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="run the targets this many times, in the given order, then reversed, and so on (each "
+        "started anew), so that no target always runs first or last; rates: the turns' median",
+    )
     parser.add_argument(
         "--constraints",
         nargs="+",
@@ -402,7 +360,7 @@ def main() -> None:
         sys.exit("no target ran")
     if all(row.target != reference for row in rows):
         progress(f"{reference} did not run: no ratios")
-    print_table(rows, reference, args.max_tokens, args.repeats)
+    print_table(rows, reference, args.max_tokens, args.repeats, args.turns, list(CONSTRAINTS))
     print_reports(reports)
 
 
