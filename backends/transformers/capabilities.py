@@ -33,7 +33,6 @@ class TransformersEngine(Protocol):
     _peft: Any
     lane: Any
     prefix_kv: Any
-    _ahead: dict  # greedy steps computed ahead (engine.py)
     groups: CollectiveGroups
     steps: Any  # its StepScheduler: dense rows and generation steps in shared passes
 
@@ -62,7 +61,6 @@ class TransformersAdapters(contract.Adapters):
             engine.prefix_kv.drop_adapter(name)
         if engine.lane is not None:  # its graphs call the modules PEFT is about to wrap
             engine.lane.clear()
-        engine._ahead = {}  # steps computed under an earlier adapter of this name
         try:
             if engine._peft is None:
                 engine._peft = PeftModel.from_pretrained(
@@ -84,7 +82,6 @@ class TransformersAdapters(contract.Adapters):
             raise AdapterError(f"adapter {name!r} is not loaded")
         if engine.prefix_kv is not None:
             engine.prefix_kv.drop_adapter(name)
-        engine._ahead = {}
         if len(engine._peft.peft_config) == 1:  # the last one: back to the plain model
             engine.model = engine._peft.unload()
             engine._peft = None
@@ -135,7 +132,7 @@ class TransformersOwnTensors(contract.OwnTensors):
 
 
 class TransformersWeights(contract.Weights):
-    held_between_steps = True  # steps are computed when asked for, or one ahead and dropped with the weights
+    held_between_steps = True  # generation steps are computed when asked for
 
     def __init__(self, engine: TransformersEngine) -> None:
         self.engine = engine

@@ -51,12 +51,10 @@ class DenseRows:
         adapters: Sequence[str | None],
         *,
         use_lane: bool,
-        keep_lane: bool = False,
     ) -> torch.Tensor:
         """float32 [len(rows), vocab] on the model's device, for rows of int32 ids and their keys
         (backends/rows.py); `use_lane`: the decode lane may serve rows without an adapter (the
-        model is not wrapped by PEFT); `keep_lane`: the rows the lane holds stay beside these,
-        though none of these extends them (their next steps will)."""
+        model is not wrapped by PEFT)."""
         out: torch.Tensor | None = None  # [rows, vocab] float32 on the model's device
 
         def place(group: list[int], logprobs: torch.Tensor) -> None:
@@ -100,7 +98,7 @@ class DenseRows:
                 passes.append((layers, [keys[rest[j]] for j in group]))
             place([rest[j] for j in group], logprobs)
         if lane is not None and passes:
-            own = lane.own_rows() if stepped or keep_lane else None
+            own = lane.own_rows() if stepped else None
             lane.refill(([own] if own else []) + passes)
         assert out is not None
         return out

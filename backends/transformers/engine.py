@@ -22,7 +22,6 @@ are copied from the GPU straight (backends/transformers/host_copy.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,9 +35,9 @@ from backends.builtin_models import resolve_model_dir
 from backends.engine import Engine
 from backends.errors import AdapterError
 from backends.grammar.constraint import LLGuidanceGrammars
-from backends.rows import GrowingRow, PackedRows, row_key
+from backends.rows import GrowingRow, PackedRows, first_positions, row_key
 from backends.sampling import Pick, greedy_alternatives, sample_tokens
-from backends.step_scheduler import StepScheduler
+from backends.step_scheduler import StepScheduler, split_rows
 from backends.transformers.cache_argument import output_cache, with_cache
 from backends.transformers.capabilities import (
     TransformersAdapters,
@@ -49,9 +48,14 @@ from backends.transformers.capabilities import (
 from backends.transformers.decode_lane import DecodeLane, lane_supported
 from backends.transformers.dense_rows import DenseRows
 from backends.transformers.grouped_attention import use_grouped_attention
-from backends.transformers.host_copy import release_pinned_memory
+from backends.transformers.host_copy import (
+    WrittenRows,
+    greedy_picks,
+    release_pinned_memory,
+    rows_to_host,
+    write_rows_into,
+)
 from backends.transformers.prefix_cache import PrefixCache as PrefixKeysValues
-from backends.transformers.step_results import StepItem, StepResult, computed_steps
 from backends.transformers.weights_collective import CollectiveGroups
 from backends.types import (
     EngineConfig,
@@ -72,6 +76,14 @@ T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PROMPT_CHUNK = 512  # positions whose full-vocabulary log_softmax is held at once
+
+
+# A row to compute (int32 ids), its key (backends/rows.py), its adapter, and what its caller
+# needs of it: None, the whole row on the host; a number, a greedy stream's Pick with that many
+# alternatives; WrittenRows, the call's rows written into host memory from the device (the same
+# for every row of the call).
+StepItem = tuple[np.ndarray, bytes, str | None, int | WrittenRows | None]
+StepResult = np.ndarray | Pick | None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -170,9 +182,6 @@ class TransformersEngine(Engine):
         elif prefix_cache_bytes:
             log.info("%s: no prefix K/V reuse for this attention type", model_path)
         self.lane: DecodeLane | None = None
-        # Greedy steps computed ahead, by adapter and row key: the round that computed it, its Pick.
-        self._ahead: dict[tuple[str | None, bytes], tuple[int, Pick]] = {}
-        self._ahead_round = 0
         if decode_lane_rows and self.prefix_kv is not None and lane_supported():
             # One budget for both: the lane's shapes count against the prefix cache's bytes.
             self.lane = DecodeLane(
@@ -244,9 +253,7 @@ class TransformersEngine(Engine):
         return self._peft(**kwargs, adapter_names=[a or BASE for a in adapters])
 
     def _forget_old_weights(self) -> None:
-        # Keys/values and steps computed with the old weights; the lane's graphs read the weights
-        # in place.
-        self._ahead = {}
+        # Keys/values computed with the old weights; the lane's graphs read the weights in place.
         if self.prefix_kv is not None:
             self.prefix_kv.clear()
         if self.lane is not None:
@@ -265,66 +272,42 @@ class TransformersEngine(Engine):
         return await self._run(self._step_results, groups)
 
     def _step_results(self, groups: list[Sequence[StepItem]]) -> list[StepResult]:
-        """Each group's result (see `_computed`): greedy steps computed ahead are answered as they
-        are, the rest computed. A pass of greedy steps alone queues their streams' next steps
-        behind it (`_run_ahead`)."""
+        """Each group's rows on the host, its greedy stream's Pick, or (None) its rows written
+        into host memory from the device: only rows a caller reads cross to the host, once. A
+        row that several groups ask for (the same adapter) is computed once."""
+        items = [item for group in groups for item in group]
+        rows, keys, adapters = [i[0] for i in items], [i[1] for i in items], [i[2] for i in items]
+        positions = None  # a group's own rows are distinct already (backends/placement.py)
+        if len(groups) > 1:
+            firsts, positions = first_positions(list(zip(adapters, keys, strict=True)))
+            if positions is not None:
+                rows, keys, adapters = ([column[i] for i in firsts] for column in (rows, keys, adapters))
+        dense = self.dense(rows, keys, adapters, use_lane=self._peft is None)
+        self.pass_stats.rows += len(rows)
+        if positions is not None:  # each group's rows, in its own order
+            dense = dense[torch.tensor(positions, device=dense.device)]
         results: list[StepResult] = [None] * len(groups)
-        todo = []
-        for i, group in enumerate(groups):
-            _, key, adapter, want = group[0]
-            found = self._ahead.get((adapter, key)) if isinstance(want, int) else None
-            if found is not None and len(found[1].top_ids) >= want:  # type: ignore[operator]
-                results[i] = found[1]
-            else:
-                todo.append(i)
-        if todo:
-            # Rows the lane holds for steps answered here are those the next steps extend.
-            computed = self._computed([groups[i] for i in todo], keep_lane=len(todo) < len(groups))
-            for i, result in zip(todo, computed, strict=True):
-                results[i] = result
-        if all(isinstance(group[0][3], int) for group in groups):
-            self._queue_ahead(groups, results)  # type: ignore[arg-type]
-        return results
-
-    def _queue_ahead(self, groups: list[Sequence[StepItem]], picks: list[Pick]) -> None:
-        """Each greedy stream's next row (its row and the token just chosen) computed on this thread
-        right after this pass, while the event loop hands the tokens out: the device works while
-        the streams' host work runs, instead of after it. A stream that ends leaves its row
-        computed for nothing; mixed with dense rows, steps are computed when asked for, so that
-        the decode lane keeps holding the dense rows."""
-        items = []
-        for group, pick in zip(groups, picks, strict=True):
-            row, key, adapter, want = group[0]
-            if pick.token in self.info.eos_token_ids:
-                continue
-            token = np.array([pick.token], dtype=row.dtype)
-            items.append((np.concatenate([row, token]), key + token.tobytes(), adapter, want))
-        if items:
-            with contextlib.suppress(RuntimeError):  # the engine is closing
-                self._executor.submit(self._run_ahead, items)
-
-    def _run_ahead(self, items: list[StepItem]) -> None:
-        # Kept for a round more: a stream that comes back after the next pass still finds its step.
-        self._ahead_round += 1
-        kept = {k: v for k, v in self._ahead.items() if v[0] >= self._ahead_round - 1}
-        try:
-            picks = self._computed([[item] for item in items], keep_lane=False)
-        except Exception:  # computed again when asked for, where a failure reaches its caller
-            log.warning("generation steps computed ahead failed", exc_info=True)
-            picks = []
-        for item, pick in zip(items, picks, strict=False):
-            kept[item[2], item[1]] = (self._ahead_round, pick)  # type: ignore[assignment]
-        self._ahead = kept
-
-    def _computed(self, groups: list[Sequence[StepItem]], keep_lane: bool) -> list[StepResult]:
-        results = computed_steps(
-            self.dense,
-            groups,
-            use_lane=self._peft is None,
-            keep_lane=keep_lane,
-            host_memory=self.host_memory,
-            stats=self.pass_stats,
-        )
+        ends = np.cumsum([len(group) for group in groups]).tolist()
+        spans = [(end - len(group), end) for group, end in zip(groups, ends, strict=True)]
+        picked = [i for i, group in enumerate(groups) if isinstance(group[0][3], int)]
+        if picked:  # one item per generation step
+            first = [spans[i][0] for i in picked]
+            picks = greedy_picks(dense[first], [groups[i][0][3] for i in picked])  # type: ignore[misc]
+            for i, pick in zip(picked, picks, strict=True):
+                results[i] = pick
+        for (start, end), group in zip(spans, groups, strict=True):
+            into = group[0][3]
+            if isinstance(into, WrittenRows):  # repeats copied on the device
+                write_rows_into(dense[start:end], into.arrays, into.positions, self.host_memory)
+        wanted = [i for i, group in enumerate(groups) if group[0][3] is None]
+        if wanted:
+            kept = (
+                dense if len(wanted) == len(groups) else dense[[r for i in wanted for r in range(*spans[i])]]
+            )
+            for i, rows_of_group in zip(
+                wanted, split_rows(rows_to_host(kept), [groups[i] for i in wanted]), strict=True
+            ):
+                results[i] = rows_of_group
         self._release_pinned_memory()
         return results
 

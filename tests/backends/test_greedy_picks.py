@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import backends.transformers.step_results
+import backends.transformers.engine
 from backends.sampling import Sampler, greedy_alternatives, top_k
 from backends.transformers.engine import TransformersEngine
 from backends.transformers.host_copy import greedy_picks
@@ -70,44 +70,14 @@ async def test_a_greedy_stream_equals_the_host_sampler_on_each_prefix_row(engine
         picked.append(len(alternatives))
         return greedy_picks(logprobs, alternatives)
 
-    monkeypatch.setattr(backends.transformers.step_results, "greedy_picks", counting)
+    monkeypatch.setattr(backends.transformers.engine, "greedy_picks", counting)
     prompt = engine.info.tokenizer("The capital of France is").input_ids
     params = SamplingParams(max_tokens=12, temperature=0.0, top_logprobs=3)
     steps = [step async for step in engine.generate(prompt, params)]
-    # every step chosen on the device, and at most one computed ahead for a stream that had ended
-    assert len(steps) <= sum(picked) <= len(steps) + 1
+    assert sum(picked) == len(steps)  # every step chosen on the device
     prefixes = [prompt + [s.token_id for s in steps[:i]] for i in range(len(steps))]
     rows = await engine_rows(engine, prefixes)
     for row, step in zip(rows, steps, strict=True):
         token, logprob, ids, values = host_step(row, 3)
         assert step.token_id == token and step.top_ids.tolist() == ids
         np.testing.assert_allclose([step.logprob, *step.top_logprobs], [logprob, *values], rtol=0, atol=1e-4)
-
-
-async def test_greedy_steps_are_computed_before_their_streams_ask(engine, monkeypatch):
-    """After a pass of greedy steps the engine computes each stream's next step at once, so every
-    later step of a lone stream is found computed when asked for: only the prompt's row is computed
-    on asking. (What the steps are: the test above, which they pass computed ahead.)"""
-    where: list[str] = []
-    ahead = False
-    computed, run_ahead = engine._computed, engine._run_ahead
-
-    def recording(groups, keep_lane):
-        where.append("ahead" if ahead else "asked")
-        return computed(groups, keep_lane)
-
-    def recording_ahead(items):
-        nonlocal ahead
-        ahead = True
-        try:
-            run_ahead(items)
-        finally:
-            ahead = False
-
-    prompt = engine.info.tokenizer("Once upon a time").input_ids
-    monkeypatch.setattr(engine, "_computed", recording)
-    monkeypatch.setattr(engine, "_run_ahead", recording_ahead)
-    steps = [s async for s in engine.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0))]
-    assert len(steps) == 10
-    # the last step's follower may still be on its way
-    assert where.count("asked") == 1 and where.count("ahead") >= len(steps) - 1, where
