@@ -96,6 +96,16 @@ SHAPES = {
     "llama-1b": dict(_LLAMA, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, head_dim=64),
     # The same call overhead against a longer forward pass.
     "llama-3b": dict(_LLAMA, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128),
+    # Next to no model: on a CPU, what a step costs besides the forward pass.
+    "llama-tiny": dict(
+        _LLAMA,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=16,
+        num_key_value_heads=2,
+        intermediate_size=256,
+    ),
 }
 GATEWAY_MODES = (
     "gateway",
