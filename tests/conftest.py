@@ -19,6 +19,8 @@ from backends.builtin_models import DEFAULT_MODEL, resolve_model_dir
 from bench.launcher import GatewayProcess, RedisServer, start_gateway
 
 MODEL = DEFAULT_MODEL
+# Short prompts of the tests that hold an engine to a forward pass of the same weights.
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 _VLLM_ENV = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
 
 

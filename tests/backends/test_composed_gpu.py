@@ -19,6 +19,7 @@ import pytest
 
 from backends.types import EngineConfig, SamplingParams
 from tests.conftest import (
+    PROMPTS,
     engine_rows,
     last_row,
     load_peft_models,
@@ -30,7 +31,6 @@ from tests.conftest import (
 require_engine_library("sglang")
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
-PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 # nat, KL(reference || engine) of a row: float32 against bfloat16 on the CPU gave at most 0.0007;
 # the new weights (scaled_dir) 0.026 from the old, the adapters 0.67 and 1.32 from none
 MAX_KL = 0.005

@@ -20,7 +20,7 @@ import pytest
 
 from backends.errors import EngineUnavailableError, GrammarError
 from backends.types import EngineConfig, Grammar, SamplingParams
-from tests.conftest import engine_rows, require_engine_library
+from tests.conftest import PROMPTS, engine_rows, require_engine_library
 from tests.gateway.structured_cases import ARITHMETIC, REGEXES, SCHEMAS
 
 require_engine_library("vllm")
@@ -35,9 +35,6 @@ async def engine(model_dir):
     engine = await asyncio.to_thread(VllmEngine.load, config)
     yield engine
     await engine.aclose()
-
-
-PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 
 
 def test_an_unknown_dense_rows_value_is_refused_before_loading(model_dir):

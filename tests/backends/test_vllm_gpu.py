@@ -12,6 +12,7 @@ from packaging.version import Version
 
 from backends.types import EngineConfig, SamplingParams
 from tests.conftest import (
+    PROMPTS,
     engine_rows,
     last_row,
     load_peft_models,
@@ -23,7 +24,6 @@ from tests.conftest import (
 require_engine_library("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 # bfloat16 weights and activations against a float32 pass: the bound for dense rows.
 TOLERANCE = 0.1
 

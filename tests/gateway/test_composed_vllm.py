@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from tests.conftest import (
     MODEL,
+    PROMPTS,
     dense_rows,
     last_row,
     load_peft_models,
@@ -28,7 +29,6 @@ from tests.gateway.test_weight_sync import TrainerProcess
 require_engine_library("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 EXACT = 1e-4  # the transformers engine against a direct forward pass, float32
 TOLERANCE = 1e-2  # vLLM's own numbers (its CPU kernels sum in another order): test_vllm_gateway.py
 ADMIN = {"Authorization": "Bearer admin-secret"}

@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import MODEL, last_row, load_peft_models, make_lora_adapter, start_admin_gateway
+from tests.conftest import MODEL, PROMPTS, last_row, load_peft_models, make_lora_adapter, start_admin_gateway
 
 pytestmark = pytest.mark.slow
 ADMIN = {"Authorization": "Bearer admin-secret"}
-PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")

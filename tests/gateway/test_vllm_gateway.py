@@ -19,12 +19,18 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.launcher import start_gateway
-from tests.conftest import MODEL, last_row, load_peft_models, make_lora_adapter, require_engine_library
+from tests.conftest import (
+    MODEL,
+    PROMPTS,
+    last_row,
+    load_peft_models,
+    make_lora_adapter,
+    require_engine_library,
+)
 
 require_engine_library("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 # vLLM's CPU attention kernels sum in another order than transformers' SDPA: equal to float32
 # rounding on short rows, about 1e-3 nats after a few hundred tokens.
 TOLERANCE = 1e-2
