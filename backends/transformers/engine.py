@@ -292,7 +292,9 @@ class TransformersEngine(Engine):
         picked = [i for i, group in enumerate(groups) if isinstance(group[0][3], int)]
         if picked:  # one item per generation step
             first = [spans[i][0] for i in picked]
-            picks = greedy_picks(dense[first], [groups[i][0][3] for i in picked])  # type: ignore[misc]
+            # A pass of generation steps alone picks from every row in order: no gathered copy.
+            chosen = dense if first == list(range(len(dense))) else dense[first]
+            picks = greedy_picks(chosen, [groups[i][0][3] for i in picked])  # type: ignore[misc]
             for i, pick in zip(picked, picks, strict=True):
                 results[i] = pick
         for (start, end), group in zip(spans, groups, strict=True):
