@@ -59,15 +59,18 @@ def greedy_picks(logprobs: torch.Tensor, alternatives: Sequence[int]) -> list[Pi
         values, ids = torch.topk(logprobs, k, dim=-1)
     # float64 holds every id exactly: one copy for all three
     host = torch.cat([tokens.double(), ids.double(), values.double()], dim=1).cpu().numpy()
+    # Converted once for all rows; each Pick holds views of these (a step's work per stream).
+    chosen = host[:, 0].astype(np.int64)
+    top_ids, top_vals = host[:, 1 : k + 1].astype(np.int64), host[:, k + 1 :]
+    best = top_vals[:, 0].tolist()
+    if k > 1:  # equal values in id order, as the host's top_k
+        order = np.lexsort((top_ids, -top_vals), axis=-1)
+        top_ids, top_vals = np.take_along_axis(top_ids, order, -1), np.take_along_axis(top_vals, order, -1)
+    top_logprobs = top_vals.astype(np.float32)
     picks = []
-    for row, wanted in zip(host, alternatives, strict=True):
-        token, top_ids, top_vals = int(row[0]), row[1 : k + 1].astype(np.int64), row[k + 1 :]
-        if wanted == 1:
-            top_ids = np.array([token], np.int64)
-        else:  # equal values in id order, as the host's top_k
-            order = np.lexsort((top_ids, -top_vals))[:wanted]
-            top_ids, top_vals = top_ids[order], top_vals[order]
-        picks.append(Pick(token, float(top_vals[0]), top_ids, top_vals[:wanted].astype(np.float32)))
+    for i, (token, wanted) in enumerate(zip(chosen.tolist(), alternatives, strict=True)):
+        ids = chosen[i : i + 1] if wanted == 1 else top_ids[i, :wanted]
+        picks.append(Pick(token, best[i], ids, top_logprobs[i, :wanted]))
     return picks
 
 
