@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from backends.types import EngineConfig, SamplingParams
+from bench.smc_ways import SGLANG_ARGS
 from tests.conftest import (
     PROMPTS,
     engine_rows,
@@ -35,12 +36,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 # the new weights (scaled_dir) 0.026 from the old, the adapters 0.67 and 1.32 from none
 MAX_KL = 0.005
 TOLERANCE = 0.1  # nat, a chosen token's logprob, and how far from its row's best
-SGLANG = {
-    "mode": "engine",
-    "attention_backend": "triton",
-    "sampling_backend": "pytorch",
-    "grammar_backend": "none",
-}
+# The staged set's settings (bench/smc_ways.py); the composed engine sets SGLang's memory share.
+SGLANG = {"mode": "engine", **{k: v for k, v in SGLANG_ARGS.items() if k != "mem_fraction_static"}}
 
 
 def _ids(reference) -> list[list[int]]:
