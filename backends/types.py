@@ -102,6 +102,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     grammar: Grammar | None = None  # tokens outside it are never sampled
+    # False: the caller reads no token's logprob, so an engine may skip computing them (NaN).
+    logprobs: bool = True
+    # The caller takes tokens this many at a time (a response sent whole), so an engine whose
+    # tokens cross processes may hand them over in bursts of up to this many; 1: each as it comes.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         # Near-zero temperatures are greedy, so every engine, vLLM included, samples them alike.
@@ -115,7 +120,8 @@ class TokenStep:
 
     `logprob` and the alternatives come from the model's raw distribution (log_softmax of the
     logits), before temperature, top_p, penalties, logit_bias or a grammar's mask, as vLLM reports
-    them by default (vLLM's and SGLang's engines report theirs: docs/api.md).
+    them by default (vLLM's and SGLang's engines report theirs: docs/api.md). NaN where the
+    request's `SamplingParams.logprobs` is False and the engine skipped it.
     """
 
     token_id: int

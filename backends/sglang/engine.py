@@ -43,9 +43,7 @@ import base64
 import dataclasses
 import json
 import logging
-import os
-import sys
-import tempfile
+import math
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,8 +57,9 @@ from backends.engine import Engine
 from backends.errors import AdapterError, EngineUnavailableError, RequestRejectedError
 from backends.grammar.constraint import LLGuidanceGrammars, ascii_digits
 from backends.rows import PackedRows
+from backends.sglang import launch
 from backends.sglang.processor import PROCESSOR
-from backends.sglang.transport import EngineTransport, HttpTransport, ManagedServer, Transport, free_port
+from backends.sglang.transport import HttpTransport, Transport
 from backends.sglang.weights import SglangWeights
 from backends.types import (
     EngineConfig,
@@ -74,7 +73,6 @@ from backends.types import (
 log = logging.getLogger(__name__)
 
 _PLACEHOLDER = 0  # the token appended to dense rows; its own logprob is never read
-_RAW_LOGPROBS = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 
 
 class ScatterError(RuntimeError):
@@ -142,19 +140,6 @@ class SglangAdapters(contract.Adapters):
         self.engine._adapters.discard(name)
 
 
-def _tp_size(mode: str, options: dict[str, Any]) -> int:
-    """SGLang's tensor-parallel ranks, each sent its own handles of tensors handed over: the
-    `tp_size` option ("engine": a ServerArgs field; "url": what the server runs), or the "server"
-    mode's `--tp-size`."""
-    if mode == "server":
-        args = [str(arg) for arg in options.get("launch_args", [])]
-        for flag in ("--tp-size", "--tp"):
-            if flag in args[:-1]:
-                return int(args[args.index(flag) + 1])
-        return 1
-    return int(options.get("tp_size", 1) if mode == "engine" else options.pop("tp_size", 1))
-
-
 class SglangEngine(Engine):
     def __init__(
         self,
@@ -197,7 +182,7 @@ class SglangEngine(Engine):
         if options.pop("dense_rows", "sorted") == "processor" and mode == "url":
             dense_rows = "b64"
         tokenizer = AutoTokenizer.from_pretrained(path)
-        tp_size = _tp_size(mode, options)
+        tp_size = launch.tp_size(mode, options)
         http = {
             "timeout_s": float(options.pop("request_timeout_s", 600.0)),
             "max_connections": int(options.pop("max_connections", 256)),
@@ -205,9 +190,9 @@ class SglangEngine(Engine):
         if mode == "url":
             transport: Transport = HttpTransport(options.pop("url"), **http)
         elif mode == "server":
-            transport = cls._launch(config, path, options, http)
+            transport = launch.launch_server(config, path, options, http)
         elif mode == "engine":
-            transport = cls._in_process(config, path, options)
+            transport = launch.start_in_process(config, path, options)
         else:
             raise EngineUnavailableError(f"sglang mode {mode!r}: choose engine, server or url")
         return cls(
@@ -220,54 +205,6 @@ class SglangEngine(Engine):
             dense_rows=dense_rows,
             tp_size=tp_size,
         )
-
-    @staticmethod
-    def _launch(config: EngineConfig, path: Path, options: dict[str, Any], http: dict) -> HttpTransport:
-        command = list(options.get("server_command") or [sys.executable, "-m", "sglang.launch_server"])
-        command += ["--model-path", str(path), "--dtype", config.dtype, "--skip-server-warmup"]
-        # Dense rows through backends/sglang/processor.py; streamed chunks with the new tokens only,
-        # not every token so far (which makes a stream's JSON quadratic in its length).
-        command += ["--enable-custom-logit-processor", "--incremental-streaming-output"]
-        if config.max_model_len:
-            command += ["--context-length", str(config.max_model_len)]
-        if config.max_lora_rank:
-            command += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank)]
-            command += ["--lora-target-modules", "all"]
-        launch_args = [str(arg) for arg in options.get("launch_args", [])]
-        if "--grammar-backend" not in launch_args:
-            command += ["--grammar-backend", "llguidance", "--constrained-json-disable-any-whitespace"]
-        command += launch_args
-        log_path = Path(options.get("log_path") or tempfile.mkstemp(prefix="sglang-", suffix=".log")[1])
-        log.info("launching %s (log: %s)", " ".join(command), log_path)
-        server = ManagedServer(command, free_port(), log_path, env=_RAW_LOGPROBS)
-        server.wait_healthy(float(options.get("startup_timeout_s", 900.0)))
-        transport = HttpTransport(server.base_url, **http)
-        transport.server = server
-        return transport
-
-    @staticmethod
-    def _in_process(config: EngineConfig, path: Path, options: dict[str, Any]) -> EngineTransport:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise EngineUnavailableError("sglang mode 'engine' needs CUDA; use mode 'server' or 'url'")
-        os.environ.update(_RAW_LOGPROBS)  # read when SGLang's sampler module is imported
-        args: dict[str, Any] = {
-            "model_path": str(path),
-            "dtype": config.dtype,
-            "enable_custom_logit_processor": True,
-            "grammar_backend": options.pop("grammar_backend", "llguidance"),
-            "constrained_json_disable_any_whitespace": options.pop(
-                "constrained_json_disable_any_whitespace", True
-            ),
-        }
-        if config.max_model_len:
-            args["context_length"] = config.max_model_len
-        if config.max_lora_rank:
-            args.update(enable_lora=True, max_lora_rank=config.max_lora_rank, lora_target_modules=["all"])
-        for key in ("server_command", "launch_args", "startup_timeout_s", "log_path"):
-            options.pop(key, None)
-        return EngineTransport.start(**args, **options)
 
     def _lora(self, adapter: str | None) -> str | None:
         if adapter is not None and adapter not in self._adapters:
@@ -368,6 +305,9 @@ class SglangEngine(Engine):
             "logit_bias": {str(t): float(b) for t, b in params.logit_bias.items()} or None,
             "sampling_seed": params.seed,
             "stop_token_ids": sorted(self.info.eos_token_ids),
+            # Its scheduler then sends this request's tokens to our process once per interval,
+            # as it does for its own non-streamed requests, instead of one wake-up per token.
+            "stream_interval": params.stream_interval,
         }
         grammar = params.grammar
         if grammar is not None:
@@ -378,8 +318,8 @@ class SglangEngine(Engine):
         return {
             "input_ids": list(ids),
             "sampling_params": sampling,
-            "return_logprob": True,
-            "top_logprobs_num": params.top_logprobs,
+            "return_logprob": params.logprobs,  # computing them costs SGLang's every step
+            "top_logprobs_num": params.top_logprobs if params.logprobs else 0,
             "lora_path": self._lora(adapter),
         }
 
@@ -396,8 +336,13 @@ class SglangEngine(Engine):
                 # Chunks hold all tokens so far, or only new ones with --incremental-streaming-output;
                 # the cumulative completion_tokens says which of the listed tokens are new either way.
                 new = int(meta["completion_tokens"]) - emitted
-                tokens = meta["output_token_logprobs"][-new:] if new else []
-                tops = (meta.get("output_top_logprobs") or [None] * new)[-new:] if new else []
+                if not new:
+                    continue
+                if params.logprobs:
+                    tokens = meta["output_token_logprobs"][-new:]
+                else:
+                    tokens = [(math.nan, token, None) for token in out["output_ids"][-new:]]
+                tops = (meta.get("output_top_logprobs") or [None] * new)[-new:]
                 for j, ((logprob, token, _), top) in enumerate(zip(tokens, tops, strict=True)):
                     top = top or []
                     yield TokenStep(

@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import tempfile
 import uuid
@@ -363,7 +364,8 @@ class VllmEngine(Engine):
                 presence_penalty=params.presence_penalty,
                 frequency_penalty=params.frequency_penalty,
                 logit_bias=dict(params.logit_bias) or None,
-                logprobs=params.top_logprobs,  # vLLM adds the chosen token's own logprob
+                # vLLM adds the chosen token's own logprob; None computes none
+                logprobs=params.top_logprobs if params.logprobs else None,
                 stop_token_ids=sorted(self.info.eos_token_ids),
                 detokenize=False,
                 output_kind=RequestOutputKind.DELTA,
@@ -387,12 +389,12 @@ class VllmEngine(Engine):
         completion = out.outputs[0]
         last = len(completion.token_ids) - 1
         for j, token in enumerate(completion.token_ids):
-            entries = completion.logprobs[j]
+            entries = completion.logprobs[j] if completion.logprobs is not None else {}
             top_ids, top_logprobs = _top(entries, k)
             finish = completion.finish_reason if j == last else None
             yield TokenStep(
                 token_id=token,
-                logprob=float(entries[token].logprob),
+                logprob=float(entries[token].logprob) if entries else math.nan,
                 top_ids=top_ids,
                 top_logprobs=top_logprobs,
                 finish_reason="length" if finish == "length" else ("stop" if finish else None),

@@ -8,6 +8,7 @@ errors it raises; the checks and the defaults are the same for all three.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import replace
 
 from backends.errors import GrammarError
@@ -141,6 +142,22 @@ def check_logprob_entries(entries: int, limits: Limits, instead: str, param: str
             f"{instead}",
             param=param,
         )
+
+
+# A response sent whole takes its tokens from the engine in bursts of up to this many, as SGLang
+# hands its own non-streamed requests' tokens from its scheduler to its tokenizer manager.
+WHOLE_RESPONSE_INTERVAL = 50
+
+
+def delivered(
+    params: SamplingParams, *, logprobs: bool, streamed: bool, stops: Collection[object]
+) -> SamplingParams:
+    """`params` for what the answer needs of each token: its logprob only where the answer
+    reports logprobs; tokens one at a time where the client reads them as they come or where a
+    stop string or stop token may end the choice early (tokens of a burst past it would be
+    generated for nothing), else in bursts."""
+    interval = 1 if streamed or stops else WHOLE_RESPONSE_INTERVAL
+    return replace(params, logprobs=logprobs, stream_interval=interval)
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:

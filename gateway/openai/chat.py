@@ -162,6 +162,7 @@ async def create_chat_completion(request: Request) -> Response:
         logit_bias=body.logit_bias,
         grammar=grammar,
     )
+    params = sampling.delivered(params, logprobs=bool(body.logprobs), streamed=bool(body.stream), stops=stops)
     if body.logprobs:  # per token: its logprob and its top_logprobs
         entries = n * params.max_tokens * (1 + params.top_logprobs)
         sampling.check_logprob_entries(

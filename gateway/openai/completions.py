@@ -166,6 +166,9 @@ async def create_completion(request: Request) -> Response:
         grammar=grammar,
         top_logprobs_field="logprobs",
     )
+    params = sampling.delivered(
+        params, logprobs=body.logprobs is not None, streamed=bool(body.stream), stops=stops
+    )
     if body.logprobs is not None:  # per position: its logprob, the top dict (the chosen token + logprobs)
         positions = sum((len(p.ids) if body.echo else 0) + max_tokens for p in prompts) * n
         sampling.check_logprob_entries(positions * (2 + params.top_logprobs), limits, _SMALLER, "logprobs")

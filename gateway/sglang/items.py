@@ -230,6 +230,9 @@ async def plan(body: GenerateRequest, served_for: Any, limits: Limits) -> tuple[
         top_k = tops[i] or 0
         grammar = await sampling.checked_grammar(served, limits, *grammar_of(sps[i]))
         params, stops, stop_ids = sampling_of(served, sps[i], top_k, limits, grammar)
+        params = sampling.delivered(
+            params, logprobs=bool(want[i]), streamed=bool(body.stream), stops=[*stops, *stop_ids]
+        )
         try:
             sampling.check_context(served, len(prompt), params.max_tokens, limits)
         except ContextLengthError as exc:  # named as SGLang's fields

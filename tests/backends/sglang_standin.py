@@ -222,6 +222,7 @@ class Model:
         limit = sampling.get("max_new_tokens", 128)
         stops = set(sampling.get("stop_token_ids") or [])
         k = body.get("top_logprobs_num") or 0
+        interval = sampling.get("stream_interval") or self.stream_interval
         ids, lora = list(body["input_ids"]), body.get("lora_path")
         outputs, tops, finish, sent = [], [], None, 0
         cache = self.cached(body)  # what SGLang's radix cache held when the request came in
@@ -237,7 +238,9 @@ class Model:
                 finish = {"type": "stop", "matched": token}
             elif len(outputs) == limit:
                 finish = {"type": "length", "length": limit}
-            if finish is None and len(outputs) % self.stream_interval:
+            # SGLang's scheduler sends a streamed request's tokens at the first and then every
+            # `interval`-th token (its output streamer), and at its finish.
+            if finish is None and interval > 1 and len(outputs) % interval != 1:
                 continue
             out = copy.deepcopy(shape)
             meta = out["meta_info"]
@@ -257,6 +260,9 @@ class Model:
             _serving_fields(meta, first=first, last=finish is not None)
             if k:
                 meta["output_top_logprobs"] = tops[start:]
+            if not body.get("return_logprob"):
+                for key in [k for k in meta if "logprobs" in k]:
+                    del meta[key]
             out["output_ids"] = [t for _, t, _ in outputs[start:]]
             yield out
         if limit == 0:

@@ -13,6 +13,7 @@ each entry by its probability, and chosen tokens by their own logprob."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -67,6 +68,12 @@ async def _assert_generated_by(engine, model, ids, adapter=None) -> None:
         row = last_row(model, ids + [s.token_id for s in steps[:k]])
         assert abs(step.logprob - row[step.token_id]) <= TOLERANCE
         assert row.max() - row[step.token_id] <= TOLERANCE
+    # without logprobs and in bursts (a response sent whole): the same tokens
+    bursts = [
+        s async for s in engine.generate(ids, replace(params, logprobs=False, stream_interval=4), adapter)
+    ]
+    assert [s.token_id for s in bursts] == [s.token_id for s in steps]
+    assert all(np.isnan(s.logprob) for s in bursts) and bursts[-1].finish_reason == steps[-1].finish_reason
 
 
 @requires_cuda

@@ -74,6 +74,7 @@ def test_vllm_gets_a_concrete_dtype_never_its_own_auto(model_dir, monkeypatch):
 
 def test_sglang_passes_bfloat16_for_auto(model_dir, monkeypatch):
     from backends.sglang import engine as sglang
+    from backends.sglang import launch
 
     seen = {}
 
@@ -81,7 +82,7 @@ def test_sglang_passes_bfloat16_for_auto(model_dir, monkeypatch):
         seen["dtype"] = config.dtype
         return object()
 
-    monkeypatch.setattr(sglang.SglangEngine, "_in_process", staticmethod(fake_in_process))
+    monkeypatch.setattr(launch, "start_in_process", fake_in_process)
     engine = sglang.SglangEngine.load(EngineConfig(model=str(model_dir)))
     assert seen["dtype"] == engine.info.dtype == "bfloat16"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -119,6 +120,30 @@ async def test_generation_streams_token_steps(engine, sent):
     (body,) = sent()
     assert body["stream"] and body["sampling_params"]["logit_bias"] == {"3": 1.0}
     assert body["sampling_params"]["stop_token_ids"] == sorted(engine.info.eos_token_ids)
+
+
+async def test_generation_without_logprobs_in_bursts(engine, sent, monkeypatch):
+    """A caller that reads no logprobs and takes the tokens whole: SGLang computes no logprobs and
+    sends the tokens every `stream_interval` steps; the tokens are the same."""
+    both = SamplingParams(max_tokens=12, temperature=0.0)
+    plain = [s async for s in engine.generate([4, 9], both)]
+    chunks, stream = [], engine.transport.stream
+
+    async def counted(request):
+        async for out in stream(request):
+            chunks.append(len(out["output_ids"]))
+            yield out
+
+    monkeypatch.setattr(engine.transport, "stream", counted)
+    bursts = [s async for s in engine.generate([4, 9], replace(both, logprobs=False, stream_interval=5))]
+    assert chunks == [1, 5, 5, 1]  # the first token, every fifth after it, the finish
+    assert [s.token_id for s in bursts] == [s.token_id for s in plain] and len(plain) == 12
+    assert [s.finish_reason for s in bursts] == [None] * 11 + ["length"]
+    assert all(np.isnan(s.logprob) and s.top_ids.size == 0 for s in bursts)
+    assert not any(np.isnan(s.logprob) for s in plain)
+    first, second = sent()
+    assert first["return_logprob"] and first["sampling_params"]["stream_interval"] == 1
+    assert not second["return_logprob"] and second["sampling_params"]["stream_interval"] == 5
 
 
 async def test_grammars_go_to_sglangs_own_fields(engine, sent):

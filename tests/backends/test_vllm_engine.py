@@ -93,3 +93,20 @@ async def test_vllm_holds_schemas_regexes_and_a_grammar(engine, reference):
 async def test_a_bad_regex_is_refused_by_the_check(engine):
     with pytest.raises(GrammarError, match="look-around"):
         await engine.structured_outputs.check(Grammar("regex", "(?<=a)b"), 10.0)
+
+
+async def test_generation_without_logprobs_is_the_same_tokens(engine, reference):
+    """`logprobs=False` asks vLLM for none (its `logprobs=None`): the same greedy tokens, NaN logprobs."""
+    ids = reference.tokenizer(PROMPTS[0]).input_ids
+    both = SamplingParams(max_tokens=8, temperature=0.0, top_logprobs=2)
+    scored = [s async for s in engine.generate(ids, both)]
+    plain = [
+        s async for s in engine.generate(ids, SamplingParams(max_tokens=8, temperature=0.0, logprobs=False))
+    ]
+    assert [s.token_id for s in plain] == [s.token_id for s in scored] and len(plain) == 8
+    assert [s.finish_reason for s in plain] == [s.finish_reason for s in scored]
+    assert all(np.isnan(s.logprob) and s.top_ids.size == 0 for s in plain)
+    rows = reference.logprobs(ids + [s.token_id for s in scored])[len(ids) - 1 : -1]
+    np.testing.assert_allclose(
+        [s.logprob for s in scored], [r[s.token_id] for r, s in zip(rows, scored, strict=True)], atol=1e-2
+    )
