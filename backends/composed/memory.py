@@ -17,7 +17,7 @@ in each engine's own terms (read in their sources, vLLM 0.26-0.32, SGLang 0.5):
   (`pre_model_load_memory`), and covers weights and K/V cache only; the rest of that free memory is
   its headroom for activations and CUDA graphs, which its default sizes from the GPU's capacity
   (`sglang_headroom`). So `(budget - headroom) / free`, but no more than its weights (as much as
-  the dense engine took) and SGLANG_KV_CAP of K/V cache.
+  the dense engine holds) and SGLANG_KV_CAP of K/V cache, whatever other processes hold.
 
 With `backend = "sglang"` in mode "server" the share goes to the child's command line
 (`launch_args`); a "url" server holds its own memory and is left alone.
@@ -51,10 +51,13 @@ _SGLANG_SIZES = ((20 << 10, 2048, 8), (35 << 10, 2048, 24), (60 << 10, 4096, 32)
 
 @dataclass(frozen=True)
 class GpuMemory:
-    """One GPU's memory, in bytes, as torch.cuda.mem_get_info reads it (every process's use)."""
+    """One GPU's memory, in bytes: `free` and `total` as torch.cuda.mem_get_info reads them (every
+    process's use), `dense` what the dense engine holds (this process's allocator), which is about
+    what SGLang's weights will take; other processes may hold the rest of what is in use."""
 
     free: int
     total: int
+    dense: int
 
 
 def sglang_headroom(total: int) -> int:
@@ -79,8 +82,7 @@ def generation_share(backend: str, memory: GpuMemory, dense_reserve: int) -> flo
         share = budget / memory.total
     else:
         share = (budget - sglang_headroom(memory.total)) / memory.free
-        # What is in use is the dense engine's: mostly the weights SGLang loads too.
-        share = min(share, (memory.total - memory.free + SGLANG_KV_CAP) / memory.free)
+        share = min(share, (memory.dense + SGLANG_KV_CAP) / memory.free)
     share = math.floor(share * 1000) / 1000
     if share <= 0:
         raise EngineUnavailableError(
@@ -138,4 +140,6 @@ def dense_gpu(backend: str, config: Any) -> tuple[GpuMemory, int] | None:
     if device.type != "cuda" or (device.index or 0) != 0:
         return None
     free, total = torch.cuda.mem_get_info(device)
-    return GpuMemory(free, total), prefix_cache_bytes(config.options, device)
+    return GpuMemory(free, total, torch.cuda.memory_reserved(device)), prefix_cache_bytes(
+        config.options, device
+    )

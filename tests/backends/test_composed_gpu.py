@@ -36,6 +36,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 # nat, KL(reference || engine) of a row: float32 against bfloat16 on the CPU gave at most 0.0007;
 # the new weights (scaled_dir) 0.026 from the old, the adapters 0.67 and 1.32 from none
 MAX_KL = 0.005
+# Under an adapter the dense engine's LoRA product is rounded to bfloat16 too: an H200 gave 0.00503
+# (the adapters stand 0.67 and 1.32 from the base, so this still tells each from the others)
+MAX_KL_ADAPTER = 0.02
 TOLERANCE = 0.1  # nat, a chosen token's logprob, and how far from its row's best
 # The staged set's settings (bench/smc_ways.py); the composed engine sets SGLang's memory share.
 SGLANG = {"mode": "engine", **{k: v for k, v in SGLANG_ARGS.items() if k != "mem_fraction_static"}}
@@ -111,8 +114,8 @@ async def test_adapters_reach_both_engines_as_peft_applies_them(model_dir, refer
         ids = _ids(reference)
         rows = await engine_rows(engine, ids * 3, adapters=[None] * 3 + ["a"] * 3 + ["b"] * 3)
         for k, model in enumerate([reference.model, peft["a"], peft["b"]]):
-            assert _divergence(rows[3 * k : 3 * k + 3], model, ids) <= MAX_KL
-        assert _divergence(rows[3:6], reference.model, ids) > 10 * MAX_KL  # the adapters really act
+            assert _divergence(rows[3 * k : 3 * k + 3], model, ids) <= (MAX_KL_ADAPTER if k else MAX_KL)
+        assert _divergence(rows[3:6], reference.model, ids) > 10 * MAX_KL_ADAPTER  # the adapters really act
         for name in adapters:
             await _assert_generated_by(engine, peft[name], ids[1], name)
     finally:

@@ -25,7 +25,7 @@ from backends.types import EngineConfig
 
 H200 = 143_771 << 20  # bytes, as torch.cuda.mem_get_info gives an H200's total
 # An H200 after a 1B model's dense engine loaded: its weights, context and activations in use
-AFTER_DENSE = GpuMemory(free=H200 - 4 * GIB, total=H200)
+AFTER_DENSE = GpuMemory(free=H200 - 4 * GIB, total=H200, dense=3 * GIB)
 CACHE = H200 // 10  # the dense engine's prefix cache budget by default
 
 
@@ -41,7 +41,7 @@ def test_sglang_gets_the_same_room_with_its_own_headroom_as_a_share_of_what_is_f
     assert sglang_headroom(80 << 30) == 13_440 << 20  # an H100: its chunked prefill and graphs
     assert sglang_headroom(24 << 30) == 3_760 << 20
     gpu = 24 << 30  # a GPU where the room left is below the K/V cap
-    after_dense, cache = GpuMemory(free=14 * GIB, total=gpu), gpu // 10
+    after_dense, cache = GpuMemory(free=14 * GIB, total=gpu, dense=3 * GIB), gpu // 10
     share = generation_share("sglang", after_dense, cache)
     static = share * after_dense.free  # SGLang's weights and K/V cache
     assert static + sglang_headroom(gpu) <= after_dense.free - cache - MARGIN
@@ -50,19 +50,23 @@ def test_sglang_gets_the_same_room_with_its_own_headroom_as_a_share_of_what_is_f
 
 def test_sglangs_k_v_cache_is_held_to_the_cap_where_the_gpu_has_more_room():
     share = generation_share("sglang", AFTER_DENSE, CACHE)
-    in_use = AFTER_DENSE.total - AFTER_DENSE.free  # the dense engine's: as much as SGLang's weights
-    assert share * AFTER_DENSE.free <= in_use + SGLANG_KV_CAP
-    assert share * AFTER_DENSE.free > in_use + SGLANG_KV_CAP - 0.001 * AFTER_DENSE.free
+    weights = AFTER_DENSE.dense  # the dense engine's: as much as SGLang's weights
+    assert share * AFTER_DENSE.free <= weights + SGLANG_KV_CAP
+    assert share * AFTER_DENSE.free > weights + SGLANG_KV_CAP - 0.001 * AFTER_DENSE.free
     room = (AFTER_DENSE.free - CACHE - MARGIN - sglang_headroom(H200)) / AFTER_DENSE.free
     assert share < room - 0.4  # an H200 would have room for three times the cap
+    # another process holding 43 GiB of the GPU leaves the cap where it was, in bytes
+    shared = GpuMemory(free=AFTER_DENSE.free - 43 * GIB, total=H200, dense=AFTER_DENSE.dense)
+    held = generation_share("sglang", shared, CACHE) * shared.free
+    assert weights + SGLANG_KV_CAP - 0.001 * shared.free < held <= weights + SGLANG_KV_CAP
 
 
 def test_a_gpu_without_room_for_the_generation_engine_is_refused_with_what_to_set():
-    crowded = GpuMemory(free=20 * GIB, total=H200)
+    crowded = GpuMemory(free=20 * GIB, total=H200, dense=3 * GIB)
     with pytest.raises(EngineUnavailableError, match="options.mem_fraction_static"):
         generation_share("sglang", crowded, CACHE)
     with pytest.raises(EngineUnavailableError, match="prefix_cache_bytes"):
-        generation_share("vllm", GpuMemory(free=10 * GIB, total=H200), 8 * GIB)
+        generation_share("vllm", GpuMemory(free=10 * GIB, total=H200, dense=3 * GIB), 8 * GIB)
 
 
 def test_the_share_is_set_where_the_options_leave_it_unset():
