@@ -83,7 +83,8 @@ class DenseRows:
         cache = self.prefix_cache
         tokens = [rows[i].tolist() for i in rest]  # the prefix cache's trie walks them
         matches = [
-            cache.match(adapters[i], t) if cache else (None, 0) for i, t in zip(rest, tokens, strict=True)
+            cache.match(adapters[i], t, keys[i]) if cache else (None, 0)
+            for i, t in zip(rest, tokens, strict=True)
         ]
         # Tokens each row must run through the model: those after its cached prefix, at least one.
         todo = [len(t) - min(depth, len(t) - 1) for t, (_, depth) in zip(tokens, matches, strict=True)]
@@ -94,8 +95,11 @@ class DenseRows:
             if cache is None:
                 logprobs = self._uncached_logprobs(part, names)
             else:
-                logprobs, layers = self._cached_logprobs(part, names, [matches[j] for j in group], cache)
-                passes.append((layers, [keys[rest[j]] for j in group]))
+                part_keys = [keys[rest[j]] for j in group]
+                logprobs, layers = self._cached_logprobs(
+                    part, names, part_keys, [matches[j] for j in group], cache
+                )
+                passes.append((layers, part_keys))
             place([rest[j] for j in group], logprobs)
         if lane is not None and passes:
             own = lane.own_rows() if stepped else None
@@ -140,6 +144,7 @@ class DenseRows:
         self,
         rows: Sequence[Sequence[int]],
         adapters: Sequence[str | None],
+        row_keys: Sequence[bytes],
         matches: Sequence[tuple[Any, int]],
         prefix_cache: PrefixCache,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -159,6 +164,6 @@ class DenseRows:
         logprobs, out = self._last_logprobs(adapters, ids, mask, positions, cache)
         # Stored while the GPU still computes: the trie's bookkeeping overlaps the forward pass.
         layers = [(layer.keys, layer.values) for layer in output_cache(out).layers]
-        prefix_cache.store(list(zip(adapters, rows, strict=True)), layers)
+        prefix_cache.store(list(zip(adapters, rows, strict=True)), layers, row_keys)
         self._count_tokens(rows, sum(reused))
         return logprobs, layers

@@ -12,7 +12,9 @@ a block's memory goes when its last entry goes, and the byte budget counts whole
 Lookup. One token trie per adapter. The K/V of a position depend only on the tokens up to it, so
 an entry serves every prefix of its tokens: entries sit on leaves only, an entry whose tokens are
 a prefix of a newer one is dropped when that one is stored, and the longest cached prefix of a row
-is found by walking its tokens, O(len(row)).
+is found by walking its tokens, O(len(row)). A row that is an entry's tokens, or those and one
+more token (a generation step, an SMC extension), is found by its key instead (its int32 bytes,
+backends/rows.py: hashed in C), so a stream's step costs the same however long the stream is.
 
 Not thread-safe: the engine uses it from its one worker thread.
 """
@@ -23,9 +25,16 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from backends.rows import parent_key, row_key
+
 KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values) of one layer: [batch, heads, width, head_dim]
+
+
+def _key(tokens: Sequence[int]) -> bytes:
+    return row_key(np.asarray(tokens, dtype=np.int64))
 
 
 class KVBlock:
@@ -54,14 +63,17 @@ class _Node:
 class Entry:
     """The K/V of the tokens on the path to `leaf`: columns start..start+leaf.depth of `row` of `block`."""
 
-    __slots__ = ("adapter", "block", "row", "start", "leaf")
+    __slots__ = ("adapter", "block", "row", "start", "leaf", "key")
 
-    def __init__(self, adapter: str | None, block: KVBlock, row: int, start: int, leaf: _Node) -> None:
+    def __init__(
+        self, adapter: str | None, block: KVBlock, row: int, start: int, leaf: _Node, key: bytes
+    ) -> None:
         self.adapter = adapter
         self.block = block
         self.row = row
         self.start = start
         self.leaf = leaf
+        self.key = key  # its tokens' key
 
 
 @dataclass
@@ -81,21 +93,24 @@ class PrefixCache:
         self.stats = PrefixCacheStats()
         self._roots: dict[str | None, _Node] = {}
         self._lru: OrderedDict[Entry, None] = OrderedDict()
+        self._leaves: dict[tuple[str | None, bytes], _Node] = {}  # by (adapter, key), each entry's leaf
 
     def __len__(self) -> int:
         return len(self._lru)
 
-    def match(self, adapter: str | None, tokens: Sequence[int]) -> tuple[Entry | None, int]:
-        """The entry holding the longest cached prefix of `tokens`, and that prefix's length."""
+    def match(
+        self, adapter: str | None, tokens: Sequence[int], key: bytes | None = None
+    ) -> tuple[Entry | None, int]:
+        """The entry holding the longest cached prefix of `tokens` (whose key is `key`), and that
+        prefix's length."""
         self.stats.lookups += 1
-        node = self._roots.get(adapter)
+        key = _key(tokens) if key is None else key
+        # an entry's leaf has no children: the row is its tokens, or those and a token more
+        node = self._leaves.get((adapter, key)) or self._leaves.get((adapter, parent_key(key)))
         if node is None:
-            return None, 0
-        for token in tokens:
-            child = node.children.get(token)
-            if child is None:
-                break
-            node = child
+            node = self._walk(adapter, tokens)
+            if node is None:
+                return None, 0
         depth = node.depth
         if depth == 0:
             return None, 0
@@ -104,6 +119,18 @@ class PrefixCache:
         self._lru.move_to_end(node.entry)
         self.stats.hits += 1
         return node.entry, depth
+
+    def _walk(self, adapter: str | None, tokens: Sequence[int]) -> _Node | None:
+        """The deepest node on the path of `tokens`; None without a trie for `adapter`."""
+        node = self._roots.get(adapter)
+        if node is None:
+            return None
+        for token in tokens:
+            child = node.children.get(token)
+            if child is None:
+                break
+            node = child
+        return node
 
     def gather(self, picks: Sequence[tuple[Entry | None, int]], width: int) -> list[KV]:
         """Per layer, K/V [len(picks), heads, width, head_dim]: row i holds the first n_i cached
@@ -161,13 +188,19 @@ class PrefixCache:
             out.append((keys, values))
         return out
 
-    def store(self, rows: Sequence[tuple[str | None, Sequence[int]]], layers: list[KV]) -> None:
-        """Keep the K/V of a forward pass whose row i was rows[i] = (adapter, tokens), right-aligned."""
+    def store(
+        self,
+        rows: Sequence[tuple[str | None, Sequence[int]]],
+        layers: list[KV],
+        keys: Sequence[bytes] | None = None,
+    ) -> None:
+        """Keep the K/V of a forward pass whose row i was rows[i] = (adapter, tokens), right-aligned
+        (keys[i]: the key of those tokens)."""
         block = KVBlock(layers)
         if block.nbytes > self.max_bytes - self.held_elsewhere:
             return
         for row, (adapter, tokens) in enumerate(rows):
-            self._insert(adapter, tokens, block, row)
+            self._insert(adapter, tokens, block, row, _key(tokens) if keys is None else keys[row])
         self._evict_to_budget()
 
     def hold_elsewhere(self, nbytes: int) -> None:
@@ -192,22 +225,30 @@ class PrefixCache:
             self._remove(entry, prune=False)
         self._roots.clear()
 
-    def _insert(self, adapter: str | None, tokens: Sequence[int], block: KVBlock, row: int) -> None:
-        node = self._roots.get(adapter)
+    def _insert(
+        self, adapter: str | None, tokens: Sequence[int], block: KVBlock, row: int, key: bytes
+    ) -> None:
+        node = self._leaves.get((adapter, key))
         if node is None:
-            node = self._roots[adapter] = _Node(None, -1)
-        for token in tokens:
-            if node.entry is not None:  # a shorter entry on the path: the new one holds its tokens
-                self._remove(node.entry, prune=False)
-            child = node.children.get(token)
-            if child is None:
-                child = node.children[token] = _Node(node, token)
-            node = child
+            # Entries sit on leaves only, so on the path to the leaf of the tokens less their last
+            # one there is no other entry: the walk starts there.
+            parent = self._leaves.get((adapter, parent_key(key))) if tokens else None
+            node, rest = (parent, tokens[-1:]) if parent is not None else (self._roots.get(adapter), tokens)
+            if node is None:
+                node = self._roots[adapter] = _Node(None, -1)
+            for token in rest:
+                if node.entry is not None:  # a shorter entry on the path: the new one holds its tokens
+                    self._remove(node.entry, prune=False)
+                child = node.children.get(token)
+                if child is None:
+                    child = node.children[token] = _Node(node, token)
+                node = child
         if node.children:  # a longer cached entry already holds these tokens
             return
         if node.entry is not None:
             self._remove(node.entry, prune=False)
-        entry = node.entry = Entry(adapter, block, row, block.width - len(tokens), node)
+        entry = node.entry = Entry(adapter, block, row, block.width - len(tokens), node, key)
+        self._leaves[adapter, key] = node
         self._lru[entry] = None
         if block.live == 0:
             self.nbytes += block.nbytes
@@ -215,6 +256,7 @@ class PrefixCache:
 
     def _remove(self, entry: Entry, *, prune: bool) -> None:
         del self._lru[entry]
+        del self._leaves[entry.adapter, entry.key]
         node = entry.leaf
         node.entry = None
         entry.block.live -= 1

@@ -102,6 +102,44 @@ def test_drop_adapter_forgets_only_that_adapter():
     assert cache.match(None, [1, 2])[1] == 2 and len(cache) == 1
 
 
+def _entry_tokens(entry) -> list[int]:
+    tokens, node = [], entry.leaf
+    while node.parent is not None:
+        tokens.append(node.token)
+        node = node.parent
+    return tokens[::-1]
+
+
+def test_lookups_by_key_find_what_a_walk_of_the_trie_finds():
+    """Streams growing a token per pass (found by their keys), rows branching, repeating and
+    shrinking (found by the walk), two adapters, evictions: each match is the longest common
+    prefix with a live entry, and the entry it returns holds that prefix."""
+    rng = np.random.default_rng(0)
+    block = sum(k.nbytes + v.nbytes for k, v in fake_layers([[1] * 40] * 4))
+    cache = PrefixCache(6 * block)
+    streams = [[int(t) for t in rng.integers(0, 5, 3)] for _ in range(4)]
+    for _ in range(200):
+        for s in streams:
+            choice = rng.random()
+            if choice < 0.7:
+                s.append(int(rng.integers(0, 5)))  # a generation step
+            elif choice < 0.8 and len(s) > 2:
+                del s[int(rng.integers(1, len(s))) :]  # back to a shorter row (resampling)
+        adapter = [None, "a"][int(rng.integers(0, 2))]
+        for row in streams + [[int(t) for t in rng.integers(0, 5, 5)]]:
+            entry, depth = cache.match(adapter, row)
+            live = [_entry_tokens(e) for e in cache._lru if e.adapter == adapter]
+            want = max(
+                (int(np.argmin(np.r_[np.equal(row[: len(t)], t[: len(row)]), False])) for t in live),
+                default=0,
+            )
+            assert depth == want
+            if depth:
+                assert _entry_tokens(entry)[:depth] == row[:depth]
+        store(cache, [list(s) for s in streams], adapter)
+    assert cache.stats.evictions > 0
+
+
 def test_prefix_cache_bytes_option():
     cpu = torch.device("cpu")
     assert prefix_cache_bytes({}, cpu) == 1 << 30
