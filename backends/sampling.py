@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -159,6 +159,43 @@ async def sample_tokens(
         if step.finish_reason is not None:
             return
         token = step.token_id
+
+
+async def sample_in_bursts(
+    params: SamplingParams,
+    eos_token_ids: frozenset[int],
+    first: Sequence[Any],
+    then: Callable[[int], Sequence[Any]],
+    run_steps: Callable[[Sequence[Any], Callable[[Any], Sequence[Any] | None]], Awaitable[None]],
+) -> AsyncIterator[TokenStep]:
+    """sample_tokens for a caller that takes the tokens `params.stream_interval` at a time, under
+    no grammar, on rows of log-probabilities: each burst's steps run inside the engine's step
+    scheduler (`run_steps`, StepScheduler.run), which calls back after each pass, so the steps of a
+    burst follow one another with no turn of this generator between them. `first`: the items of
+    the prompt's step; `then(token)`: those of the step after `token`, appended. Runs at most one
+    burst ahead of its consumer."""
+    if params.max_tokens <= 0:
+        return
+    sampler = Sampler(params, eos_token_ids, normalized=True)
+    burst: list[TokenStep] = []
+
+    def proceed(result: Any) -> Sequence[Any] | None:
+        step = sampler.step(result if isinstance(result, Pick) else result[0])
+        burst.append(step)
+        if step.finish_reason is not None or len(burst) >= params.stream_interval:
+            return None
+        return then(step.token_id)
+
+    items = first
+    while True:
+        await run_steps(items, proceed)
+        steps = burst.copy()
+        burst.clear()
+        for step in steps:
+            yield step
+        if steps[-1].finish_reason is not None:
+            return
+        items = then(steps[-1].token_id)
 
 
 def prompt_scores(rows: np.ndarray, ids: Sequence[int], k: int) -> PromptLogprobs:

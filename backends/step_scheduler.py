@@ -14,6 +14,10 @@ loop first; a pass that started with the first of them would leave the rest to t
 after a pass of several callers the next one waits for as many to come back, at most a quarter
 of a pass's time (`max_wait_s` at most).
 
+A caller that needs no turn of its own between steps (a stream whose tokens are handed out in
+bursts) `run`s them: the scheduler calls it back after each pass and queues its next step itself,
+so the pass after starts without waiting for the caller to come back.
+
 When a pass fails, its submissions are retried one by one, so only the one that causes the failure
 gets the error.
 
@@ -29,7 +33,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -51,6 +55,8 @@ def split_rows(rows: np.ndarray, groups: Sequence[Sequence[object]]) -> list[np.
 class _Submission(Generic[Item, Result]):
     items: Sequence[Item]
     future: asyncio.Future[Result]
+    # `run`'s callback: the items of the caller's next step, or None when it is done
+    proceed: Callable[[Result], Sequence[Item] | None] | None = None
 
 
 class StepScheduler(Generic[Item, Result]):
@@ -75,10 +81,23 @@ class StepScheduler(Generic[Item, Result]):
 
     async def submit(self, items: Sequence[Item]) -> Result:
         """The items' result, computed in a pass shared with whatever else is waiting."""
+        return await self._enqueue(items, None)
+
+    async def run(self, items: Sequence[Item], proceed: Callable[[Result], Sequence[Item] | None]) -> None:
+        """Steps of one caller, one per pass, with no turn of the caller's own between them:
+        after each pass the scheduler calls `proceed` with the step's result, and the items it
+        returns join the next pass; returns once `proceed` returns None."""
+        await self._enqueue(items, proceed)
+
+    async def _enqueue(
+        self, items: Sequence[Item], proceed: Callable[[Result], Sequence[Item] | None] | None
+    ) -> Any:
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._run(), name="step-scheduler")
-        submission: _Submission[Item, Result] = _Submission(items, asyncio.get_running_loop().create_future())
-        await self._queue.put(submission)
+        submission: _Submission[Item, Result] = _Submission(
+            items, asyncio.get_running_loop().create_future(), proceed
+        )
+        self._queue.put_nowait(submission)  # unbounded
         return await submission.future
 
     async def _run(self) -> None:
@@ -128,8 +147,20 @@ class StepScheduler(Generic[Item, Result]):
         stats.submissions += len(batch)
         stats.largest = max(stats.largest, len(batch))
         for submission, result in zip(batch, results, strict=True):
-            if not submission.future.done():
+            if submission.future.done():
+                continue
+            if submission.proceed is None:
                 submission.future.set_result(result)
+                continue
+            try:
+                items = submission.proceed(result)
+            except Exception as exc:  # the caller's own, raised where it waits
+                submission.future.set_exception(exc)
+                continue
+            if items is None:
+                submission.future.set_result(None)  # type: ignore[arg-type]
+            else:  # in the queue before the next pass gathers
+                self._queue.put_nowait(_Submission(items, submission.future, submission.proceed))
 
     async def aclose(self) -> None:
         if self._worker is not None:

@@ -36,7 +36,7 @@ from backends.engine import Engine
 from backends.errors import AdapterError
 from backends.grammar.constraint import LLGuidanceGrammars
 from backends.rows import GrowingRow, PackedRows, first_positions, row_key
-from backends.sampling import Pick, greedy_alternatives, sample_tokens
+from backends.sampling import Pick, greedy_alternatives, sample_in_bursts, sample_tokens
 from backends.step_scheduler import StepScheduler, split_rows
 from backends.transformers.cache_argument import output_cache, with_cache
 from backends.transformers.capabilities import (
@@ -368,6 +368,18 @@ class TransformersEngine(Engine):
             result = await self.steps.submit([(row, row_key(row), adapter, alternatives)])
             return result if isinstance(result, Pick) else result[0]
 
+        if self.prefix_kv is not None and params.grammar is None and params.stream_interval > 1:
+
+            def then(token: int) -> list[StepItem]:
+                sequence.append(token)
+                row = sequence.view()
+                return [(row, row_key(row), adapter, alternatives)]
+
+            first = sequence.view()
+            items = [(first, row_key(first), adapter, alternatives)]
+            async for step in sample_in_bursts(params, self.info.eos_token_ids, items, then, self.steps.run):
+                yield step
+            return
         normalized = self.prefix_kv is not None
         grammars = self.structured_outputs
         async for step in sample_tokens(params, self.info.eos_token_ids, next_logits, normalized, grammars):

@@ -5,6 +5,7 @@ a running batch and leave it at once."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -95,6 +96,41 @@ async def test_a_failing_submission_fails_alone():
     await scheduler.aclose()
 
 
+async def test_a_caller_that_runs_its_steps_is_called_back_after_each_pass():
+    """`run`: the scheduler queues the caller's next step itself; the steps share passes with
+    other callers', an error in the callback is raised to the caller, and a cancelled caller's
+    steps stop at once."""
+    fake = FakePass(0.01)
+    scheduler = StepScheduler(fake)
+    seen: list[float] = []
+
+    def proceed(result):  # rows [[0, 1]], [[0, 2]], ...: steps of one token more each time
+        seen.append(float(result[0, 0]))
+        return None if len(seen) == 5 else [[0, len(seen) + 1]]
+
+    async def other():
+        return [float((await scheduler.submit([[7, step]]))[0, 0]) for step in range(3)]
+
+    _, others = await asyncio.gather(scheduler.run([[0, 1]], proceed), other())
+    assert seen == [1.0, 2.0, 3.0, 4.0, 5.0] and others == [7.0, 8.0, 9.0]
+    assert fake.sizes[:3] == [2, 2, 2] and len(fake.sizes) == 5  # no pass of its own for a step
+
+    def failing(result):
+        raise KeyError("the callback's own")
+
+    with pytest.raises(KeyError, match="the callback's own"):
+        await scheduler.run([[1]], failing)
+
+    counted: list[float] = []
+    endless = asyncio.ensure_future(scheduler.run([[2]], lambda r: counted.append(r[0, 0]) or [[2]]))
+    while len(counted) < 3:
+        await asyncio.sleep(0.005)
+    endless.cancel()
+    await asyncio.sleep(0.05)
+    assert len(counted) <= 4  # the pass under way at the cancel, then no more
+    await scheduler.aclose()
+
+
 def ids(engine, text: str) -> list[int]:
     return engine.info.tokenizer(text).input_ids
 
@@ -162,6 +198,25 @@ async def test_a_stream_joins_a_running_batch_and_a_stopped_one_leaves_it_at_onc
     ]
     assert len(with_second) == 5  # five steps, then gone: no pass computes a row of it again
     assert all(len(rows) == 1 for rows in passes[with_second[-1] + 1 :])
+
+
+async def test_streams_in_bursts_equal_their_runs_a_token_at_a_time(engine, passes):
+    """A response sent whole (`stream_interval` > 1): its steps run inside the scheduler and come
+    out in bursts, the same steps as a token at a time, greedy with alternatives and sampled with a
+    seed, batched with other streams; one that is closed after its first burst stops there."""
+    sampled = SamplingParams(max_tokens=19, temperature=0.9, top_p=0.95, seed=3, top_logprobs=1)
+    cases = [(PROMPTS[0], GREEDY), (PROMPTS[1], sampled), (PROMPTS[2], GREEDY)]
+    alone = [await stream(engine, text, params) for text, params in cases]
+    bursts = [
+        replace(params, stream_interval=interval)
+        for (_, params), interval in zip(cases, (5, 7, 50), strict=True)
+    ]
+    together = await asyncio.gather(*(stream(engine, t, b) for (t, _), b in zip(cases, bursts, strict=True)))
+    for batched, single in zip(together, alone, strict=True):
+        assert_same(batched, single)
+    passes.clear()
+    closed = await stream(engine, PROMPTS[3], replace(GREEDY, stream_interval=6), stop_after=2)
+    assert len(closed) == 2 and len(passes) == 6  # one burst computed, none after the close
 
 
 async def test_dense_rows_and_generation_steps_share_a_pass(engine, passes):
