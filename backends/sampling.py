@@ -172,17 +172,18 @@ async def sample_in_bursts(
     no grammar, on rows of log-probabilities: each burst's steps run inside the engine's step
     scheduler (`run_steps`, StepScheduler.run), which calls back after each pass, so the steps of a
     burst follow one another with no turn of this generator between them. `first`: the items of
-    the prompt's step; `then(token)`: those of the step after `token`, appended. Runs at most one
-    burst ahead of its consumer."""
+    the prompt's step; `then(token)`: those of the step after `token`, appended. The first burst
+    is the first token; each runs when the consumer asks for a token past the last one."""
     if params.max_tokens <= 0:
         return
     sampler = Sampler(params, eos_token_ids, normalized=True)
     burst: list[TokenStep] = []
+    size = 1  # the first token alone, as SGLang sends it: the time to it is measured as streamed
 
     def proceed(result: Any) -> Sequence[Any] | None:
         step = sampler.step(result if isinstance(result, Pick) else result[0])
         burst.append(step)
-        if step.finish_reason is not None or len(burst) >= params.stream_interval:
+        if step.finish_reason is not None or len(burst) >= size:
             return None
         return then(step.token_id)
 
@@ -191,6 +192,7 @@ async def sample_in_bursts(
         await run_steps(items, proceed)
         steps = burst.copy()
         burst.clear()
+        size = params.stream_interval
         for step in steps:
             yield step
         if steps[-1].finish_reason is not None:

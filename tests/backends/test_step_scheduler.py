@@ -203,7 +203,7 @@ async def test_a_stream_joins_a_running_batch_and_a_stopped_one_leaves_it_at_onc
 async def test_streams_in_bursts_equal_their_runs_a_token_at_a_time(engine, passes):
     """A response sent whole (`stream_interval` > 1): its steps run inside the scheduler and come
     out in bursts, the same steps as a token at a time, greedy with alternatives and sampled with a
-    seed, batched with other streams; one that is closed after its first burst stops there."""
+    seed, batched with other streams; one that is closed within a burst computes no more."""
     sampled = SamplingParams(max_tokens=19, temperature=0.9, top_p=0.95, seed=3, top_logprobs=1)
     cases = [(PROMPTS[0], GREEDY), (PROMPTS[1], sampled), (PROMPTS[2], GREEDY)]
     alone = [await stream(engine, text, params) for text, params in cases]
@@ -216,7 +216,7 @@ async def test_streams_in_bursts_equal_their_runs_a_token_at_a_time(engine, pass
         assert_same(batched, single)
     passes.clear()
     closed = await stream(engine, PROMPTS[3], replace(GREEDY, stream_interval=6), stop_after=2)
-    assert len(closed) == 2 and len(passes) == 6  # one burst computed, none after the close
+    assert len(closed) == 2 and len(passes) == 1 + 6  # the first token, one burst, none after
 
 
 async def test_dense_rows_and_generation_steps_share_a_pass(engine, passes):
