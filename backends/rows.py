@@ -17,8 +17,8 @@ import numpy as np
 INT32 = np.dtype("<i4")
 
 
-def row_key(ids: np.ndarray) -> bytes:
-    """The key of the row `ids` (int32): its ids as little-endian int32 bytes."""
+def row_key(ids: np.ndarray | Sequence[int]) -> bytes:
+    """The key of the row `ids` (int32, or a list of ids): its ids as little-endian int32 bytes."""
     return np.asarray(ids, dtype=INT32).tobytes()
 
 

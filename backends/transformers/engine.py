@@ -356,28 +356,27 @@ class TransformersEngine(Engine):
 
         alternatives = greedy_alternatives(params)
 
+        def step_items(token: int | None) -> list[StepItem]:
+            """The scheduler's item for the step after `token` (None: the prompt's)."""
+            if token is not None:
+                sequence.append(token)
+            row = sequence.view()
+            return [(row, row_key(row), adapter, alternatives)]
+
         async def next_logits(token: int | None) -> np.ndarray | Pick:
             # Through the scheduler, rows of log-probabilities: the sampler's choices are those
             # of the logits (a constant shift of every logit changes none), its scores the rows;
             # a greedy stream's token is chosen on the device.
             if self.prefix_kv is None:
                 return await self._run(self._forward, state, list(ids) if token is None else [token], adapter)
-            if token is not None:
-                sequence.append(token)
-            row = sequence.view()
-            result = await self.steps.submit([(row, row_key(row), adapter, alternatives)])
+            result = await self.steps.submit(step_items(token))
             return result if isinstance(result, Pick) else result[0]
 
         if self.prefix_kv is not None and params.grammar is None and params.stream_interval > 1:
-
-            def then(token: int) -> list[StepItem]:
-                sequence.append(token)
-                row = sequence.view()
-                return [(row, row_key(row), adapter, alternatives)]
-
-            first = sequence.view()
-            items = [(first, row_key(first), adapter, alternatives)]
-            async for step in sample_in_bursts(params, self.info.eos_token_ids, items, then, self.steps.run):
+            bursts = sample_in_bursts(
+                params, self.info.eos_token_ids, step_items(None), step_items, self.steps.run
+            )
+            async for step in bursts:
                 yield step
             return
         normalized = self.prefix_kv is not None

@@ -25,16 +25,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from backends.rows import parent_key, row_key
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values) of one layer: [batch, heads, width, head_dim]
-
-
-def _key(tokens: Sequence[int]) -> bytes:
-    return row_key(np.asarray(tokens, dtype=np.int64))
 
 
 class KVBlock:
@@ -104,7 +99,7 @@ class PrefixCache:
         """The entry holding the longest cached prefix of `tokens` (whose key is `key`), and that
         prefix's length."""
         self.stats.lookups += 1
-        key = _key(tokens) if key is None else key
+        key = row_key(tokens) if key is None else key
         # an entry's leaf has no children: the row is its tokens, or those and a token more
         node = self._leaves.get((adapter, key)) or self._leaves.get((adapter, parent_key(key)))
         if node is None:
@@ -200,7 +195,7 @@ class PrefixCache:
         if block.nbytes > self.max_bytes - self.held_elsewhere:
             return
         for row, (adapter, tokens) in enumerate(rows):
-            self._insert(adapter, tokens, block, row, _key(tokens) if keys is None else keys[row])
+            self._insert(adapter, tokens, block, row, row_key(tokens) if keys is None else keys[row])
         self._evict_to_budget()
 
     def hold_elsewhere(self, nbytes: int) -> None:
