@@ -165,27 +165,40 @@ async def sample_in_bursts(
     params: SamplingParams,
     eos_token_ids: frozenset[int],
     first: Sequence[Any],
-    then: Callable[[int], Sequence[Any]],
+    then: Callable[[Sequence[int], int], Sequence[Any]],
     run_steps: Callable[[Sequence[Any], Callable[[Any], Sequence[Any] | None]], Awaitable[None]],
 ) -> AsyncIterator[TokenStep]:
     """sample_tokens for a caller that takes the tokens `params.stream_interval` at a time, under
     no grammar, on rows of log-probabilities: each burst's steps run inside the engine's step
     scheduler (`run_steps`, StepScheduler.run), which calls back after each pass, so the steps of a
     burst follow one another with no turn of this generator between them. `first`: the items of
-    the prompt's step; `then(token)`: those of the step after `token`, appended. The first burst
-    is the first token; each runs when the consumer asks for a token past the last one."""
+    the prompt's step; `then(tokens, steps)`: those of the steps after `tokens`, appended, of which
+    the burst wants up to `steps` (a pass may answer with several Picks, in order). The first
+    burst is the first token; each runs when the consumer asks for a token past the last one."""
     if params.max_tokens <= 0:
         return
     sampler = Sampler(params, eos_token_ids, normalized=True)
     burst: list[TokenStep] = []
     size = 1  # the first token alone, as SGLang sends it: the time to it is measured as streamed
 
+    unfed: list[int] = []  # tokens sampled since the last items were made: not in their row yet
+
     def proceed(result: Any) -> Sequence[Any] | None:
-        step = sampler.step(result if isinstance(result, Pick) else result[0])
-        burst.append(step)
-        if step.finish_reason is not None or len(burst) >= size:
-            return None
-        return then(step.token_id)
+        results = result if isinstance(result, list) else [result if isinstance(result, Pick) else result[0]]
+        for one in results:
+            step = sampler.step(one)
+            burst.append(step)
+            unfed.append(step.token_id)
+            if step.finish_reason is not None or len(burst) >= size:
+                return None
+        return following()
+
+    def following() -> Sequence[Any]:
+        """The items of the next steps, of which the burst wants the rest (and no more than the
+        response has left)."""
+        tokens = unfed.copy()
+        unfed.clear()
+        return then(tokens, min(size - len(burst), params.max_tokens - sampler.generated))
 
     items = first
     while True:
@@ -197,7 +210,7 @@ async def sample_in_bursts(
             yield step
         if steps[-1].finish_reason is not None:
             return
-        items = then(steps[-1].token_id)
+        items = following()
 
 
 def prompt_scores(rows: np.ndarray, ids: Sequence[int], k: int) -> PromptLogprobs:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from transformers import StaticCache
 
-from backends.rows import key_length, parent_key
+from backends.rows import key_length, parent_key, row_key
 from backends.transformers.cache_argument import with_cache
 
 log = logging.getLogger(__name__)
@@ -256,6 +256,43 @@ class DecodeLane:
         self._used = len(rows)
         self.steps += 1
         return out
+
+    def greedy_steps(
+        self,
+        rows: Sequence[np.ndarray],
+        keys: Sequence[bytes],
+        parents: Sequence[int],
+        steps: int,
+        best: Callable[[torch.Tensor], torch.Tensor],
+    ) -> np.ndarray:
+        """`step`, then up to `steps` - 1 more, each row extended by its most likely token with no
+        turn of the host between steps: each step's tokens are fed to the next on the device and
+        `best` (backends/transformers/host_copy.py best_entries) reduces each step's rows there,
+        [rows, C]. Returns `best`'s rows of every step taken, [taken, rows, C], in one copy to the
+        host; the lane then holds the rows as extended by all but the last step's tokens."""
+        shape_before = self._shape
+        out = self.step(rows, keys, parents)
+        shape = self._shape
+        assert shape is not None
+        n = len(rows)
+        taken = min(steps, 1 + shape.width - self._column)
+        if shape is not shape_before or taken < 2:
+            taken = 1  # the rows moved into another shape: its graph was just captured, step once
+        reduced = [best(out)]
+        for _ in range(taken - 1):
+            shape.ids[:n].copy_(reduced[-1][:, :1].long())  # the last step's tokens, where they are
+            shape.positions[:n].add_(1)
+            out = shape.step()[:n]
+            self._column += 1
+            reduced.append(best(out))
+        host = torch.stack(reduced).cpu().numpy()
+        if taken > 1:  # the rows the lane holds now: each with the tokens fed to it
+            fed = host[: taken - 1, :, 0].T.astype(np.int32)
+            self._slot_of = {
+                key + row_key(more): i for i, (key, more) in enumerate(zip(keys, fed, strict=True))
+            }
+            self.steps += taken - 1
+        return host
 
     def own_rows(self) -> tuple[list[KV], list[bytes]] | None:
         """The lane's rows as a source for `refill`: K/V right-aligned at the write column, and

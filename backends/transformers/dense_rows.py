@@ -20,6 +20,7 @@ from transformers import DynamicCache
 from backends.transformers.batch_layout import left_padded, mask_if_padded, plan_groups
 from backends.transformers.cache_argument import output_cache, with_cache
 from backends.transformers.decode_lane import DecodeLane
+from backends.transformers.host_copy import best_entries
 from backends.transformers.prefix_cache import PrefixCache
 
 
@@ -73,7 +74,7 @@ class DenseRows:
         if lane is not None and stepped and lane.fits(len(stepped), max(len(rows[i]) for i in stepped) + 1):
             part = [rows[i] for i in stepped]
             place(stepped, lane.step(part, [keys[i] for i in stepped], [parents[i] for i in stepped]))  # type: ignore[misc]
-            self._count_tokens(part, reused=sum(map(len, part)) - len(part))
+            self._count_tokens(sum(map(len, part)), reused=sum(map(len, part)) - len(part))
         else:
             stepped = []
         rest = [i for i in range(len(rows)) if not stepped or parents[i] is None]
@@ -107,10 +108,27 @@ class DenseRows:
         assert out is not None
         return out
 
-    def _count_tokens(self, rows: Sequence[Sequence[int]], reused: int) -> None:
+    @torch.inference_mode()
+    def greedy_steps(
+        self, rows: Sequence[np.ndarray], keys: Sequence[bytes], steps: int, k: int
+    ) -> np.ndarray | None:
+        """Up to `steps` greedy steps of rows that the decode lane extends (no adapter, every row's
+        parent held there), each row's token fed back on the device: best_entries' rows of each
+        step taken, [taken, rows, 1 + 2k], on the host. None where the lane cannot take them all."""
+        lane = self.lane
+        parents = lane.parents(keys) if lane is not None else []
+        if lane is None or None in parents or not lane.fits(len(rows), max(map(len, rows)) + 1):
+            return None
+        host = lane.greedy_steps(rows, keys, parents, steps, lambda out: best_entries(out, k))  # type: ignore[arg-type]
+        tokens = sum(map(len, rows))
+        for extra in range(len(host)):  # each step computes one token of each row, reusing the rest
+            self._count_tokens(tokens + extra * len(rows), reused=tokens + (extra - 1) * len(rows))
+        return host
+
+    def _count_tokens(self, tokens: int, reused: int) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.stats.reused_tokens += reused
-            self.prefix_cache.stats.computed_tokens += sum(map(len, rows)) - reused
+            self.prefix_cache.stats.computed_tokens += tokens - reused
 
     def _uncached_logprobs(
         self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]
@@ -165,5 +183,5 @@ class DenseRows:
         # Stored while the GPU still computes: the trie's bookkeeping overlaps the forward pass.
         layers = [(layer.keys, layer.values) for layer in output_cache(out).layers]
         prefix_cache.store(list(zip(adapters, rows, strict=True)), layers, row_keys)
-        self._count_tokens(rows, sum(reused))
+        self._count_tokens(sum(map(len, rows)), sum(reused))
         return logprobs, layers

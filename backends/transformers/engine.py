@@ -35,9 +35,9 @@ from backends.builtin_models import resolve_model_dir
 from backends.engine import Engine
 from backends.errors import AdapterError
 from backends.grammar.constraint import LLGuidanceGrammars
-from backends.rows import GrowingRow, PackedRows, first_positions, row_key
+from backends.rows import GrowingRow, PackedRows, row_key
 from backends.sampling import Pick, greedy_alternatives, sample_in_bursts, sample_tokens
-from backends.step_scheduler import StepScheduler, split_rows
+from backends.step_scheduler import StepScheduler
 from backends.transformers.cache_argument import output_cache, with_cache
 from backends.transformers.capabilities import (
     TransformersAdapters,
@@ -48,14 +48,15 @@ from backends.transformers.capabilities import (
 from backends.transformers.decode_lane import DecodeLane, lane_supported
 from backends.transformers.dense_rows import DenseRows
 from backends.transformers.grouped_attention import use_grouped_attention
-from backends.transformers.host_copy import (
-    WrittenRows,
-    greedy_picks,
-    release_pinned_memory,
-    rows_to_host,
-    write_rows_into,
-)
+from backends.transformers.host_copy import release_pinned_memory
 from backends.transformers.prefix_cache import PrefixCache as PrefixKeysValues
+from backends.transformers.step_pass import (
+    DEFAULT_STEPS_AHEAD,
+    GreedySteps,
+    StepItem,
+    StepResult,
+    pass_results,
+)
 from backends.transformers.weights_collective import CollectiveGroups
 from backends.types import (
     EngineConfig,
@@ -76,14 +77,6 @@ T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PROMPT_CHUNK = 512  # positions whose full-vocabulary log_softmax is held at once
-
-
-# A row to compute (int32 ids), its key (backends/rows.py), its adapter, and what its caller
-# needs of it: None, the whole row on the host; a number, a greedy stream's Pick with that many
-# alternatives; WrittenRows, the call's rows written into host memory from the device (the same
-# for every row of the call).
-StepItem = tuple[np.ndarray, bytes, str | None, int | WrittenRows | None]
-StepResult = np.ndarray | Pick | None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -155,6 +148,7 @@ class TransformersEngine(Engine):
         pinned_host_bytes: int = DEFAULT_PINNED_BYTES,
         decode_lane_rows: int = 0,
         decode_lane_compile: bool = False,
+        steps_ahead: int = DEFAULT_STEPS_AHEAD,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -174,6 +168,7 @@ class TransformersEngine(Engine):
         self.weights = TransformersWeights(self)
         # Dense rows and generation steps of concurrent requests share forward passes.
         self.pass_stats = PassStats()
+        self.steps_ahead = steps_ahead
         self.steps: StepScheduler[StepItem, StepResult] = StepScheduler(self._pass, stats=self.pass_stats)
         self.prefix_kv: PrefixKeysValues | None = None  # prefixes' keys/values, reused by dense rows
         if prefix_cache_bytes and supports_prefix_cache(model):
@@ -234,6 +229,7 @@ class TransformersEngine(Engine):
                 config.options, "decode_lane_rows", DEFAULT_LANE_ROWS if device.type == "cuda" else 0, 0
             ),
             decode_lane_compile=bool(config.options.get("decode_lane_compile", device.type == "cuda")),
+            steps_ahead=_positive_int(config.options, "greedy_steps_ahead", DEFAULT_STEPS_AHEAD),
         )
         if engine.lane is not None and engine.lane.compiled:
             log.info("compiling the decode lane's step (torch.compile)")
@@ -272,44 +268,13 @@ class TransformersEngine(Engine):
         return await self._run(self._step_results, groups)
 
     def _step_results(self, groups: list[Sequence[StepItem]]) -> list[StepResult]:
-        """Each group's rows on the host, its greedy stream's Pick, or (None) its rows written
-        into host memory from the device: only rows a caller reads cross to the host, once. A
-        row that several groups ask for (the same adapter) is computed once."""
-        items = [item for group in groups for item in group]
-        rows, keys, adapters = [i[0] for i in items], [i[1] for i in items], [i[2] for i in items]
-        positions = None  # a group's own rows are distinct already (backends/placement.py)
-        if len(groups) > 1:
-            firsts, positions = first_positions(list(zip(adapters, keys, strict=True)))
-            if positions is not None:
-                rows, keys, adapters = ([column[i] for i in firsts] for column in (rows, keys, adapters))
-        dense = self.dense(rows, keys, adapters, use_lane=self._peft is None)
-        self.pass_stats.rows += len(rows)
-        if positions is not None:  # each group's rows, in its own order
-            dense = dense[torch.tensor(positions, device=dense.device)]
-        results: list[StepResult] = [None] * len(groups)
-        ends = np.cumsum([len(group) for group in groups]).tolist()
-        spans = [(end - len(group), end) for group, end in zip(groups, ends, strict=True)]
-        picked = [i for i, group in enumerate(groups) if isinstance(group[0][3], int)]
-        if picked:  # one item per generation step
-            first = [spans[i][0] for i in picked]
-            # A pass of generation steps alone picks from every row in order: no gathered copy.
-            chosen = dense if first == list(range(len(dense))) else dense[first]
-            picks = greedy_picks(chosen, [groups[i][0][3] for i in picked])  # type: ignore[misc]
-            for i, pick in zip(picked, picks, strict=True):
-                results[i] = pick
-        for (start, end), group in zip(spans, groups, strict=True):
-            into = group[0][3]
-            if isinstance(into, WrittenRows):  # repeats copied on the device
-                write_rows_into(dense[start:end], into.arrays, into.positions, self.host_memory)
-        wanted = [i for i, group in enumerate(groups) if group[0][3] is None]
-        if wanted:
-            kept = (
-                dense if len(wanted) == len(groups) else dense[[r for i in wanted for r in range(*spans[i])]]
-            )
-            for i, rows_of_group in zip(
-                wanted, split_rows(rows_to_host(kept), [groups[i] for i in wanted]), strict=True
-            ):
-                results[i] = rows_of_group
+        results = pass_results(
+            self.dense,
+            groups,
+            use_lane=self._peft is None,
+            stats=self.pass_stats,
+            host_memory=self.host_memory,
+        )
         self._release_pinned_memory()
         return results
 
@@ -356,12 +321,15 @@ class TransformersEngine(Engine):
 
         alternatives = greedy_alternatives(params)
 
-        def step_items(token: int | None) -> list[StepItem]:
-            """The scheduler's item for the step after `token` (None: the prompt's)."""
-            if token is not None:
+        def step_items(tokens: Sequence[int], steps: int = 1) -> list[StepItem]:
+            """The scheduler's item for the steps after `tokens` are appended (none: the prompt's)."""
+            for token in tokens:
                 sequence.append(token)
             row = sequence.view()
-            return [(row, row_key(row), adapter, alternatives)]
+            want = alternatives
+            if steps > 1 and alternatives is not None:
+                want = GreedySteps(alternatives, min(steps, self.steps_ahead))
+            return [(row, row_key(row), adapter, want)]
 
         async def next_logits(token: int | None) -> np.ndarray | Pick:
             # Through the scheduler, rows of log-probabilities: the sampler's choices are those
@@ -369,12 +337,12 @@ class TransformersEngine(Engine):
             # a greedy stream's token is chosen on the device.
             if self.prefix_kv is None:
                 return await self._run(self._forward, state, list(ids) if token is None else [token], adapter)
-            result = await self.steps.submit(step_items(token))
+            result = await self.steps.submit(step_items([] if token is None else [token]))
             return result if isinstance(result, Pick) else result[0]
 
         if self.prefix_kv is not None and params.grammar is None and params.stream_interval > 1:
             bursts = sample_in_bursts(
-                params, self.info.eos_token_ids, step_items(None), step_items, self.steps.run
+                params, self.info.eos_token_ids, step_items([]), step_items, self.steps.run
             )
             async for step in bursts:
                 yield step

@@ -51,14 +51,24 @@ def rows_to_host(rows: torch.Tensor) -> np.ndarray:
 def greedy_picks(logprobs: torch.Tensor, alternatives: Sequence[int]) -> list[Pick]:
     """A Pick per row of `logprobs` (float32 [rows, vocab]) with the given number of best entries
     (at least one): one small copy to the host instead of the rows."""
-    k = max(alternatives)
-    tokens = logprobs.argmax(dim=-1, keepdim=True)  # the first of equal maxima, as np.argmax
+    return picks_from_best(best_entries(logprobs, max(alternatives)).cpu().numpy(), alternatives)
+
+
+def best_entries(logprobs: torch.Tensor, k: int) -> torch.Tensor:
+    """float64 [rows, 1 + 2k] where the rows are: each row's most likely token (the first of equal
+    maxima, as np.argmax), then its k best ids and their values (float64 holds every id exactly:
+    one copy to the host for all three)."""
+    tokens = logprobs.argmax(dim=-1, keepdim=True)
     if k == 1:  # many times faster than topk, on the CPU most of all
         values, ids = logprobs.gather(1, tokens), tokens
     else:
         values, ids = torch.topk(logprobs, k, dim=-1)
-    # float64 holds every id exactly: one copy for all three
-    host = torch.cat([tokens.double(), ids.double(), values.double()], dim=1).cpu().numpy()
+    return torch.cat([tokens.double(), ids.double(), values.double()], dim=1)
+
+
+def picks_from_best(host: np.ndarray, alternatives: Sequence[int]) -> list[Pick]:
+    """The Picks of best_entries' rows, row i with alternatives[i] of its best entries."""
+    k = (host.shape[1] - 1) // 2
     # Converted once for all rows; each Pick holds views of these (a step's work per stream).
     chosen = host[:, 0].astype(np.int64)
     top_ids, top_vals = host[:, 1 : k + 1].astype(np.int64), host[:, k + 1 :]

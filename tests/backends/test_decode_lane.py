@@ -4,6 +4,7 @@ pass's rows by a token, served from a static cache, equal an uncached forward pa
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -159,3 +160,44 @@ async def test_the_lane_and_the_prefix_cache_share_one_budget(model_dir, referen
     assert engine.lane.steps >= 6  # the lane served most of the run
     assert max(lane for _, lane in held) > 0 and max(cache for cache, _ in held) > 0
     assert max(cache + lane for cache, lane in held) <= budget, held
+
+
+async def assert_bursts_take_steps_ahead(engine) -> None:
+    """Greedy streams whose tokens go out in bursts take up to `steps_ahead` steps a pass, each
+    step's token fed to the next in the lane: the same tokens, log-probabilities and alternatives
+    as a token at a time, where a burst or max_tokens ends inside a pass's steps, and a stream
+    with no alternatives beside one with two."""
+    from tests.backends.test_step_scheduler import GREEDY, PROMPTS, assert_same, stream
+
+    cases = [
+        (PROMPTS[0], replace(GREEDY, max_tokens=21)),
+        (PROMPTS[1], replace(GREEDY, top_logprobs=0)),
+        (PROMPTS[2] * 3, GREEDY),  # a longer prompt
+    ]
+    alone = [await stream(engine, text, params) for text, params in cases]
+    lane_steps, passes = engine.lane.steps, engine.pass_stats.passes
+    intervals = (50, 5, 50)
+    together = await asyncio.gather(
+        *(
+            stream(engine, t, replace(p, stream_interval=i))
+            for (t, p), i in zip(cases, intervals, strict=True)
+        )
+    )
+    for batched, single in zip(together, alone, strict=True):
+        assert_same(batched, single)
+    tokens = max(map(len, alone))
+    assert engine.pass_stats.passes - passes < tokens / 2  # several steps a pass
+    assert engine.lane.steps - lane_steps >= tokens - 4  # nearly all of them in the lane
+
+
+async def test_streams_in_bursts_take_several_steps_a_pass_fed_on_the_device(engine, tight):
+    await assert_bursts_take_steps_ahead(engine)  # tight: through changes of the lane's shape
+
+
+@requires_cuda
+async def test_on_the_gpu_streams_in_bursts_replay_several_steps_a_pass(model_dir):
+    gpu = load(model_dir, "cuda")
+    try:
+        await assert_bursts_take_steps_ahead(gpu)
+    finally:
+        await gpu.aclose()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import backends.transformers.engine
+import backends.transformers.step_pass
 from backends.sampling import Sampler, greedy_alternatives, top_k
 from backends.transformers.engine import TransformersEngine
 from backends.transformers.host_copy import greedy_picks
@@ -70,7 +70,7 @@ async def test_a_greedy_stream_equals_the_host_sampler_on_each_prefix_row(engine
         picked.append(len(alternatives))
         return greedy_picks(logprobs, alternatives)
 
-    monkeypatch.setattr(backends.transformers.engine, "greedy_picks", counting)
+    monkeypatch.setattr(backends.transformers.step_pass, "greedy_picks", counting)
     prompt = engine.info.tokenizer("The capital of France is").input_ids
     params = SamplingParams(max_tokens=12, temperature=0.0, top_logprobs=3)
     steps = [step async for step in engine.generate(prompt, params)]
