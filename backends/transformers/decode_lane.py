@@ -270,14 +270,11 @@ class DecodeLane:
         `best` (backends/transformers/host_copy.py best_entries) reduces each step's rows there,
         [rows, C]. Returns `best`'s rows of every step taken, [taken, rows, C], in one copy to the
         host; the lane then holds the rows as extended by all but the last step's tokens."""
-        shape_before = self._shape
-        out = self.step(rows, keys, parents)
+        out = self.step(rows, keys, parents)  # into another shape first, where they need one
         shape = self._shape
         assert shape is not None
         n = len(rows)
-        taken = min(steps, 1 + shape.width - self._column)
-        if shape is not shape_before or taken < 2:
-            taken = 1  # the rows moved into another shape: its graph was just captured, step once
+        taken = min(steps, 1 + shape.width - self._column)  # the shape's columns bound the steps
         reduced = [best(out)]
         for _ in range(taken - 1):
             shape.ids[:n].copy_(reduced[-1][:, :1].long())  # the last step's tokens, where they are
