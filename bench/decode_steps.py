@@ -1,0 +1,124 @@
+"""Concurrent greedy streams in the transformers engine, in process: steps ahead on the device or not.
+
+    python -m bench.decode_steps --random-model llama-1b --tokenizer DIR --device cuda --dtype bfloat16 \
+        --streams 8 64 --max-tokens 128 --steps-ahead 1 8
+    python -m bench.decode_steps --random-model llama-tiny --lane --streams 64   # CPU: host work alone
+
+N streams each generate `--max-tokens` greedy tokens (no logprobs, sent whole: the tokens come in
+bursts of 50, as a completion's do) through one TransformersEngine, from 32-token prompts of their
+own. Each `--steps-ahead` value is a way (the engine option `greedy_steps_ahead`: how many greedy
+steps a pass may take with each step's tokens fed back on the device; 1 is one step a pass). The
+ways share one loaded engine and run in turns, `--repeats` rounds each after a warm-up round, new
+prompts every round. Prints per way and stream count the median tok/s, the event loop's CPU time
+per token (`time.thread_time` of its thread: sampling, scheduling, the generators), the passes per
+round, and whether every stream's tokens equal those of the first way.
+
+`--lane` turns the decode lane on where it is off by default (the CPU; no CUDA graphs there), so
+that the steps-ahead path runs at all: on a CPU with `llama-tiny`, what it saves is host work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype
+from backends.types import EngineConfig, SamplingParams
+from bench.smc import add_model_arguments, random_model_dir
+
+PROMPT_TOKENS = 32
+
+
+async def one_round(
+    engine: TransformersEngine, streams: int, tokens: int, seed: int
+) -> tuple[float, float, int, list]:
+    """tok/s, event-loop CPU µs per token, passes, and each stream's tokens."""
+    vocab = min(engine.info.vocab_size, len(engine.info.tokenizer)) - 1000
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=False, stream_interval=50)
+
+    async def stream(i: int) -> list[int]:
+        prompt = [(seed * 7919 + i * 104729 + k * 31) % vocab + 1000 for k in range(PROMPT_TOKENS)]
+        return [step.token_id async for step in engine.generate(prompt, params)]
+
+    passes = engine.pass_stats.passes
+    started, cpu = time.perf_counter(), time.thread_time()
+    texts = await asyncio.gather(*(stream(i) for i in range(streams)))
+    wall, loop_cpu = time.perf_counter() - started, time.thread_time() - cpu
+    count = sum(map(len, texts))
+    return count / wall, loop_cpu / count * 1e6, engine.pass_stats.passes - passes, texts
+
+
+async def run(args: argparse.Namespace, model: str) -> list[tuple]:
+    options = {"decode_lane_rows": 512, "decode_lane_compile": False} if args.lane else {}
+    config = EngineConfig(model=model, dtype=args.dtype, device=args.device, options=options)
+    engine = await asyncio.to_thread(TransformersEngine.load, config)
+    rows = []
+    try:
+        for streams in args.streams:
+            results: dict[int, list[tuple[float, float, int, list]]] = {w: [] for w in args.steps_ahead}
+            for round_ in range(args.repeats + 1):
+                ways = args.steps_ahead if round_ % 2 == 0 else list(reversed(args.steps_ahead))
+                for way in ways:
+                    engine.steps_ahead = way
+                    result = await one_round(engine, streams, args.max_tokens, seed=round_)
+                    if round_:  # the first round warms up (shapes, graphs)
+                        results[way].append(result)
+            first = results[args.steps_ahead[0]]
+            for way, runs in results.items():
+                equal = sum(
+                    a == b for r, f in zip(runs, first, strict=True) for a, b in zip(r[3], f[3], strict=True)
+                )
+                rows.append(
+                    (
+                        way,
+                        streams,
+                        statistics.median(r[0] for r in runs),
+                        statistics.median(r[1] for r in runs),
+                        statistics.median(r[2] for r in runs),
+                        f"{equal}/{streams * len(runs)}",
+                    )
+                )
+                print(
+                    f"steps ahead {way}, {streams} streams: {[round(r[0]) for r in runs]} tok/s", flush=True
+                )
+    finally:
+        await engine.aclose()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--streams", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--steps-ahead", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lane", action="store_true", help="the decode lane on where it is off by default")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if args.random_model:
+            device = resolve_device(args.device)
+            model = str(
+                random_model_dir(
+                    args.random_model, resolve_dtype(args.dtype, device), device, Path(tmp), args.tokenizer
+                )
+            )
+        rows = asyncio.run(run(args, model))
+    print(f"\n### {args.max_tokens} greedy tokens per stream, sent whole, median of {args.repeats}\n")
+    print(
+        "| steps ahead | streams | tok/s | event loop µs/token | passes per round | tokens equal the first way's |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for way, streams, rate, loop_us, passes, equal in rows:
+        print(f"| {way} | {streams} | {rate:,.0f} | {loop_us:.1f} | {passes:.0f} | {equal} |")
+
+
+if __name__ == "__main__":
+    main()
