@@ -165,8 +165,8 @@ async def test_the_lane_and_the_prefix_cache_share_one_budget(model_dir, referen
 async def assert_bursts_take_steps_ahead(engine) -> None:
     """Greedy streams whose tokens go out in bursts take up to `steps_ahead` steps a pass, each
     step's token fed to the next in the lane: the same tokens, log-probabilities and alternatives
-    as a token at a time, where a burst or max_tokens ends inside a pass's steps, and a stream
-    with no alternatives beside one with two."""
+    as a token at a time, where a burst or max_tokens ends inside a pass's steps, a stream with no
+    alternatives beside one with two, and a dense call among them (its rows as alone)."""
     from tests.backends.test_step_scheduler import GREEDY, PROMPTS, assert_same, stream
 
     cases = [
@@ -175,16 +175,25 @@ async def assert_bursts_take_steps_ahead(engine) -> None:
         (PROMPTS[2] * 3, GREEDY),  # a longer prompt
     ]
     alone = [await stream(engine, text, params) for text, params in cases]
+    rows = [ids(engine, text) for text in PROMPTS[3:6]]
+    rows_alone = await engine_rows(engine, rows)
     lane_steps, passes = engine.lane.steps, engine.pass_stats.passes
     intervals = (50, 5, 50)
-    together = await asyncio.gather(
+
+    async def dense_call_meanwhile():  # a pass of dense rows among the streams' passes
+        await asyncio.sleep(0.05)
+        return await engine_rows(engine, rows)
+
+    *together, rows_meanwhile = await asyncio.gather(
         *(
             stream(engine, t, replace(p, stream_interval=i))
             for (t, p), i in zip(cases, intervals, strict=True)
-        )
+        ),
+        dense_call_meanwhile(),
     )
     for batched, single in zip(together, alone, strict=True):
         assert_same(batched, single)
+    np.testing.assert_allclose(rows_meanwhile, rows_alone, rtol=0, atol=1e-4)
     tokens = max(map(len, alone))
     assert engine.pass_stats.passes - passes < tokens / 2  # several steps a pass
     assert engine.lane.steps - lane_steps >= tokens - 4  # nearly all of them in the lane
