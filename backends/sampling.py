@@ -180,7 +180,6 @@ async def sample_in_bursts(
     sampler = Sampler(params, eos_token_ids, normalized=True)
     burst: list[TokenStep] = []
     size = 1  # the first token alone, as SGLang sends it: the time to it is measured as streamed
-
     unfed: list[int] = []  # tokens sampled since the last items were made: not in their row yet
 
     def proceed(result: Any) -> Sequence[Any] | None:

@@ -326,9 +326,8 @@ class TransformersEngine(Engine):
             for token in tokens:
                 sequence.append(token)
             row = sequence.view()
-            want = alternatives
-            if steps > 1 and alternatives is not None:
-                want = GreedySteps(alternatives, min(steps, self.steps_ahead))
+            steps = min(steps, self.steps_ahead)
+            want = alternatives if steps == 1 or alternatives is None else GreedySteps(alternatives, steps)
             return [(row, row_key(row), adapter, want)]
 
         async def next_logits(token: int | None) -> np.ndarray | Pick:

@@ -110,10 +110,10 @@ def steps_ahead(dense: DenseRows, groups: list[Sequence[StepItem]]) -> list[Step
     wants = [group[0][3] for group in groups]
     if not all(isinstance(want, GreedySteps) and want.steps > 1 for want in wants):
         return None
-    steps = min(want.steps for want in wants)  # type: ignore[union-attr]
-    alternatives = [want.alternatives for want in wants]  # type: ignore[union-attr]
     if any(group[0][2] is not None for group in groups):  # adapters: the lane serves none
         return None
+    steps = min(want.steps for want in wants)  # type: ignore[union-attr]
+    alternatives = [want.alternatives for want in wants]  # type: ignore[union-attr]
     host = dense.greedy_steps([g[0][0] for g in groups], [g[0][1] for g in groups], steps, max(alternatives))
     if host is None:
         return None
