@@ -173,7 +173,8 @@ async def sample_in_bursts(
     scheduler (`run_steps`, StepScheduler.run), which calls back after each pass, so the steps of a
     burst follow one another with no turn of this generator between them. `first`: the items of
     the prompt's step; `then(tokens, steps)`: those of the steps after `tokens`, appended, of which
-    the burst wants up to `steps` (a pass may answer with several Picks, in order). The first
+    the response wants up to `steps` (a pass may answer with several Picks, in order; those past
+    the burst's end go out with it, so a burst's end never shortens the engine's pass). The first
     burst is the first token; each runs when the consumer asks for a token past the last one."""
     if params.max_tokens <= 0:
         return
@@ -188,16 +189,15 @@ async def sample_in_bursts(
             step = sampler.step(one)
             burst.append(step)
             unfed.append(step.token_id)
-            if step.finish_reason is not None or len(burst) >= size:
+            if step.finish_reason is not None:
                 return None
-        return following()
+        return None if len(burst) >= size else following()
 
     def following() -> Sequence[Any]:
-        """The items of the next steps, of which the burst wants the rest (and no more than the
-        response has left)."""
+        """The items of the next steps, as many as the response has left."""
         tokens = unfed.copy()
         unfed.clear()
-        return then(tokens, min(size - len(burst), params.max_tokens - sampler.generated))
+        return then(tokens, params.max_tokens - sampler.generated)
 
     items = first
     while True:

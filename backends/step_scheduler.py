@@ -134,7 +134,12 @@ class StepScheduler(Generic[Item, Result]):
             results = await self._run_pass([s.items for s in batch])
         except Exception as exc:
             if len(batch) > 1:
-                log.warning("a pass of %d submissions failed; retrying them one by one", len(batch))
+                log.warning(
+                    "a pass of %d submissions failed (%s: %s); retrying them one by one",
+                    len(batch),
+                    type(exc).__name__,
+                    exc,
+                )
                 for submission in batch:
                     if not submission.future.done():
                         await self._serve([submission])

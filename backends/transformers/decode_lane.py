@@ -301,6 +301,16 @@ class DecodeLane:
             keys[slot] = key
         return [(k[:, :, : self._column], v[:, :, : self._column]) for k, v in self._shape.layers], keys
 
+    def rows_beside(self, new: int) -> tuple[list[KV], list[bytes]] | None:
+        """`own_rows`, where they fit beside `new` rows in as many slots as those alone: rows of a
+        pass without lane steps (new prompts only) keep the rows of the pass before, whose streams
+        may come back a pass later (a burst that ended there), unless keeping them would make every
+        step larger (streams that ended)."""
+        own = self.own_rows()
+        if own is None or _slots_for(len(own[1]) + new) > _slots_for(new):
+            return None
+        return own
+
     def refill(self, sources: Sequence[tuple[list[KV], Sequence[bytes]]]) -> None:
         """Hold exactly the rows of these sources: a forward pass's K/V (row i right-aligned at its
         last column) and the keys of the rows it holds, in order."""

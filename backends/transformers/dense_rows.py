@@ -103,7 +103,7 @@ class DenseRows:
                 passes.append((layers, part_keys))
             place([rest[j] for j in group], logprobs)
         if lane is not None and passes:
-            own = lane.own_rows() if stepped else None
+            own = lane.own_rows() if stepped else lane.rows_beside(sum(len(keys) for _, keys in passes))
             lane.refill(([own] if own else []) + passes)
         assert out is not None
         return out

@@ -59,9 +59,8 @@ def pass_results(
     """Each group's rows on the host, its greedy stream's Pick (or Picks), or (None) its rows
     written into host memory from the device: only rows a caller reads cross to the host, once.
     A row that several groups ask for (the same adapter) is computed once."""
-    ahead = steps_ahead(dense, groups) if use_lane else None
+    ahead = steps_ahead(dense, groups, stats) if use_lane else None
     if ahead is not None:
-        stats.rows += sum(map(len, ahead))
         return ahead
     items = [item for group in groups for item in group]
     rows, keys, adapters = [i[0] for i in items], [i[1] for i in items], [i[2] for i in items]
@@ -103,22 +102,31 @@ def pass_results(
     return results
 
 
-def steps_ahead(dense: DenseRows, groups: list[Sequence[StepItem]]) -> list[StepResult] | None:
-    """A pass of greedy streams alone, each wanting more than one step: as many steps as every
-    one wants, each fed its last token on the device (DenseRows.greedy_steps); None where that
-    cannot be."""
+def steps_ahead(
+    dense: DenseRows, groups: list[Sequence[StepItem]], stats: PassStats
+) -> list[StepResult] | None:
+    """A pass of greedy streams alone, one of them at least wanting more than one step: as many
+    steps as the most wanted, each row fed its last token on the device (DenseRows.greedy_steps);
+    a stream wanting fewer (its response ends sooner) takes its own, the rest of its row's
+    steps computed for nothing. None where that cannot be."""
     wants = [group[0][3] for group in groups]
-    if not all(isinstance(want, GreedySteps) and want.steps > 1 for want in wants):
+    if not all(isinstance(want, int | GreedySteps) for want in wants):
         return None
-    if any(group[0][2] is not None for group in groups):  # adapters: the lane serves none
+    wanted = [want.steps if isinstance(want, GreedySteps) else 1 for want in wants]  # type: ignore[union-attr]
+    if max(wanted) == 1 or any(group[0][2] is not None for group in groups):  # adapters: not in the lane
         return None
-    steps = min(want.steps for want in wants)  # type: ignore[union-attr]
-    alternatives = [want.alternatives for want in wants]  # type: ignore[union-attr]
-    host = dense.greedy_steps([g[0][0] for g in groups], [g[0][1] for g in groups], steps, max(alternatives))
+    alternatives = [_alternatives(want) for want in wants]
+    rows, keys = [g[0][0] for g in groups], [g[0][1] for g in groups]
+    host = dense.greedy_steps(rows, keys, max(wanted), max(alternatives))
     if host is None:
         return None
+    stats.rows += host.shape[0] * host.shape[1]
     per_step = [picks_from_best(step, alternatives) for step in host]
-    return [list(picks) for picks in zip(*per_step, strict=True)]
+    results: list[StepResult] = []
+    for i, (want, steps) in enumerate(zip(wants, wanted, strict=True)):
+        picks = [step[i] for step in per_step[:steps]]
+        results.append(picks if isinstance(want, GreedySteps) else picks[0])
+    return results
 
 
 def _alternatives(want: Any) -> int:

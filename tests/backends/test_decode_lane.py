@@ -4,15 +4,20 @@ pass's rows by a token, served from a static cache, equal an uncached forward pa
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from backends.errors import AdapterError
+from backends.sampling import Pick
 from backends.transformers import decode_lane
 from backends.transformers.engine import TransformersEngine
-from backends.types import EngineConfig
+from backends.transformers.host_copy import best_entries
+from backends.transformers.step_pass import GreedySteps, steps_ahead
+from backends.types import EngineConfig, PassStats
 from tests.conftest import engine_rows, requires_cuda
 
 
@@ -162,23 +167,27 @@ async def test_the_lane_and_the_prefix_cache_share_one_budget(model_dir, referen
     assert max(cache + lane for cache, lane in held) <= budget, held
 
 
-async def assert_bursts_take_steps_ahead(engine) -> None:
+async def assert_bursts_take_steps_ahead(engine, caplog) -> None:
     """Greedy streams whose tokens go out in bursts take up to `steps_ahead` steps a pass, each
     step's token fed to the next in the lane: the same tokens, log-probabilities and alternatives
-    as a token at a time, where a burst or max_tokens ends inside a pass's steps, a stream with no
-    alternatives beside one with two, and a dense call among them (its rows as alone)."""
+    as a token at a time, where a burst or max_tokens ends inside a pass's steps or one step after
+    a pass's start (beside streams wanting more), a stream with no alternatives beside one with
+    two, and a dense call among them (its rows as alone); no pass fails on the way (a failed pass
+    is retried a submission at a time, with the same results)."""
     from tests.backends.test_step_scheduler import GREEDY, PROMPTS, assert_same, stream
 
     cases = [
         (PROMPTS[0], replace(GREEDY, max_tokens=21)),
         (PROMPTS[1], replace(GREEDY, top_logprobs=0)),
         (PROMPTS[2] * 3, GREEDY),  # a longer prompt
+        (PROMPTS[7], replace(GREEDY, max_tokens=18)),  # the first token, then 8 + 8, then one
     ]
     alone = [await stream(engine, text, params) for text, params in cases]
     rows = [ids(engine, text) for text in PROMPTS[3:6]]
     rows_alone = await engine_rows(engine, rows)
     lane_steps, passes = engine.lane.steps, engine.pass_stats.passes
-    intervals = (50, 5, 50)
+    intervals = (50, 5, 50, 50)
+    caplog.set_level(logging.WARNING, logger="backends.step_scheduler")
 
     async def dense_call_meanwhile():  # a pass of dense rows among the streams' passes
         await asyncio.sleep(0.05)
@@ -197,16 +206,50 @@ async def assert_bursts_take_steps_ahead(engine) -> None:
     tokens = max(map(len, alone))
     assert engine.pass_stats.passes - passes < tokens / 2  # several steps a pass
     assert engine.lane.steps - lane_steps >= tokens - 4  # nearly all of them in the lane
+    assert not caplog.records, [record.getMessage() for record in caplog.records]
 
 
-async def test_streams_in_bursts_take_several_steps_a_pass_fed_on_the_device(engine, tight):
-    await assert_bursts_take_steps_ahead(engine)  # tight: through changes of the lane's shape
+async def test_streams_in_bursts_take_several_steps_a_pass_fed_on_the_device(engine, tight, caplog):
+    await assert_bursts_take_steps_ahead(engine, caplog)  # tight: through changes of the lane's shape
 
 
 @requires_cuda
-async def test_on_the_gpu_streams_in_bursts_replay_several_steps_a_pass(model_dir):
+async def test_on_the_gpu_streams_in_bursts_replay_several_steps_a_pass(model_dir, caplog):
     gpu = load(model_dir, "cuda")
     try:
-        await assert_bursts_take_steps_ahead(gpu)
+        await assert_bursts_take_steps_ahead(gpu, caplog)
     finally:
         await gpu.aclose()
+
+
+class StepsOfRows:
+    """DenseRows' greedy_steps over given rows of log-probabilities, one per step taken."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows  # [taken, rows, vocab]
+        self.asked: list[int] = []
+
+    def greedy_steps(self, rows, keys, steps: int, k: int) -> np.ndarray:
+        self.asked.append(steps)
+        return np.stack([best_entries(torch.from_numpy(step), k).numpy() for step in self.rows[:steps]])
+
+
+def test_a_pass_takes_the_steps_of_the_stream_wanting_most_and_each_its_own():
+    """Streams ending sooner (one step left: a single Pick; three: three Picks) share the steps
+    of the one wanting most; every row's steps count as computed."""
+    rows = np.log(np.random.default_rng(0).dirichlet(np.ones(50), size=(8, 3))).astype(np.float32)
+    dense = StepsOfRows(rows)
+    row = np.arange(4, dtype=np.int32)
+    groups = [
+        [(row, b"a", None, GreedySteps(alternatives=2, steps=8))],
+        [(row, b"b", None, 1)],
+        [(row, b"c", None, GreedySteps(alternatives=1, steps=3))],
+    ]
+    stats = PassStats()
+    results = steps_ahead(dense, groups, stats)  # type: ignore[arg-type]
+    assert dense.asked == [8] and stats.rows == 8 * 3
+    assert isinstance(results[1], Pick) and results[1].token == int(rows[0, 1].argmax())
+    assert [len(results[0]), len(results[2])] == [8, 3]
+    assert [pick.token for pick in results[2]] == rows[:3, 2].argmax(axis=-1).tolist()
+    assert len(results[0][0].top_ids) == 2 and len(results[2][0].top_ids) == 1
+    assert steps_ahead(dense, [groups[1]], stats) is None  # one step wanted: a plain pass
