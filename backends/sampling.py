@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -174,24 +175,31 @@ async def sample_in_bursts(
     burst follow one another with no turn of this generator between them. `first`: the items of
     the prompt's step; `then(tokens, steps)`: those of the steps after `tokens`, appended, of which
     the response wants up to `steps` (a pass may answer with several Picks, in order; those past
-    the burst's end go out with it, so a burst's end never shortens the engine's pass). The first
-    burst is the first token; each runs when the consumer asks for a token past the last one."""
+    the burst's end go out with it, so a burst's end never shortens the engine's pass).
+
+    The first token goes out alone, as SGLang sends it (the time to it is measured as streamed),
+    while the steps of the first burst go on: a stream never misses the pass after its prompt's,
+    where the engine holds its row. Each later burst runs when the consumer asks for a token past
+    the last one."""
     if params.max_tokens <= 0:
         return
     sampler = Sampler(params, eos_token_ids, normalized=True)
+    first_step: asyncio.Future[TokenStep] = asyncio.get_running_loop().create_future()
     burst: list[TokenStep] = []
-    size = 1  # the first token alone, as SGLang sends it: the time to it is measured as streamed
     unfed: list[int] = []  # tokens sampled since the last items were made: not in their row yet
 
     def proceed(result: Any) -> Sequence[Any] | None:
         results = result if isinstance(result, list) else [result if isinstance(result, Pick) else result[0]]
         for one in results:
             step = sampler.step(one)
-            burst.append(step)
             unfed.append(step.token_id)
+            if first_step.done():
+                burst.append(step)
+            else:
+                first_step.set_result(step)
             if step.finish_reason is not None:
                 return None
-        return None if len(burst) >= size else following()
+        return None if len(burst) >= params.stream_interval else following()
 
     def following() -> Sequence[Any]:
         """The items of the next steps, as many as the response has left."""
@@ -199,17 +207,28 @@ async def sample_in_bursts(
         unfed.clear()
         return then(tokens, params.max_tokens - sampler.generated)
 
-    items = first
-    while True:
-        await run_steps(items, proceed)
-        steps = burst.copy()
-        burst.clear()
-        size = params.stream_interval
-        for step in steps:
-            yield step
-        if steps[-1].finish_reason is not None:
+    run = asyncio.ensure_future(run_steps(first, proceed))
+    try:
+        await asyncio.wait((run, first_step), return_when=asyncio.FIRST_COMPLETED)
+        if not first_step.done():
+            await run  # it failed before the first token: its error
+        step = first_step.result()
+        yield step
+        if step.finish_reason is not None:
             return
-        items = following()
+        while True:
+            await run
+            steps = burst.copy()
+            burst.clear()
+            for step in steps:
+                yield step
+            if steps[-1].finish_reason is not None:
+                return
+            run = asyncio.ensure_future(run_steps(following(), proceed))
+    finally:
+        run.cancel()
+        if run.done() and not run.cancelled():
+            run.exception()  # retrieved: a consumer that left does not hear a later pass's error
 
 
 def prompt_scores(rows: np.ndarray, ids: Sequence[int], k: int) -> PromptLogprobs:

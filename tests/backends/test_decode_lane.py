@@ -14,6 +14,7 @@ import torch
 from backends.errors import AdapterError
 from backends.sampling import Pick
 from backends.transformers import decode_lane
+from backends.transformers.dense_rows import DenseRows
 from backends.transformers.engine import TransformersEngine
 from backends.transformers.host_copy import best_entries
 from backends.transformers.step_pass import GreedySteps, steps_ahead
@@ -211,6 +212,34 @@ async def assert_bursts_take_steps_ahead(engine, caplog) -> None:
 
 async def test_streams_in_bursts_take_several_steps_a_pass_fed_on_the_device(engine, tight, caplog):
     await assert_bursts_take_steps_ahead(engine, caplog)  # tight: through changes of the lane's shape
+
+
+async def test_streams_joining_one_by_one_keep_their_rows_in_the_lane(engine, monkeypatch):
+    """Streams sent whole, starting one after another while the others run (as requests arrive):
+    past its prompt no stream's step runs through the prefix cache (the lane holds every row: a
+    stream whose first token went out is in the next pass, beside prompts that arrived meanwhile),
+    and each equals its run alone."""
+    from tests.backends.test_step_scheduler import GREEDY, PROMPTS, assert_same, stream
+
+    alone = [await stream(engine, text) for text in PROMPTS]
+    computed: list[int] = []  # lengths of the rows run through the model, not the lane
+    cached_logprobs = DenseRows._cached_logprobs
+
+    def recorded(self, rows, *args):
+        computed.extend(map(len, rows))
+        return cached_logprobs(self, rows, *args)
+
+    monkeypatch.setattr(DenseRows, "_cached_logprobs", recorded)
+    pass_s = 0.02  # about a pass of these streams on a CPU: prompts arrive during passes
+
+    async def joining(i: int, text: str):
+        await asyncio.sleep(i * pass_s / 2)
+        return await stream(engine, text, replace(GREEDY, stream_interval=50))
+
+    together = await asyncio.gather(*(joining(i, text) for i, text in enumerate(PROMPTS)))
+    for batched, single in zip(together, alone, strict=True):
+        assert_same(batched, single)
+    assert sorted(computed) == sorted(len(ids(engine, text)) for text in PROMPTS)  # prompts only
 
 
 @requires_cuda
