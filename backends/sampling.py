@@ -178,15 +178,17 @@ async def sample_in_bursts(
     the burst's end go out with it, so a burst's end never shortens the engine's pass).
 
     The first token goes out alone, as SGLang sends it (the time to it is measured as streamed),
-    while the steps of the first burst go on: a stream never misses the pass after its prompt's,
-    where the engine holds its row. Each later burst runs when the consumer asks for a token past
-    the last one."""
+    while the stream's steps go on: it never misses the pass after its prompt's, where the engine
+    holds its row. Once the consumer has the first token, steps run only while it asks for a token
+    past those it has (one held between steps, generation paused, holds its stream after the pass
+    under way); each later burst runs when it asks."""
     if params.max_tokens <= 0:
         return
     sampler = Sampler(params, eos_token_ids, normalized=True)
     first_step: asyncio.Future[TokenStep] = asyncio.get_running_loop().create_future()
     burst: list[TokenStep] = []
     unfed: list[int] = []  # tokens sampled since the last items were made: not in their row yet
+    given = asking = False  # the first token handed to the consumer; the consumer waits for more
 
     def proceed(result: Any) -> Sequence[Any] | None:
         results = result if isinstance(result, list) else [result if isinstance(result, Pick) else result[0]]
@@ -199,7 +201,11 @@ async def sample_in_bursts(
                 first_step.set_result(step)
             if step.finish_reason is not None:
                 return None
-        return None if len(burst) >= params.stream_interval else following()
+        # A consumer that took the first token comes back for more at once (no turn of the event
+        # loop between), unless it is held: then its stream stops here.
+        if len(burst) >= params.stream_interval or (given and not asking):
+            return None
+        return following()
 
     def following() -> Sequence[Any]:
         """The items of the next steps, as many as the response has left."""
@@ -213,16 +219,19 @@ async def sample_in_bursts(
         if not first_step.done():
             await run  # it failed before the first token: its error
         step = first_step.result()
+        given = True
         yield step
         if step.finish_reason is not None:
             return
         while True:
+            asking = True
             await run
+            asking = False
             steps = burst.copy()
             burst.clear()
             for step in steps:
                 yield step
-            if steps[-1].finish_reason is not None:
+            if steps and steps[-1].finish_reason is not None:
                 return
             run = asyncio.ensure_future(run_steps(following(), proceed))
     finally:

@@ -219,6 +219,23 @@ async def test_streams_in_bursts_equal_their_runs_a_token_at_a_time(engine, pass
     assert len(closed) == 2 and len(passes) == 1 + 6  # the first token, one burst, none after
 
 
+async def test_a_stream_in_bursts_held_after_its_first_token_takes_one_step_more(engine):
+    """The pass after a stream's prompt takes its next step while the first token goes out; past
+    that pass it steps only while its consumer asks (generation paused holds the consumer between
+    steps), and then goes on as a token at a time would."""
+    alone = await stream(engine, PROMPTS[4])
+    generator = engine.generate(ids(engine, PROMPTS[4]), replace(GREEDY, stream_interval=50))
+    try:
+        steps = [await anext(generator)]
+        passes = engine.pass_stats.passes
+        await asyncio.sleep(0.5)  # held: many passes' time
+        assert engine.pass_stats.passes - passes <= 1
+        steps += [step async for step in generator]
+    finally:
+        await generator.aclose()
+    assert_same(steps, alone)
+
+
 async def test_dense_rows_and_generation_steps_share_a_pass(engine, passes):
     rows = [ids(engine, text) for text in PROMPTS[2:5]]
     alone = await engine_rows(engine, rows)
