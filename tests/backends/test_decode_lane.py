@@ -171,17 +171,18 @@ async def test_the_lane_and_the_prefix_cache_share_one_budget(model_dir, referen
 async def assert_bursts_take_steps_ahead(engine, caplog) -> None:
     """Greedy streams whose tokens go out in bursts take up to `steps_ahead` steps a pass, each
     step's token fed to the next in the lane: the same tokens, log-probabilities and alternatives
-    as a token at a time, where a burst or max_tokens ends inside a pass's steps or one step after
-    a pass's start (beside streams wanting more), a stream with no alternatives beside one with
+    as a token at a time, where a burst or max_tokens ends inside a pass's steps (streams of
+    several lengths beside streams wanting more), a stream with no alternatives beside one with
     two, and a dense call among them (its rows as alone); no pass fails on the way (a failed pass
-    is retried a submission at a time, with the same results)."""
+    is retried a submission at a time, with the same results). A stream with one step left at a
+    pass's start is checked alone, below: where passes fall here depends on the dense call."""
     from tests.backends.test_step_scheduler import GREEDY, PROMPTS, assert_same, stream
 
     cases = [
         (PROMPTS[0], replace(GREEDY, max_tokens=21)),
         (PROMPTS[1], replace(GREEDY, top_logprobs=0)),
         (PROMPTS[2] * 3, GREEDY),  # a longer prompt
-        (PROMPTS[7], replace(GREEDY, max_tokens=18)),  # the first token, then 8 + 8, then one
+        (PROMPTS[7], replace(GREEDY, max_tokens=18)),  # another length ending inside a pass
     ]
     alone = [await stream(engine, text, params) for text, params in cases]
     rows = [ids(engine, text) for text in PROMPTS[3:6]]
