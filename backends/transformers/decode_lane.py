@@ -19,14 +19,6 @@ with more rows or a longer row moves the rows into a larger shape, and a much sm
 smaller one. Each shape is captured once and kept (least recently used first out past the byte
 budget), so a workload that keeps its shape replays one graph.
 
-First passes. Rows the lane does not hold (new prompts, rows several tokens past their cached
-prefix) run in a shape of their own too (`first_pass`): rows a power of two, new tokens a row
-(the window) a power of two of at least 2, over the columns of past K/V their cached prefixes
-give; up to MAX_WINDOW_TOKENS rows times window, the most recent MAX_WINDOW_SHAPES kept. On CUDA
-that pass is a graph's replay where the eager model would launch every operation from Python
-while holding the interpreter lock, which the event loop then waits for (requests arriving
-while streams run).
-
 The lane runs on the engine's worker thread, like every model call.
 """
 
@@ -39,22 +31,21 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import StaticCache
 
 from backends.rows import key_length, parent_key, row_key
-from backends.transformers.lane_shape import KV, LaneShape, kv_bytes
+from backends.transformers.cache_argument import with_cache
 
 log = logging.getLogger(__name__)
 
+KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [rows, heads, columns, head_dim]
 MIN_SLOTS = 8
 WIDTH_STEP = 64  # columns are added in these steps, so a growing row changes shape rarely
 HEADROOM = 16  # columns at least left free for the rows to grow into
-MAX_WINDOW_TOKENS = 8192  # rows x window of a first pass in a fixed shape: bounds its activations
-MAX_WINDOW_SHAPES = 16  # first passes' shapes kept (least recently used first out)
 
 
 def lane_supported() -> bool:
     """The lane moves the write position of transformers' static cache layers itself."""
-    from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
 
     return hasattr(StaticLayer(max_cache_len=1), "cumulative_length") and hasattr(
@@ -66,14 +57,95 @@ def _slots_for(rows: int) -> int:
     return max(MIN_SLOTS, 1 << (rows - 1).bit_length())
 
 
-def _window_slots(rows: int) -> int:
-    return 1 << (rows - 1).bit_length()
-
-
 def _width_for(longest: int) -> int:
     """Room for the longest row and a quarter more (at least HEADROOM columns) to grow into."""
     need = longest + max(HEADROOM, longest // 4)
     return -(-need // WIDTH_STEP) * WIDTH_STEP
+
+
+class _Shape:
+    """One static cache of slots x width and the step that extends each of its rows by a token."""
+
+    def __init__(self, model: Any, slots: int, width: int, graphs: bool, forward: Any = None) -> None:
+        self.model = model
+        self.forward = model if forward is None else forward  # or torch.compile's version of it
+        self.slots, self.width = slots, width
+        parameter = next(model.parameters())
+        device = parameter.device
+        _, kv_heads, head_dim = _kv_layout(model)
+        self.cache = StaticCache(config=model.config, max_cache_len=width)
+        self.cache.early_initialization(slots, kv_heads, head_dim, parameter.dtype, device)
+        self.nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers)
+        self.ids = torch.zeros((slots, 1), dtype=torch.long, device=device)
+        self.positions = torch.zeros((slots, 1), dtype=torch.long, device=device)
+        self.columns = torch.arange(width, device=device)
+        self.parents = torch.arange(slots, device=device)  # slot i takes the rows of slot parents[i]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.gather_graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        if graphs:
+            self._capture(device)
+
+    @property
+    def layers(self) -> list[KV]:
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+    def set_column(self, column: int) -> None:
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(column)
+
+    def _forward(self) -> torch.Tensor:
+        column = self.cache.layers[0].cumulative_length  # where this step writes, on the device
+        mask = (self.columns >= column - self.positions) & (self.columns <= column)
+        out = self.forward(
+            input_ids=self.ids,
+            position_ids=self.positions,
+            attention_mask=mask[:, None, None, :],
+            **with_cache(self.cache),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+
+    def _gather(self, columns: int) -> None:
+        for layer in self.cache.layers:
+            layer.keys[:, :, :columns] = layer.keys[self.parents, :, :columns]
+            layer.values[:, :, :columns] = layer.values[self.parents, :, :columns]
+
+    def _capture(self, device: torch.device) -> None:
+        # Warm-up runs on a side stream first (kernel selection, workspaces), as CUDA graphs ask;
+        # they write at columns the next real step overwrites or masks, and gather in place.
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward()
+                self._gather(self.width)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph, self.gather_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        # thread_local: host memory registered from another thread during capture is no error
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.out = self._forward()
+        with torch.cuda.graph(self.gather_graph, capture_error_mode="thread_local"):
+            self._gather(self.width)  # every column: a graph has one shape
+
+    def gather(self, parents: Sequence[int], columns: int) -> None:
+        """Slot i takes the keys/values of slot parents[i] (the rest stay), in the first `columns`."""
+        index = np.arange(self.slots)
+        index[: len(parents)] = parents
+        self.parents.copy_(torch.from_numpy(index))
+        if self.gather_graph is None:
+            self._gather(columns)
+        else:
+            self.gather_graph.replay()
+
+    def step(self) -> torch.Tensor:
+        """[slots, vocab] float32 log-probabilities; a graph's output is overwritten by its next step."""
+        if self.graph is None:
+            return self._forward()
+        self.graph.replay()
+        assert self.out is not None
+        return self.out
 
 
 class DecodeLane:
@@ -97,8 +169,8 @@ class DecodeLane:
         self.max_slots = max_slots
         self.max_bytes = max_bytes
         self.graphs = graphs
-        self._shapes: OrderedDict[tuple[int, int, int], LaneShape] = OrderedDict()  # slots, width, window
-        self._shape: LaneShape | None = None  # the one holding the rows below
+        self._shapes: OrderedDict[tuple[int, int], _Shape] = OrderedDict()
+        self._shape: _Shape | None = None  # the one holding the rows below
         self._slot_of: dict[bytes, int] = {}  # by the rows' keys (backends/rows.py)
         self._used = 0  # slots holding the last pass's rows (some empty where a row repeated)
         self._column = 0
@@ -154,8 +226,8 @@ class DecodeLane:
         if slots > self.max_slots:
             return False
         held = self._shape.nbytes if self._shape is not None else 0
-        need = kv_bytes(self.model, slots, width)
-        return need <= self.max_bytes and ((slots, width, 1) in self._shapes or held + need <= self.max_bytes)
+        need = _kv_bytes(self.model, slots, width)
+        return need <= self.max_bytes and ((slots, width) in self._shapes or held + need <= self.max_bytes)
 
     def step(self, rows: Sequence[np.ndarray], keys: Sequence[bytes], parents: Sequence[int]) -> torch.Tensor:
         """Log-probabilities [len(rows), vocab] of rows (int32 ids, and their keys) whose parents
@@ -279,75 +351,21 @@ class DecodeLane:
                 del self._shapes[old]
         self._report_bytes()
 
-    def window_for(self, rows: int, new: int) -> int | None:
-        """The window (new tokens a row) of a first pass (`first_pass`) of `rows` rows with at most
-        `new` tokens each to compute, or None where its shape would be too large. At least two
-        tokens: a shape of one is a decode step's, which holds the lane's rows."""
-        window = max(2, 1 << (new - 1).bit_length())
-        return window if _window_slots(rows) * window <= MAX_WINDOW_TOKENS else None
-
-    def first_pass(
-        self, rows: Sequence[np.ndarray], reused: Sequence[int], past: list[KV], window: int
-    ) -> tuple[torch.Tensor, list[KV]] | None:
-        """Rows the lane does not hold, in one fixed-shape pass: row i's tokens after its first
-        reused[i] run through the model over `past`, per layer [rows, heads, max(reused),
-        head_dim], right-aligned (the K/V of those first tokens); a row with reused[i] > 0 has
-        `window` tokens after them, the others at most that many. Returns the log-probabilities
-        [len(rows), vocab] after each row's last token (a view, valid until the shape's next
-        step) and the rows' K/V, right-aligned at their last column, in copies of their own.
-        None where the shape does not fit the lane's budget beside the rows it holds."""
-        n, columns = len(rows), max(reused) + window
-        slots, width = _window_slots(n), -(-columns // WIDTH_STEP) * WIDTH_STEP
-        held = self._shape.nbytes if self._shape is not None else 0
-        if (slots, width, window) not in self._shapes and held + kv_bytes(
-            self.model, slots, width
-        ) > self.max_bytes:
-            return None
-        shape = self._shape_for(slots, width, window)
-        if past:
-            for (keys, values), (past_keys, past_values) in zip(shape.layers, past, strict=True):
-                keys[:n, :, : past_keys.shape[2]] = past_keys
-                values[:n, :, : past_values.shape[2]] = past_values
-        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=n)
-        inputs = np.zeros((2, slots, window), dtype=np.int64)
-        for i, (row, skip) in enumerate(zip(rows, reused, strict=True)):
-            inputs[0, i, window - (len(row) - skip) :] = row[skip:]
-        inputs[1, :n] = np.maximum(np.arange(window) + (lengths - window)[:, None], 0)
-        shape.ids.copy_(torch.from_numpy(inputs[0]))
-        shape.positions.copy_(torch.from_numpy(inputs[1]))
-        shape.set_column(columns - window)
-        out = shape.step()[:n]
-        return out, [(k[:n, :, :columns].clone(), v[:n, :, :columns].clone()) for k, v in shape.layers]
-
-    def _shape_for(self, slots: int, width: int, window: int = 1) -> LaneShape:
-        key = (slots, width, window)
+    def _shape_for(self, slots: int, width: int) -> _Shape:
+        key = (slots, width)
         shape = self._shapes.get(key)
         if shape is None:
-            self._make_room(kv_bytes(self.model, slots, width), window)
-            # a first pass's shape runs the model as it is: the compiled step is traced for one token
-            forward = self._forward if window == 1 else None
-            shape = self._shapes[key] = LaneShape(self.model, slots, width, self.graphs, forward, window)
-            log.info(
-                "decode lane: %d rows x %d columns%s%s",
-                slots,
-                width,
-                f", {window} new tokens a row" if window > 1 else "",
-                ", captured" if self.graphs else "",
-            )
+            need = _kv_bytes(self.model, slots, width)
+            for old in list(self._shapes):
+                if sum(s.nbytes for s in self._shapes.values()) + need <= self.max_bytes:
+                    break
+                if self._shapes[old] is not self._shape:
+                    del self._shapes[old]
+            shape = self._shapes[key] = _Shape(self.model, slots, width, self.graphs, self._forward)
+            log.info("decode lane: %d rows x %d columns%s", slots, width, ", captured" if self.graphs else "")
             self._report_bytes()
         self._shapes.move_to_end(key)
         return shape
-
-    def _make_room(self, need: int, window: int) -> None:
-        """Drop the least recently used shapes, never the one holding the rows, until `need` more
-        bytes fit the budget and, for a first pass's shape, one more fits MAX_WINDOW_SHAPES."""
-        for old in list(self._shapes):
-            over_bytes = self.nbytes + need > self.max_bytes
-            over_count = window > 1 and sum(key[2] > 1 for key in self._shapes) >= MAX_WINDOW_SHAPES
-            if not (over_bytes or over_count):
-                return
-            if self._shapes[old] is not self._shape and (over_bytes or old[2] > 1):
-                del self._shapes[old]
 
 
 def _compiled(model: Any) -> Any:
@@ -357,3 +375,16 @@ def _compiled(model: Any) -> Any:
 
     torch._inductor.config.emulate_precision_casts = True
     return torch.compile(model, dynamic=True)
+
+
+def _kv_bytes(model: Any, slots: int, width: int) -> int:
+    layers, kv_heads, head_dim = _kv_layout(model)
+    itemsize = next(model.parameters()).element_size()
+    return 2 * layers * slots * kv_heads * width * head_dim * itemsize
+
+
+def _kv_layout(model: Any) -> tuple[int, int, int]:
+    """Layers, key/value heads and head size of the model's attention."""
+    text = model.config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers, text.num_key_value_heads, head_dim

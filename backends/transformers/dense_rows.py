@@ -98,7 +98,7 @@ class DenseRows:
             else:
                 part_keys = [keys[rest[j]] for j in group]
                 logprobs, layers = self._cached_logprobs(
-                    part, names, part_keys, [matches[j] for j in group], cache, lane
+                    part, names, part_keys, [matches[j] for j in group], cache
                 )
                 passes.append((layers, part_keys))
             place([rest[j] for j in group], logprobs)
@@ -165,31 +165,23 @@ class DenseRows:
         row_keys: Sequence[bytes],
         matches: Sequence[tuple[Any, int]],
         prefix_cache: PrefixCache,
-        lane: DecodeLane | None,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         # The batch's layout is the uncached one, [pad][row], with the first `past` columns taken
         # from the cache: rows whose cached prefix ends earlier than their share of those columns
         # recompute the rest in the new-token window, where they would otherwise hold padding.
-        # Every row keeps at least its last token to compute (its logits). Where the lane has a
-        # shape for the window (rounded up), the pass is that shape's step: on CUDA a graph's
-        # replay, which holds the interpreter lock for no layer of the model.
+        # Every row keeps at least its last token to compute (its logits).
         new = max(len(r) - min(depth, len(r) - 1) for r, (_, depth) in zip(rows, matches, strict=True))
-        window = lane.window_for(len(rows), new) if lane is not None and not any(adapters) else None
-        reused = [max(len(r) - (window or new), 0) for r in rows]
+        reused = [max(len(r) - new, 0) for r in rows]
         past = max(reused)
-        picks = [(entry, n) for (entry, _), n in zip(matches, reused, strict=True)]
-        gathered = prefix_cache.gather(picks, past) if past else []
-        first = lane.first_pass(rows, reused, gathered, window) if lane is not None and window else None
-        if first is not None:
-            logprobs, layers = first
-        else:
-            ids, mask, positions = left_padded(rows, reused)
-            cache = DynamicCache(config=self.config)
-            for layer, (keys, values) in enumerate(gathered):
+        ids, mask, positions = left_padded(rows, reused)
+        cache = DynamicCache(config=self.config)
+        if past:
+            picks = [(entry, n) for (entry, _), n in zip(matches, reused, strict=True)]
+            for layer, (keys, values) in enumerate(prefix_cache.gather(picks, past)):
                 cache.update(keys, values, layer)
-            logprobs, out = self._last_logprobs(adapters, ids, mask, positions, cache)
-            layers = [(layer.keys, layer.values) for layer in output_cache(out).layers]
+        logprobs, out = self._last_logprobs(adapters, ids, mask, positions, cache)
         # Stored while the GPU still computes: the trie's bookkeeping overlaps the forward pass.
+        layers = [(layer.keys, layer.values) for layer in output_cache(out).layers]
         prefix_cache.store(list(zip(adapters, rows, strict=True)), layers, row_keys)
         self._count_tokens(sum(map(len, rows)), sum(reused))
         return logprobs, layers

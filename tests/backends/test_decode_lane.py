@@ -17,7 +17,6 @@ from backends.transformers import decode_lane
 from backends.transformers.dense_rows import DenseRows
 from backends.transformers.engine import TransformersEngine
 from backends.transformers.host_copy import best_entries
-from backends.transformers.lane_shape import kv_bytes
 from backends.transformers.step_pass import GreedySteps, steps_ahead
 from backends.types import EngineConfig, PassStats
 from tests.conftest import engine_rows, requires_cuda
@@ -92,24 +91,6 @@ async def test_duplicate_rows_and_repeated_passes(engine, reference):
         assert np.abs(extended[i] - reference.logprobs(row + [7])[-1]).max() < 1e-4
 
 
-async def test_rows_the_lane_does_not_hold_take_one_fixed_shape_pass_equal_to_uncached_rows(
-    engine, reference
-):
-    """Rows outside the lane (a new prompt, rows several tokens past their cached prefix, a row of
-    one token) take one first pass in a shape of the lane: 4 rows by 8 new tokens each, two of
-    them over 2 and 4 columns of cached past. Each equals its uncached forward pass."""
-    base = ids(engine, "The old lighthouse keeper climbed the stairs")
-    await engine_rows(engine, [base])
-    rows = [base + [11, 12, 13], base + [21, 22, 23, 24, 25], ids(engine, "Rain fell")[:2], [42]]
-    out = await engine_rows(engine, rows)
-    for i, row in enumerate(rows):
-        assert np.abs(out[i] - reference.logprobs(row)[-1]).max() < 1e-4
-    assert (4, 64, 8) in engine.lane._shapes
-    again = await engine_rows(engine, [row + [7] for row in rows])  # then the lane's steps
-    for i, row in enumerate(rows):
-        assert np.abs(again[i] - reference.logprobs(row + [7])[-1]).max() < 1e-4
-
-
 async def test_rows_of_an_adapter_never_take_the_base_models_lane(engine):
     row = ids(engine, "Water boils at")
     await engine_rows(engine, [row])
@@ -171,7 +152,7 @@ async def test_concurrent_generation_streams_share_lane_steps(engine):
 async def test_the_lane_and_the_prefix_cache_share_one_budget(model_dir, reference, tight):
     """docs/engines.md: memory is the prefix cache's budget, the lane's shapes included. A budget
     the lane's shapes fill half of: lane and cache together never hold more than it."""
-    budget = 3 * kv_bytes(reference.model, 16, 16)
+    budget = 3 * decode_lane._kv_bytes(reference.model, 16, 16)
     engine = load(model_dir, "cpu", decode_lane_rows=64, prefix_cache_bytes=budget)
     rng = np.random.default_rng(3)
     for text in ("The quick brown fox", "In the beginning", "A long time ago"):  # fill the cache
