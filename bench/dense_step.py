@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from backends.builtin_models import resolve_model_dir
+from backends.rows import PackedRows
 from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype
 from backends.types import EngineConfig
 from bench.smc import add_model_arguments, random_model_dir
@@ -36,6 +37,15 @@ ENGINE_WAYS = {  # engine options: the defaults (on CUDA: the decode lane, compi
     "no lane": {"decode_lane_rows": 0},
 }
 WAYS = ["static", *ENGINE_WAYS, "decode"]  # the static reference first: the others' ratios need it
+
+
+def engine_call(engine: TransformersEngine):
+    """The engine's dense call on rows of token-id lists, packed as the gateway packs them."""
+
+    async def call(rows: list[list[int]]) -> np.ndarray:
+        return await engine.next_token_logprobs(PackedRows.of(rows), [None] * len(rows))
+
+    return call
 
 
 async def steps(call, prompt: list[int], particles: int, count: int, vocab: int, seed: int) -> list[float]:
@@ -85,7 +95,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
                     static.restart()
                     call = static
                 else:
-                    call = PlainDecode(model) if name == "decode" else engines[name].next_token_logprobs
+                    call = PlainDecode(model) if name == "decode" else engine_call(engines[name])
                 prompt = [1 + (p * 7 + r * 13 + i) % 1000 for i in range(args.prompt_tokens)]
                 got = await steps(call, prompt, p, args.steps, vocab, seed=r)
                 if r:  # the first run warms up (shapes captured and compiled, blocks allocated)
@@ -102,11 +112,11 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
 
         name, engine = "as shipped", engines["as shipped"]
         prompt = list(range(1, args.prompt_tokens + 1))
-        await steps(engine.next_token_logprobs, prompt, args.particles[-1], 8, vocab, seed=99)
+        await steps(engine_call(engine), prompt, args.particles[-1], 8, vocab, seed=99)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         prof = profile(activities=activities)
         await engine._run(prof.__enter__)  # the engine's model calls run on its worker thread
-        await steps(engine.next_token_logprobs, prompt + [7], args.particles[-1], 9, vocab, seed=99)
+        await steps(engine_call(engine), prompt + [7], args.particles[-1], 9, vocab, seed=99)
         await engine._run(prof.__exit__, None, None, None)
         print(f"profile of {name}, P = {args.particles[-1]}, 9 steps")
         print(prof.key_averages().table(sort_by=args.sort, row_limit=30))
