@@ -369,12 +369,21 @@ class DecodeLane:
 
 
 def _compiled(model: Any) -> Any:
+    import torch.fx.experimental._config
+
     # Rounded between fused operations as the eager model rounds (bfloat16 after each), so the
     # lane's rows stay as close to a plain forward pass as eager ones.
-    import torch._inductor.config
+    compiled = torch.compile(model, dynamic=True, options={"emulate_precision_casts": True})
 
-    torch._inductor.config.emulate_precision_casts = True
-    return torch.compile(model, dynamic=True)
+    def forward(**kwargs: Any) -> Any:
+        # Traced without "duck" sizes: dynamo would take two sizes that happen to be equal when
+        # it first traces (8 slots and 8 key/value heads; 64 columns and a head of 64) for one,
+        # making the lane's slots or width a constant, and trace the whole model again (a minute
+        # on an H200 host) at the first shape where they differ.
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled(**kwargs)
+
+    return forward
 
 
 def _kv_bytes(model: Any, slots: int, width: int) -> int:

@@ -135,6 +135,43 @@ async def test_a_step_torch_compile_cannot_build_runs_uncompiled(model_dir, refe
         await engine.aclose()
 
 
+async def test_the_compiled_step_is_traced_once_for_every_shape(model_dir, tmp_path):
+    """A model whose key/value heads are as many as the lane's fewest slots (8) and whose head
+    is as wide as its narrowest shape (64 columns): the step compiled at load serves wider and
+    taller shapes without tracing the model again, and its rows equal a plain forward pass."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=16,
+        head_dim=decode_lane.WIDTH_STEP,
+        num_key_value_heads=decode_lane.MIN_SLOTS,
+        intermediate_size=128,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    compiled = load(tmp_path, "cpu", decode_lane_rows=64, decode_lane_compile=True)
+    try:
+        assert compiled.lane is not None and compiled.lane.compiled
+        traced = counters["stats"]["unique_graphs"]
+        for rows, length in ((8, 20), (8, 80), (16, 20)):  # 8 x 64, then 8 x 128, then 16 x 64
+            prompts = [[5 + i] * length for i in range(rows)]
+            await engine_rows(compiled, prompts)
+            out = await engine_rows(compiled, [p + [7] for p in prompts])
+            with torch.inference_mode():
+                plain = compiled.model(input_ids=torch.tensor([prompts[-1] + [7]])).logits[0, -1]
+            assert np.abs(out[-1] - torch.log_softmax(plain, -1).numpy()).max() < 1e-4
+        assert compiled.lane.steps == 3
+        assert counters["stats"]["unique_graphs"] == traced
+    finally:
+        await compiled.aclose()
+
+
 async def test_concurrent_generation_streams_share_lane_steps(engine):
     """Streams of different prompt lengths, joining at different times, step together in the
     lane; each stream's tokens and log-probabilities equal its run alone."""
