@@ -25,7 +25,8 @@ this process. Without --targets: `gateway-<--backend>`.
 Every target gets the same requests: N streams each send one greedy completion (`--max-tokens`,
 default 48; every stream its own prompt, logprobs=1, no stop sequences) through the `openai` SDK at
 once (transformers-generate: one batch of the N prompts); a stream's latency is its request's wall
-time. `--logprobs 1 none` runs each count both ways (`none`: no logprobs asked for, the table
+time. One client process makes a round's requests at a pace of its own, which at 64 streams
+bounds the round; `--client-processes N` sends them from N processes (bench/client_processes.py). `--logprobs 1 none` runs each count both ways (`none`: no logprobs asked for, the table
 gains a `logprobs` column and each setting its own ratios). The targets run one after another,
 each started once for all stream counts and stopped before the next starts (one GPU). Each count
 runs `--repeats` times after one warm-up round. `--turns N` runs the targets N times, in the given
@@ -82,6 +83,7 @@ import torch
 from backends.builtin_models import resolve_model_dir
 from backends.transformers.engine import resolve_device, resolve_dtype
 from bench.checks import Kept, TargetReport, check_rows, gateway_rows, gpu_free, print_reports, share_set
+from bench.client_processes import ProcessClients
 from bench.generation_report import Row, merged, print_table
 from bench.generation_targets import (
     SERVED_NAME,
@@ -280,8 +282,12 @@ async def run_target(
         if not target.takes_grammars and constraints != ["none"]:
             progress(f"{name}: takes no grammar, runs unconstrained only")
             constraints = ["none"]
+        driven: Target = target
+        if args.client_processes > 1 and isinstance(target, OpenAICompletions):
+            driven = ProcessClients(target.base_url, target.server, args.client_processes)
+            stack.callback(driven.close)
         try:
-            await measure(name, target, args, constraints, rows)
+            await measure(name, driven, args, constraints, rows)
         except (
             openai.OpenAIError,
             RuntimeError,
@@ -334,6 +340,13 @@ def main() -> None:
         "what the composed engine sets when composed)",
     )
     parser.add_argument("--logs", type=Path, help="keep the targets' logs here (default: removed at the end)")
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="send each round's requests from this many processes (bench/client_processes.py), so "
+        "that the client does not bound a round of many streams",
+    )
     args = parser.parse_args()
     args.targets = list(dict.fromkeys(args.targets or [f"gateway-{args.backend}"]))
     args.logprobs = [None if setting == "none" else int(setting) for setting in dict.fromkeys(args.logprobs)]
