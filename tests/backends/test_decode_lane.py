@@ -192,14 +192,17 @@ async def test_the_lane_and_the_prefix_cache_share_one_budget(model_dir, referen
     budget = 3 * decode_lane._kv_bytes(reference.model, 16, 16)
     engine = load(model_dir, "cpu", decode_lane_rows=64, prefix_cache_bytes=budget)
     rng = np.random.default_rng(3)
-    for text in ("The quick brown fox", "In the beginning", "A long time ago"):  # fill the cache
-        await engine_rows(engine, [ids(engine, f"{text} {i} " * 6) for i in range(8)])
-    rows = [ids(engine, "Once upon a time, in a village far away,")] * 10
     held = []
-    for _ in range(12):
-        await engine_rows(engine, [list(r) for r in dict.fromkeys(map(tuple, rows))])
-        held.append((engine.prefix_kv.nbytes, engine.lane.nbytes))
-        rows = [r + [int(t)] for r, t in zip(rows, rng.integers(100, 2000, len(rows)), strict=True)]
+    try:
+        for text in ("The quick brown fox", "In the beginning", "A long time ago"):  # fill the cache
+            await engine_rows(engine, [ids(engine, f"{text} {i} " * 6) for i in range(8)])
+        rows = [ids(engine, "Once upon a time, in a village far away,")] * 10
+        for _ in range(12):
+            await engine_rows(engine, [list(r) for r in dict.fromkeys(map(tuple, rows))])
+            held.append((engine.prefix_kv.nbytes, engine.lane.nbytes))
+            rows = [r + [int(t)] for r, t in zip(rows, rng.integers(100, 2000, len(rows)), strict=True)]
+    finally:
+        await engine.aclose()
     assert engine.lane.steps >= 6  # the lane served most of the run
     assert max(lane for _, lane in held) > 0 and max(cache for cache, _ in held) > 0
     assert max(cache + lane for cache, lane in held) <= budget, held
@@ -245,7 +248,8 @@ async def assert_bursts_take_steps_ahead(engine, caplog) -> None:
     tokens = max(map(len, alone))
     assert engine.pass_stats.passes - passes < tokens / 2  # several steps a pass
     assert engine.lane.steps - lane_steps >= tokens - 4  # nearly all of them in the lane
-    assert not caplog.records, [record.getMessage() for record in caplog.records]
+    retried = [r.getMessage() for r in caplog.records if r.name == "backends.step_scheduler"]
+    assert not retried, retried  # not asyncio's: an engine of another test, collected meanwhile
 
 
 async def test_streams_in_bursts_take_several_steps_a_pass_fed_on_the_device(engine, tight, caplog):
