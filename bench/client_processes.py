@@ -66,11 +66,10 @@ class ProcessClients:
         grammars: Sequence[OutputGrammar | None] = (),
         logprobs: int | None = 1,
     ) -> list[Completion]:
-        chosen = [*grammars, *[None] * (len(prompts) - len(grammars))]
         count = len(self.connections)
-        busy = [c for c in range(count) if c < len(prompts)]
-        for c in busy:
-            work: Work = (list(prompts[c::count]), max_tokens, chosen[c::count], logprobs)
+        busy = range(min(count, len(prompts)))
+        for c in busy:  # a worker's grammars line up with its prompts; send_round pads the rest
+            work: Work = (list(prompts[c::count]), max_tokens, list(grammars[c::count]), logprobs)
             self.connections[c].send(work)
         answers = await asyncio.gather(*(asyncio.to_thread(self.connections[c].recv) for c in busy))
         for answer in answers:

@@ -26,8 +26,9 @@ Every target gets the same requests: N streams each send one greedy completion (
 default 48; every stream its own prompt, logprobs=1, no stop sequences) through the `openai` SDK at
 once (transformers-generate: one batch of the N prompts); a stream's latency is its request's wall
 time. One client process makes a round's requests at a pace of its own, which at 64 streams
-bounds the round; `--client-processes N` sends them from N processes (bench/client_processes.py). `--logprobs 1 none` runs each count both ways (`none`: no logprobs asked for, the table
-gains a `logprobs` column and each setting its own ratios). The targets run one after another,
+bounds the round; `--client-processes N` sends them from N processes (bench/client_processes.py).
+`--logprobs 1 none` runs each count both ways (`none`: no logprobs asked for, the table gains a
+`logprobs` column and each setting its own ratios). The targets run one after another,
 each started once for all stream counts and stopped before the next starts (one GPU). Each count
 runs `--repeats` times after one warm-up round. `--turns N` runs the targets N times, in the given
 order, then reversed, and so on, each started anew: a machine's pace changes over minutes, and a
