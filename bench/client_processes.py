@@ -1,8 +1,8 @@
 """A round's requests sent from several client processes at once.
 
-One asyncio loop making a round's requests with the openai SDK spends 2.4–3.2 ms of CPU on each
-(on a 2-core x86_64; docs/performance.md): at 64 streams the last request leaves it about 190 ms
-after the first, before any server has seen it, and the client, not the server, bounds the round.
+One asyncio loop making a round's requests with the openai SDK spends more CPU on each than the
+gateway does (docs/performance.md has the measurement): at 64 streams its last request leaves
+long after its first, and the client, not the server, bounds the round.
 `ProcessClients` splits each round among worker processes, each with its own client (request i
 goes to worker i mod N), so that a round measures the server. The workers start once and serve
 every round; a round's time still runs in the caller, from its first request handed out to its

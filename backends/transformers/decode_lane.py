@@ -378,8 +378,8 @@ def _compiled(model: Any) -> Any:
     def forward(**kwargs: Any) -> Any:
         # Traced without "duck" sizes: dynamo would take two sizes that happen to be equal when
         # it first traces (8 slots and 8 key/value heads; 64 columns and a head of 64) for one,
-        # making the lane's slots or width a constant, and trace the whole model again (a minute
-        # on an H200 host) at the first shape where they differ.
+        # making the lane's slots or width a constant, and trace the whole model again at the
+        # first shape where they differ (docs/performance.md has what that cost).
         with torch.fx.experimental._config.patch(use_duck_shape=False):
             return compiled(**kwargs)
 
