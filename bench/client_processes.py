@@ -17,16 +17,17 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from bench.generation_targets import Completion, OpenAICompletions, OutputGrammar, send_round
+from bench.generation_targets import Completion, OutputGrammar, send_round
+from bench.native_generate import http_client
 
 Work = tuple[list[str], int, list[OutputGrammar | None], int | None]
 
 
-def _serve(connection: Connection, base_url: str, server: str) -> None:
+def _serve(connection: Connection, api: str, base_url: str, server: str) -> None:
     """A worker: rounds in from `connection`, their completions back, until None comes."""
 
     async def serve() -> None:
-        client = OpenAICompletions(base_url, server)
+        client = http_client(api, base_url, server)
         try:
             while (work := await asyncio.to_thread(connection.recv)) is not None:
                 prompts, max_tokens, grammars, logprobs = work
@@ -36,24 +37,23 @@ def _serve(connection: Connection, base_url: str, server: str) -> None:
                     done = RuntimeError(f"{type(exc).__name__}: {exc}")
                 connection.send(done)
         finally:
-            await client.client.close()
+            await client.close()
 
     asyncio.run(serve())
 
 
 class ProcessClients:
-    """A target's OpenAI-compatible /v1/completions, each round's requests sent from `count`
-    processes."""
+    """A target's `api` (bench/native_generate.py's `http_client`), each round's requests sent
+    from `count` processes."""
 
-    takes_grammars = True
-
-    def __init__(self, base_url: str, server: str, count: int) -> None:
+    def __init__(self, api: str, base_url: str, server: str, count: int) -> None:
+        self.takes_grammars = api == "completions"
         context = multiprocessing.get_context("spawn")  # no copy of the caller's threads or CUDA state
         self.connections: list[Connection] = []
         self.workers = []
         for _ in range(count):
             mine, theirs = context.Pipe()
-            worker = context.Process(target=_serve, args=(theirs, base_url, server), daemon=True)
+            worker = context.Process(target=_serve, args=(theirs, api, base_url, server), daemon=True)
             worker.start()
             theirs.close()
             self.connections.append(mine)

@@ -27,6 +27,8 @@ default 48; every stream its own prompt, logprobs=1, no stop sequences) through 
 once (transformers-generate: one batch of the N prompts); a stream's latency is its request's wall
 time. One client process makes a round's requests at a pace of its own, which at 64 streams
 bounds the round; `--client-processes N` sends them from N processes (bench/client_processes.py).
+`--api generate` sends the same greedy requests to SGLang's native `/generate` instead, which the
+gateway serves too, through httpx (bench/native_generate.py): the form SGLang's own benchmarks use.
 `--logprobs 1 none` runs each count both ways (`none`: no logprobs asked for, the table gains a
 `logprobs` column and each setting its own ratios). The targets run one after another,
 each started once for all stream counts and stopped before the next starts (one GPU). Each count
@@ -97,6 +99,7 @@ from bench.generation_targets import (
     TargetUnavailable,
     start_target,
 )
+from bench.native_generate import http_client
 from bench.smc import add_model_arguments, random_model_dir
 
 TOPICS = [
@@ -279,14 +282,23 @@ async def run_target(
         report.free_started = gpu_free(setup.device)
         report.share = share_set(setup.logs / f"{name}.log")
         reports.append(report)
+        driven: Target = target
+        if isinstance(target, OpenAICompletions) and args.client_processes > 1:
+            driven = ProcessClients(args.api, target.base_url, target.server, args.client_processes)
+            stack.callback(driven.close)
+        elif isinstance(target, OpenAICompletions) and args.api != "completions":
+            try:
+                driven = http_client(args.api, target.base_url, target.server)
+            except ValueError as exc:
+                progress(f"{name}: skipped, {exc}")
+                return
+            stack.push_async_callback(driven.close)
+        elif args.api != "completions":
+            progress(f"{name}: driven through its own client, not --api {args.api}")
         constraints = args.constraints
-        if not target.takes_grammars and constraints != ["none"]:
+        if not driven.takes_grammars and constraints != ["none"]:
             progress(f"{name}: takes no grammar, runs unconstrained only")
             constraints = ["none"]
-        driven: Target = target
-        if args.client_processes > 1 and isinstance(target, OpenAICompletions):
-            driven = ProcessClients(target.base_url, target.server, args.client_processes)
-            stack.callback(driven.close)
         try:
             await measure(name, driven, args, constraints, rows)
         except (
@@ -347,6 +359,13 @@ def main() -> None:
         default=1,
         help="send each round's requests from this many processes (bench/client_processes.py), so "
         "that the client does not bound a round of many streams",
+    )
+    parser.add_argument(
+        "--api",
+        choices=["completions", "generate"],
+        default="completions",
+        help="what the servers' requests go to: /v1/completions through the openai SDK, or SGLang's "
+        "native /generate (the gateway and sglang-server; no grammars) through httpx",
     )
     args = parser.parse_args()
     args.targets = list(dict.fromkeys(args.targets or [f"gateway-{args.backend}"]))

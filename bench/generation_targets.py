@@ -187,6 +187,9 @@ class OpenAICompletions:
     ) -> list[Completion]:
         return await send_round(self.one, prompts, max_tokens, grammars, logprobs)
 
+    async def close(self) -> None:
+        await self.client.close()
+
 
 class Spread:
     """Replicas behind one address: requests go to them in turn, across rounds too (a round of one

@@ -1,0 +1,70 @@
+"""SGLang's native `/generate`, as a round's client: the form SGLang's own benchmarks send.
+
+The gateway serves the same endpoint (docs/sglang-clients.md), so one body measures both servers.
+A request is a plain JSON post over a shared connection pool, a lighter client than the openai
+SDK's, whose CPU per request bounds a round of many streams (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import httpx
+
+from bench.generation_targets import Completion, OpenAICompletions, OutputGrammar, send_round
+
+
+class NativeGenerate:
+    """Greedy completions through `POST /generate` at `base_url`; no grammars (the gateway's
+    `/generate` takes none)."""
+
+    takes_grammars = False
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.client = httpx.AsyncClient(
+            base_url=base_url,
+            timeout=3600,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
+
+    async def one(
+        self, prompt: str, max_tokens: int, grammar: OutputGrammar | None, logprobs: int | None
+    ) -> Completion:
+        if grammar is not None:
+            raise ValueError("/generate is driven without grammars")
+        body: dict = {"text": prompt, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0}}
+        if logprobs is not None:
+            body["return_logprob"] = True
+        started = time.perf_counter()
+        response = await self.client.post("/generate", json=body)
+        latency = time.perf_counter() - started
+        if response.status_code != 200:
+            raise RuntimeError(f"/generate answered {response.status_code}: {response.text[:300]}")
+        answer = response.json()
+        meta = answer["meta_info"]
+        chosen = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+        return Completion(answer["text"], chosen, int(meta["completion_tokens"]), latency)
+
+    async def round(
+        self,
+        prompts: Sequence[str],
+        max_tokens: int,
+        grammars: Sequence[OutputGrammar | None] = (),
+        logprobs: int | None = 1,
+    ) -> list[Completion]:
+        return await send_round(self.one, prompts, max_tokens, grammars, logprobs)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def http_client(api: str, base_url: str, server: str) -> OpenAICompletions | NativeGenerate:
+    """The client of `api` (`completions`: the openai SDK's /v1/completions; `generate`: SGLang's
+    /generate) for `server` ("gateway", "sglang" or "vllm") at `base_url`."""
+    if api == "completions":
+        return OpenAICompletions(base_url, server)
+    if server == "vllm":
+        raise ValueError("vllm serve has no SGLang /generate")
+    return NativeGenerate(base_url)
