@@ -393,7 +393,10 @@ def main() -> None:
         sys.exit("no target ran")
     if all(row.target != reference for row in rows):
         progress(f"{reference} did not run: no ratios")
-    print_table(rows, reference, args.max_tokens, args.repeats, args.turns, list(CONSTRAINTS))
+    sent = " through /generate" if args.api == "generate" else ""
+    if args.client_processes > 1:
+        sent += f" from {args.client_processes} client processes"
+    print_table(rows, reference, args.max_tokens, args.repeats, args.turns, list(CONSTRAINTS), sent)
     print_reports(reports)
 
 

@@ -61,10 +61,17 @@ def merged(turns: Sequence[Sequence[Row]]) -> list[Row]:
 
 
 def print_table(
-    rows: list[Row], reference: str, max_tokens: int, repeats: int, turns: int, constraints: Sequence[str]
+    rows: list[Row],
+    reference: str,
+    max_tokens: int,
+    repeats: int,
+    turns: int,
+    constraints: Sequence[str],
+    sent: str = "",
 ) -> None:
     """Unconstrained only: the table of old. With constraints: their columns, each stream count's
-    rows together. Over several turns: each turn's rate too."""
+    rows together. Over several turns: each turn's rate too. `sent`: how the requests went, for
+    the title (nothing: one client process, /v1/completions)."""
     constrained = any(row.constraint != "none" for row in rows)
     settings = list(dict.fromkeys(row.logprobs for row in rows))
     base = {(r.streams, r.constraint, r.logprobs): r.rate for r in rows if r.target == reference}
@@ -79,7 +86,7 @@ def print_table(
         heads[1:1] = ["logprobs"]
     heads += ["latency p50 s", "latency p95 s", "texts equal alone", "max logprob diff"]
     heads += ["outputs valid"] if constrained else []
-    title = f"Concurrent greedy completions of {max_tokens} tokens, median of {repeats}"
+    title = f"Concurrent greedy completions of {max_tokens} tokens{sent}, median of {repeats}"
     if turns > 1:
         title += f" in each of {turns} turns (targets in turn order, then reversed), median of the turns"
     print(f"### {title}{', with and without a grammar' if constrained else ''}\n")

@@ -96,6 +96,16 @@ SHAPES = {
     "llama-1b": dict(_LLAMA, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, head_dim=64),
     # The same call overhead against a longer forward pass.
     "llama-3b": dict(_LLAMA, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128),
+    # Llama-3.1-8B's shape: where the weights, not the host, should bound a step.
+    "llama-8b": dict(
+        _LLAMA,
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        head_dim=128,
+        intermediate_size=14336,
+        tie_word_embeddings=False,
+    ),
     # Next to no model: on a CPU, what a step costs besides the forward pass.
     "llama-tiny": dict(
         _LLAMA,
