@@ -29,6 +29,7 @@ time. One client process makes a round's requests at a pace of its own, which at
 bounds the round; `--client-processes N` sends them from N processes (bench/client_processes.py).
 `--api generate` sends the same greedy requests to SGLang's native `/generate` instead, which the
 gateway serves too, through httpx (bench/native_generate.py): the form SGLang's own benchmarks use.
+`--engine-option KEY=VALUE` sets an engine option of every gateway target (`greedy_steps_ahead=32`).
 `--logprobs 1 none` runs each count both ways (`none`: no logprobs asked for, the table gains a
 `logprobs` column and each setting its own ratios). The targets run one after another,
 each started once for all stream counts and stopped before the next starts (one GPU). Each count
@@ -74,6 +75,7 @@ import statistics
 import sys
 import tempfile
 import time
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -367,6 +369,14 @@ def main() -> None:
         help="what the servers' requests go to: /v1/completions through the openai SDK, or SGLang's "
         "native /generate (the gateway and sglang-server; no grammars) through httpx",
     )
+    parser.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        type=lambda text: tuple(text.split("=", 1)),
+        metavar="KEY=VALUE",
+        help="an engine option (a TOML value) of every gateway target, e.g. greedy_steps_ahead=32",
+    )
     args = parser.parse_args()
     args.targets = list(dict.fromkeys(args.targets or [f"gateway-{args.backend}"]))
     args.logprobs = [None if setting == "none" else int(setting) for setting in dict.fromkeys(args.logprobs)]
@@ -385,7 +395,10 @@ def main() -> None:
             model_dir = resolve_model_dir(args.model)
         logs = args.logs or tmp
         logs.mkdir(parents=True, exist_ok=True)
-        setup = Setup(model_dir, args.dtype, args.device, logs, args.logs is not None, args.sglang_share)
+        options = {key: tomllib.loads(f"v = {value}")["v"] for key, value in args.engine_option}
+        setup = Setup(
+            model_dir, args.dtype, args.device, logs, args.logs is not None, args.sglang_share, options
+        )
         reports: list[TargetReport] = []
         rows = asyncio.run(run_targets(args, setup, reports))
         check_rows(reports, model_dir, args.dtype, args.device)

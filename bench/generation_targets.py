@@ -38,7 +38,7 @@ import re
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -78,6 +78,7 @@ class Setup:
     logs: Path  # the targets' logs and config files
     logs_kept: bool  # whether `logs` outlives the run
     sglang_share: float | None = None  # SGLang's mem_fraction_static in engine mode (None: the default)
+    engine_options: dict[str, Any] = field(default_factory=dict)  # every gateway target's, last
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,7 @@ def gateway_toml(name: str, setup: Setup, redis_url: str | None = None) -> Path:
                 "log_path": str(setup.logs / f"{name}-sglang.log"),
                 "startup_timeout_s": STARTUP_TIMEOUT_S,
             }
+    options |= setup.engine_options
     lines = [f"{key} = {toml_value(value)}" for key, value in fields.items()]
     lines.append("options = {" + ", ".join(f"{k} = {toml_value(v)}" for k, v in options.items()) + "}")
     cache = f"[cache]\nredis_url = {toml_value(redis_url)}\n" if redis_url else ""
