@@ -41,7 +41,9 @@ Prints one Markdown table on stdout, progress on stderr: per target and stream c
 aggregate tok/s, its ratio to `--reference` (default: the first target) at the same count, the
 latency p50 and p95 over all streams of all repeats, and what batching must not change: how many
 streams' texts equal those of the same request sent alone to that target, and the largest
-difference of a token logprob among those. A target that cannot start (SGLang without CUDA, say)
+difference of a token logprob among those. Each request goes alone twice, the second counting:
+it meets the prefix caches warm, as a round does, so the count sees what batching changes, not
+a cached prefix's other numerics (which flip bfloat16's near ties of a request alone too). A target that cannot start (SGLang without CUDA, say)
 is reported on stderr and left out. A second table gives each target's GPU memory (free memory
 before it started less free memory once it answered, and after its run; the share a composed
 model gave its generation engine) and, for gateway targets, the largest |difference| of dense rows
@@ -200,6 +202,7 @@ async def measure(
     for grammar in sorted(needed, key=lambda g: "" if g is None else g.kind):
         progress(f"{name}: {most} requests alone{'' if grammar is None else ' under ' + grammar.kind}")
         for i in range(most):
+            await target.round([prompt(i)], args.max_tokens, [grammar])  # the prefix caches warmed
             alone[i, grammar] = (await target.round([prompt(i)], args.max_tokens, [grammar]))[0]
     for count in args.streams:
         prompts = [prompt(i) for i in range(count)]
