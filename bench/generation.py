@@ -28,7 +28,7 @@ once (transformers-generate: one batch of the N prompts); a stream's latency is 
 time. One client process makes a round's requests at a pace of its own, which at 64 streams
 bounds the round; `--client-processes N` sends them from N processes (bench/client_processes.py).
 `--api generate` sends the same greedy requests to SGLang's native `/generate` instead, which the
-gateway serves too, through httpx (bench/native_generate.py): the form SGLang's own benchmarks use.
+gateway serves too, as plain JSON posts (bench/native_generate.py): the form SGLang's benchmarks use.
 `--engine-option KEY=VALUE` sets an engine option of every gateway target (`greedy_steps_ahead=32`).
 `--logprobs 1 none` runs each count both ways (`none`: no logprobs asked for, the table gains a
 `logprobs` column and each setting its own ratios). The targets run one after another,
@@ -370,7 +370,7 @@ def main() -> None:
         choices=["completions", "generate"],
         default="completions",
         help="what the servers' requests go to: /v1/completions through the openai SDK, or SGLang's "
-        "native /generate (the gateway and sglang-server; no grammars) through httpx",
+        "native /generate (the gateway and sglang-server; no grammars) as plain JSON posts",
     )
     parser.add_argument(
         "--engine-option",
