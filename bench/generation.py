@@ -43,13 +43,14 @@ latency p50 and p95 over all streams of all repeats, and what batching must not 
 streams' texts equal those of the same request sent alone to that target, and the largest
 difference of a token logprob among those. Each request goes alone twice, the second counting:
 it meets the prefix caches warm, as a round does, so the count sees what batching changes, not
-a cached prefix's other numerics (which flip bfloat16's near ties of a request alone too). A target that cannot start (SGLang without CUDA, say)
-is reported on stderr and left out. A second table gives each target's GPU memory (free memory
-before it started less free memory once it answered, and after its run; the share a composed
-model gave its generation engine) and, for gateway targets, the largest |difference| of dense rows
-it served (the first prompts, alone and with their completions) from an uncached forward pass of
-the same weights (bench/checks.py). --random-model builds randomly initialised weights of a named
-shape (bench/smc.py) in a temporary directory.
+a cached prefix's other numerics (which flip bfloat16's near ties of a request alone too). A
+target that cannot start (SGLang without CUDA, say) is reported on stderr and left out. A second
+table gives each target's GPU memory (free memory before it started less free memory once it
+answered, and after its run; the share a composed model gave its generation engine) and, for
+gateway targets, the largest |difference| of dense rows it served (the first prompts, alone and
+with their completions) from an uncached forward pass of the same weights (bench/checks.py).
+--random-model builds randomly initialised weights of a named shape (bench/smc.py) in a
+temporary directory.
 
 --constraints runs every stream count once per constraint, the same prompts each time: `none`
 (free text; alone, the default, it prints the table above unchanged), `json` (every completion under STORY_SCHEMA, a bounded
@@ -288,18 +289,18 @@ async def run_target(
         report.share = share_set(setup.logs / f"{name}.log")
         reports.append(report)
         driven: Target = target
-        if isinstance(target, OpenAICompletions) and args.client_processes > 1:
+        if not isinstance(target, OpenAICompletions):
+            if args.api != "completions":
+                progress(f"{name}: driven through its own client, not --api {args.api}")
+        elif args.api == "generate" and target.server == "vllm":
+            progress(f"{name}: skipped, vllm serve has no SGLang /generate")
+            return
+        elif args.client_processes > 1:
             driven = ProcessClients(args.api, target.base_url, target.server, args.client_processes)
             stack.callback(driven.close)
-        elif isinstance(target, OpenAICompletions) and args.api != "completions":
-            try:
-                driven = http_client(args.api, target.base_url, target.server)
-            except ValueError as exc:
-                progress(f"{name}: skipped, {exc}")
-                return
-            stack.push_async_callback(driven.close)
         elif args.api != "completions":
-            progress(f"{name}: driven through its own client, not --api {args.api}")
+            driven = http_client(args.api, target.base_url, target.server)
+            stack.push_async_callback(driven.close)
         constraints = args.constraints
         if not driven.takes_grammars and constraints != ["none"]:
             progress(f"{name}: takes no grammar, runs unconstrained only")
