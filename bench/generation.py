@@ -78,7 +78,6 @@ import statistics
 import sys
 import tempfile
 import time
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,7 +104,7 @@ from bench.generation_targets import (
     start_target,
 )
 from bench.native_generate import http_client
-from bench.smc import add_model_arguments, random_model_dir
+from bench.smc import add_engine_option_argument, add_model_arguments, engine_options, random_model_dir
 
 TOPICS = [
     "the sea",
@@ -373,14 +372,7 @@ def main() -> None:
         help="what the servers' requests go to: /v1/completions through the openai SDK, or SGLang's "
         "native /generate (the gateway and sglang-server; no grammars) as plain JSON posts",
     )
-    parser.add_argument(
-        "--engine-option",
-        action="append",
-        default=[],
-        type=lambda text: tuple(text.split("=", 1)),
-        metavar="KEY=VALUE",
-        help="an engine option (a TOML value) of every gateway target, e.g. greedy_steps_ahead=32",
-    )
+    add_engine_option_argument(parser, "of every gateway target, e.g. greedy_steps_ahead=32")
     args = parser.parse_args()
     args.targets = list(dict.fromkeys(args.targets or [f"gateway-{args.backend}"]))
     args.logprobs = [None if setting == "none" else int(setting) for setting in dict.fromkeys(args.logprobs)]
@@ -399,7 +391,7 @@ def main() -> None:
             model_dir = resolve_model_dir(args.model)
         logs = args.logs or tmp
         logs.mkdir(parents=True, exist_ok=True)
-        options = {key: tomllib.loads(f"v = {value}")["v"] for key, value in args.engine_option}
+        options = engine_options(args.engine_option)
         setup = Setup(
             model_dir, args.dtype, args.device, logs, args.logs is not None, args.sglang_share, options
         )

@@ -64,6 +64,7 @@ import time
 import tomllib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -272,7 +273,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
                     model=str(model_dir),
                     dtype=args.dtype,
                     device=args.device,
-                    options={key: tomllib.loads(f"v = {value}")["v"] for key, value in args.engine_option},
+                    options=engine_options(args.engine_option),
                 )
             )
             stack.push_async_callback(engine.aclose)
@@ -353,6 +354,23 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_engine_option_argument(parser: argparse.ArgumentParser, whose: str) -> None:
+    """--engine-option KEY=VALUE, repeatable: `args.engine_option` holds (key, TOML value) pairs."""
+    parser.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        type=lambda text: tuple(text.split("=", 1)),
+        metavar="KEY=VALUE",
+        help=f"an engine option (a TOML value) {whose}",
+    )
+
+
+def engine_options(pairs: list[tuple[str, str]]) -> dict[str, Any]:
+    """--engine-option's pairs, their values read as TOML."""
+    return {key: tomllib.loads(f"v = {value}")["v"] for key, value in pairs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -370,14 +388,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=Path("smc.png"))
     parser.add_argument("--gateway-arg", action="append", default=[], help="extra `serve` flags")
-    parser.add_argument(
-        "--engine-option",
-        action="append",
-        default=[],
-        type=lambda text: tuple(text.split("=", 1)),
-        metavar="KEY=VALUE",
-        help="an engine option (a TOML value) for the engine and every gateway, e.g. decode_lane_rows=0",
-    )
+    add_engine_option_argument(parser, "for the engine and every gateway, e.g. decode_lane_rows=0")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--replot", type=Path, help="print and plot the results of an earlier --json")
     args = parser.parse_args()
