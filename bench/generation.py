@@ -103,7 +103,7 @@ from bench.generation_targets import (
     TargetUnavailable,
     start_target,
 )
-from bench.native_generate import http_client
+from bench.native_generate import GENERATE_SERVERS, http_client
 from bench.smc import add_engine_option_argument, add_model_arguments, engine_options, random_model_dir
 
 TOPICS = [
@@ -291,8 +291,8 @@ async def run_target(
         if not isinstance(target, OpenAICompletions):
             if args.api != "completions":
                 progress(f"{name}: driven through its own client, not --api {args.api}")
-        elif args.api == "generate" and target.server == "vllm":
-            progress(f"{name}: skipped, vllm serve has no SGLang /generate")
+        elif args.api == "generate" and target.server not in GENERATE_SERVERS:
+            progress(f"{name}: skipped, {target.server} serves no SGLang /generate")
             return
         elif args.client_processes > 1:
             driven = ProcessClients(args.api, target.base_url, target.server, args.client_processes)

@@ -30,6 +30,7 @@ cannot start raises `TargetUnavailable` with a short reason and leaves nothing r
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import gc
@@ -78,7 +79,8 @@ class Setup:
     logs: Path  # the targets' logs and config files
     logs_kept: bool  # whether `logs` outlives the run
     sglang_share: float | None = None  # SGLang's mem_fraction_static in engine mode (None: the default)
-    engine_options: dict[str, Any] = field(default_factory=dict)  # every gateway target's, last
+    # every gateway target's engine options, over those the target sets itself
+    engine_options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,25 @@ async def send_round(
     return list(await asyncio.gather(*sent))
 
 
-class OpenAICompletions:
+class RequestPerPrompt(abc.ABC):
+    """A target whose round is one request per prompt through `one`, all sent at once."""
+
+    @abc.abstractmethod
+    def one(
+        self, prompt: str, max_tokens: int, grammar: OutputGrammar | None, logprobs: int | None
+    ) -> Awaitable[Completion]: ...
+
+    async def round(
+        self,
+        prompts: Sequence[str],
+        max_tokens: int,
+        grammars: Sequence[OutputGrammar | None] = (),
+        logprobs: int | None = 1,
+    ) -> list[Completion]:
+        return await send_round(self.one, prompts, max_tokens, grammars, logprobs)
+
+
+class OpenAICompletions(RequestPerPrompt):
     """An OpenAI-compatible /v1/completions: each prompt its own request, a round's sent at once."""
 
     takes_grammars = True
@@ -179,20 +199,11 @@ class OpenAICompletions:
         tokens = answer.usage.completion_tokens if answer.usage else len(chosen)
         return Completion(choice.text, chosen, tokens, latency)
 
-    async def round(
-        self,
-        prompts: Sequence[str],
-        max_tokens: int,
-        grammars: Sequence[OutputGrammar | None] = (),
-        logprobs: int | None = 1,
-    ) -> list[Completion]:
-        return await send_round(self.one, prompts, max_tokens, grammars, logprobs)
-
     async def close(self) -> None:
         await self.client.close()
 
 
-class Spread:
+class Spread(RequestPerPrompt):
     """Replicas behind one address: requests go to them in turn, across rounds too (a round of one
     request, as the requests sent alone, goes to each replica in turn), as a Kubernetes Service
     spreads connections."""
@@ -208,15 +219,6 @@ class Spread:
     ) -> Awaitable[Completion]:
         self.sent += 1
         return self.replicas[self.sent % len(self.replicas)].one(prompt, max_tokens, grammar, logprobs)
-
-    async def round(
-        self,
-        prompts: Sequence[str],
-        max_tokens: int,
-        grammars: Sequence[OutputGrammar | None] = (),
-        logprobs: int | None = 1,
-    ) -> list[Completion]:
-        return await send_round(self.one, prompts, max_tokens, grammars, logprobs)
 
 
 def gateway_toml(name: str, setup: Setup, redis_url: str | None = None) -> Path:

@@ -10,15 +10,14 @@ request.)
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import openai
 
-from bench.generation_targets import Completion, OpenAICompletions, OutputGrammar, send_round
+from bench.generation_targets import Completion, OpenAICompletions, OutputGrammar, RequestPerPrompt
 
 
-class NativeGenerate:
+class NativeGenerate(RequestPerPrompt):
     """Greedy completions through `POST /generate` at `base_url`; no grammars (the gateway's
     `/generate` takes none)."""
 
@@ -43,17 +42,11 @@ class NativeGenerate:
         chosen = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
         return Completion(answer["text"], chosen, int(meta["completion_tokens"]), latency)
 
-    async def round(
-        self,
-        prompts: Sequence[str],
-        max_tokens: int,
-        grammars: Sequence[OutputGrammar | None] = (),
-        logprobs: int | None = 1,
-    ) -> list[Completion]:
-        return await send_round(self.one, prompts, max_tokens, grammars, logprobs)
-
     async def close(self) -> None:
         await self.client.close()
+
+
+GENERATE_SERVERS = ("gateway", "sglang")  # the servers that serve /generate
 
 
 def http_client(api: str, base_url: str, server: str) -> OpenAICompletions | NativeGenerate:
@@ -61,6 +54,6 @@ def http_client(api: str, base_url: str, server: str) -> OpenAICompletions | Nat
     /generate) for `server` ("gateway", "sglang" or "vllm") at `base_url`."""
     if api == "completions":
         return OpenAICompletions(base_url, server)
-    if server == "vllm":
-        raise ValueError("vllm serve has no SGLang /generate")
+    if server not in GENERATE_SERVERS:
+        raise ValueError(f"{server} serves no SGLang /generate")
     return NativeGenerate(base_url)
