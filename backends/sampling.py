@@ -179,16 +179,20 @@ async def sample_in_bursts(
 
     The first token goes out alone, as SGLang sends it (the time to it is measured as streamed),
     while the stream's steps go on: it never misses the pass after its prompt's, where the engine
-    holds its row. Once the consumer has the first token, steps run only while it asks for a token
-    past those it has (one held between steps, generation paused, holds its stream after the pass
-    under way); each later burst runs when it asks."""
+    holds its row. A full burst is handed to a consumer that waits for it, and the steps go on
+    while the consumer takes it in, so concurrent streams stay in the engine's passes together
+    (the engine keeps their rows) rather than leave them one by one at every burst's end. A
+    burst that fills while its consumer is still busy with the one before (or held between two
+    tokens, generation paused) waits for it, and the steps stop there: a held stream runs at most
+    one burst past the token it is held at, and goes on when its consumer comes back."""
     if params.max_tokens <= 0:
         return
+    loop = asyncio.get_running_loop()
     sampler = Sampler(params, eos_token_ids, normalized=True)
-    first_step: asyncio.Future[TokenStep] = asyncio.get_running_loop().create_future()
-    burst: list[TokenStep] = []
+    first_step: asyncio.Future[TokenStep] = loop.create_future()
+    burst: list[TokenStep] = []  # steps the consumer has not been handed
     unfed: list[int] = []  # tokens sampled since the last items were made: not in their row yet
-    given = asking = False  # the first token handed to the consumer; the consumer waits for more
+    waiting: asyncio.Future[None] | None = None  # the consumer's, once it has taken every step
 
     def proceed(result: Any) -> Sequence[Any] | None:
         results = result if isinstance(result, list) else [result if isinstance(result, Pick) else result[0]]
@@ -200,12 +204,19 @@ async def sample_in_bursts(
             else:
                 first_step.set_result(step)
             if step.finish_reason is not None:
+                hand_over()
                 return None
-        # A consumer that took the first token comes back for more at once (no turn of the event
-        # loop between), unless it is held: then its stream stops here.
-        if len(burst) >= params.stream_interval or (given and not asking):
-            return None
+        if len(burst) >= params.stream_interval:
+            if waiting is None:
+                return None  # the consumer has yet to take the burst before: wait for it
+            hand_over()
         return following()
+
+    def hand_over() -> None:
+        nonlocal waiting
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
+        waiting = None
 
     def following() -> Sequence[Any]:
         """The items of the next steps, as many as the response has left."""
@@ -219,21 +230,26 @@ async def sample_in_bursts(
         if not first_step.done():
             await run  # it failed before the first token: its error
         step = first_step.result()
-        given = True
         yield step
         if step.finish_reason is not None:
             return
         while True:
-            asking = True
-            await run
-            asking = False
+            if len(burst) < params.stream_interval and not run.done():
+                waiting = loop.create_future()
+                await asyncio.wait((waiting, run), return_when=asyncio.FIRST_COMPLETED)
+                waiting = None
+            if run.done():
+                run.result()  # its error, if it failed
             steps = burst.copy()
             burst.clear()
+            if steps and steps[-1].finish_reason is not None:
+                for step in steps:
+                    yield step
+                return
+            if run.done():  # it stopped at a burst's end, waiting for this consumer: on again
+                run = asyncio.ensure_future(run_steps(following(), proceed))
             for step in steps:
                 yield step
-            if steps and steps[-1].finish_reason is not None:
-                return
-            run = asyncio.ensure_future(run_steps(following(), proceed))
     finally:
         run.cancel()
         if run.done() and not run.cancelled():

@@ -28,7 +28,7 @@ from backends.transformers.host_copy import (
 )
 from backends.types import PassStats
 
-DEFAULT_STEPS_AHEAD = 8  # most greedy steps one pass takes of a stream, tokens fed back on the device
+DEFAULT_STEPS_AHEAD = 16  # most greedy steps one pass takes of a stream, tokens fed back on the device
 
 
 @dataclass(frozen=True)
