@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,11 +35,10 @@ import torch
 from transformers import StaticCache
 
 from backends.rows import key_length, parent_key, row_key
-from backends.transformers.cache_argument import with_cache
+from backends.transformers.lane_shape import KV, LaneShape, compiled_forward, kv_bytes
 
 log = logging.getLogger(__name__)
 
-KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [rows, heads, columns, head_dim]
 MIN_SLOTS = 8
 WIDTH_STEP = 64  # columns are added in these steps, so a growing row changes shape rarely
 HEADROOM = 16  # columns at least left free for the rows to grow into
@@ -63,91 +63,6 @@ def _width_for(longest: int) -> int:
     return -(-need // WIDTH_STEP) * WIDTH_STEP
 
 
-class _Shape:
-    """One static cache of slots x width and the step that extends each of its rows by a token."""
-
-    def __init__(self, model: Any, slots: int, width: int, graphs: bool, forward: Any = None) -> None:
-        self.model = model
-        self.forward = model if forward is None else forward  # or torch.compile's version of it
-        self.slots, self.width = slots, width
-        parameter = next(model.parameters())
-        device = parameter.device
-        _, kv_heads, head_dim = _kv_layout(model)
-        self.cache = StaticCache(config=model.config, max_cache_len=width)
-        self.cache.early_initialization(slots, kv_heads, head_dim, parameter.dtype, device)
-        self.nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers)
-        self.ids = torch.zeros((slots, 1), dtype=torch.long, device=device)
-        self.positions = torch.zeros((slots, 1), dtype=torch.long, device=device)
-        self.columns = torch.arange(width, device=device)
-        self.parents = torch.arange(slots, device=device)  # slot i takes the rows of slot parents[i]
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.gather_graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
-        if graphs:
-            self._capture(device)
-
-    @property
-    def layers(self) -> list[KV]:
-        return [(layer.keys, layer.values) for layer in self.cache.layers]
-
-    def set_column(self, column: int) -> None:
-        for layer in self.cache.layers:
-            layer.cumulative_length.fill_(column)
-
-    def _forward(self) -> torch.Tensor:
-        column = self.cache.layers[0].cumulative_length  # where this step writes, on the device
-        mask = (self.columns >= column - self.positions) & (self.columns <= column)
-        out = self.forward(
-            input_ids=self.ids,
-            position_ids=self.positions,
-            attention_mask=mask[:, None, None, :],
-            **with_cache(self.cache),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return torch.log_softmax(out.logits[:, -1].float(), dim=-1)
-
-    def _gather(self, columns: int) -> None:
-        for layer in self.cache.layers:
-            layer.keys[:, :, :columns] = layer.keys[self.parents, :, :columns]
-            layer.values[:, :, :columns] = layer.values[self.parents, :, :columns]
-
-    def _capture(self, device: torch.device) -> None:
-        # Warm-up runs on a side stream first (kernel selection, workspaces), as CUDA graphs ask;
-        # they write at columns the next real step overwrites or masks, and gather in place.
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward()
-                self._gather(self.width)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph, self.gather_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        # thread_local: host memory registered from another thread during capture is no error
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.out = self._forward()
-        with torch.cuda.graph(self.gather_graph, capture_error_mode="thread_local"):
-            self._gather(self.width)  # every column: a graph has one shape
-
-    def gather(self, parents: Sequence[int], columns: int) -> None:
-        """Slot i takes the keys/values of slot parents[i] (the rest stay), in the first `columns`."""
-        index = np.arange(self.slots)
-        index[: len(parents)] = parents
-        self.parents.copy_(torch.from_numpy(index))
-        if self.gather_graph is None:
-            self._gather(columns)
-        else:
-            self.gather_graph.replay()
-
-    def step(self) -> torch.Tensor:
-        """[slots, vocab] float32 log-probabilities; a graph's output is overwritten by its next step."""
-        if self.graph is None:
-            return self._forward()
-        self.graph.replay()
-        assert self.out is not None
-        return self.out
-
-
 class DecodeLane:
     def __init__(
         self,
@@ -165,16 +80,19 @@ class DecodeLane:
         self._on_bytes = on_bytes
         # torch.compile's fused kernels, traced once for every shape (sizes symbolic)
         self.compiled = compiled
-        self._forward = _compiled(model) if compiled else None
+        self._forward = compiled_forward(model) if compiled else None
         self.max_slots = max_slots
         self.max_bytes = max_bytes
         self.graphs = graphs
-        self._shapes: OrderedDict[tuple[int, int], _Shape] = OrderedDict()
-        self._shape: _Shape | None = None  # the one holding the rows below
+        self._shapes: OrderedDict[tuple[int, int], LaneShape] = OrderedDict()
+        self._shape: LaneShape | None = None  # the one holding the rows below
         self._slot_of: dict[bytes, int] = {}  # by the rows' keys (backends/rows.py)
         self._used = 0  # slots holding the last pass's rows (some empty where a row repeated)
         self._column = 0
         self.steps = 0  # passes served by the lane
+        self._then: _Then | None = None  # what the last greedy steps leave to run ahead from
+        self._ahead: _Ahead | None = None  # steps run ahead, not yet asked for
+        self.ahead_taken = self.ahead_dropped = 0  # steps run ahead that a pass took, or not
 
     def prepare(self) -> None:
         """Build (and on CUDA capture, and compile) the smallest shape now rather than at the
@@ -198,6 +116,7 @@ class DecodeLane:
 
     def clear(self) -> None:
         """Forget the rows and every captured shape (the weights they were computed with changed)."""
+        self._then = self._ahead = None
         self._shapes.clear()
         self._shape = None
         self._slot_of = {}
@@ -211,7 +130,7 @@ class DecodeLane:
         """Serve `model` from now on (the engine's model object changed)."""
         self.clear()
         self.model = model
-        self._forward = _compiled(model) if self.compiled else None
+        self._forward = compiled_forward(model) if self.compiled else None
 
     def parents(self, keys: Sequence[bytes]) -> list[int | None]:
         """Per row (by its key), the slot of the row it extends by one token, if the lane holds it."""
@@ -226,12 +145,13 @@ class DecodeLane:
         if slots > self.max_slots:
             return False
         held = self._shape.nbytes if self._shape is not None else 0
-        need = _kv_bytes(self.model, slots, width)
+        need = kv_bytes(self.model, slots, width)
         return need <= self.max_bytes and ((slots, width) in self._shapes or held + need <= self.max_bytes)
 
     def step(self, rows: Sequence[np.ndarray], keys: Sequence[bytes], parents: Sequence[int]) -> torch.Tensor:
         """Log-probabilities [len(rows), vocab] of rows (int32 ids, and their keys) whose parents
         the lane holds (a view of the lane's output, valid until its next step)."""
+        self._drop_ahead()
         shape = self._shape
         assert shape is not None
         slots = _slots_for(len(rows))
@@ -269,31 +189,88 @@ class DecodeLane:
         turn of the host between steps: each step's tokens are fed to the next on the device and
         `best` (backends/transformers/host_copy.py best_entries) reduces each step's rows there,
         [rows, C]. Returns `best`'s rows of every step taken, [taken, rows, C], in one copy to the
-        host; the lane then holds the rows as extended by all but the last step's tokens."""
-        out = self.step(rows, keys, parents)  # into another shape first, where they need one
+        host; the lane then holds the rows as extended by all but the last step's tokens. Steps
+        run ahead for exactly these rows (`run_ahead`) are taken as they are."""
+        n = len(rows)
+        ahead = self._take_ahead(keys)
+        if ahead is None:
+            reduced = [best(self.step(rows, keys, parents))]  # into another shape first, where needed
+            start = self._column - 1
+        else:
+            reduced, start = ahead.reduced, ahead.column
+            self._slot_of = dict(zip(keys, range(n), strict=True))
+            self._used = n
+            self.steps += 1
         shape = self._shape
         assert shape is not None
-        n = len(rows)
-        taken = min(steps, 1 + shape.width - self._column)  # the shape's columns bound the steps
-        reduced = [best(out)]
-        for _ in range(taken - 1):
-            shape.ids[:n].copy_(reduced[-1][:, :1].long())  # the last step's tokens, where they are
-            shape.positions[:n].add_(1)
-            out = shape.step()[:n]
-            self._column += 1
-            reduced.append(best(out))
+        taken = min(steps, shape.width - start)  # the shape's columns bound the steps
+        if ahead is not None:
+            self.ahead_taken += min(len(reduced), taken)
+            self.ahead_dropped += max(len(reduced) - taken, 0)
+        if len(reduced) > taken:  # run ahead past what the streams want: back to where they end
+            shape.set_column(start + taken)
+            shape.positions[:n].sub_(len(reduced) - taken)
+            del reduced[taken:]
+        while len(reduced) < taken:
+            reduced.append(best(self._greedy_step(shape, n, reduced[-1])))
+        self._column = start + taken
         host = torch.stack(reduced).cpu().numpy()
+        tokens = host[:, :, 0].T.astype(np.int32)  # [rows, taken]
         if taken > 1:  # the rows the lane holds now: each with the tokens fed to it
-            fed = host[: taken - 1, :, 0].T.astype(np.int32)
             self._slot_of = {
-                key + row_key(more): i for i, (key, more) in enumerate(zip(keys, fed, strict=True))
+                key + row_key(more[:-1]): i for i, (key, more) in enumerate(zip(keys, tokens, strict=True))
             }
             self.steps += taken - 1
+        self._then = _Then(
+            [key + row_key(more) for key, more in zip(keys, tokens, strict=True)], reduced[-1], best
+        )
         return host
+
+    def run_ahead(self, steps: int) -> None:
+        """Launch the next `steps` greedy steps of the rows the last `greedy_steps` left (each fed
+        the token it chose last): on CUDA the device runs them while the host hands that pass's
+        tokens out and the streams come back for more. A `greedy_steps` of exactly those rows, in
+        order, takes them; anything else drops them (their columns are masked and written over)."""
+        then, self._then = self._then, None
+        shape = self._shape
+        if then is None or self._ahead is not None or shape is None:
+            return
+        n = len(then.keys)
+        reduced = [then.last]
+        for _ in range(min(steps, shape.width - self._column)):
+            reduced.append(then.best(self._greedy_step(shape, n, reduced[-1])))
+        if len(reduced) > 1:
+            self._ahead = _Ahead(then.keys, self._column, reduced[1:])
+
+    @staticmethod
+    def _greedy_step(shape: LaneShape, n: int, last: torch.Tensor) -> torch.Tensor:
+        """The step after `last` (best's rows of the step before): its tokens fed, on the device."""
+        shape.ids[:n].copy_(last[:, :1].long())
+        shape.positions[:n].add_(1)
+        return shape.step()[:n]
+
+    def _take_ahead(self, keys: Sequence[bytes]) -> _Ahead | None:
+        """The steps run ahead, where they extend exactly `keys`; else none, and none kept."""
+        ahead = self._ahead
+        if ahead is not None and ahead.keys == list(keys):
+            self._ahead = self._then = None
+            return ahead
+        self._drop_ahead()
+        return None
+
+    def _drop_ahead(self) -> None:
+        """Back to where the lane's rows end: steps run ahead are not taken now."""
+        self._then = None
+        if self._ahead is not None:
+            self.ahead_dropped += len(self._ahead.reduced)
+            self._ahead = None
+            assert self._shape is not None
+            self._shape.set_column(self._column)
 
     def own_rows(self) -> tuple[list[KV], list[bytes]] | None:
         """The lane's rows as a source for `refill`: K/V right-aligned at the write column, and
         the rows' keys by slot (b"" for a slot that holds none)."""
+        self._drop_ahead()
         if self._shape is None or not self._slot_of:
             return None
         keys = [b""] * self._used
@@ -321,6 +298,7 @@ class DecodeLane:
         self._refill([(layers, list(range(len(part)))) for layers, part in sources], keys)
 
     def _refill(self, sources: Sequence[tuple[list[KV], list[int]]], keys: list[bytes]) -> None:
+        self._drop_ahead()
         # sources: (K/V right-aligned at their last column, which of their rows), in slot order.
         longest = max(map(key_length, keys))
         shape = self._shape_for(_slots_for(len(keys)), _width_for(longest + 1))
@@ -351,49 +329,36 @@ class DecodeLane:
                 del self._shapes[old]
         self._report_bytes()
 
-    def _shape_for(self, slots: int, width: int) -> _Shape:
+    def _shape_for(self, slots: int, width: int) -> LaneShape:
         key = (slots, width)
         shape = self._shapes.get(key)
         if shape is None:
-            need = _kv_bytes(self.model, slots, width)
+            need = kv_bytes(self.model, slots, width)
             for old in list(self._shapes):
                 if sum(s.nbytes for s in self._shapes.values()) + need <= self.max_bytes:
                     break
                 if self._shapes[old] is not self._shape:
                     del self._shapes[old]
-            shape = self._shapes[key] = _Shape(self.model, slots, width, self.graphs, self._forward)
+            shape = self._shapes[key] = LaneShape(self.model, slots, width, self.graphs, self._forward)
             log.info("decode lane: %d rows x %d columns%s", slots, width, ", captured" if self.graphs else "")
             self._report_bytes()
         self._shapes.move_to_end(key)
         return shape
 
 
-def _compiled(model: Any) -> Any:
-    import torch.fx.experimental._config
+@dataclass(frozen=True)
+class _Then:
+    """What a pass of greedy steps leaves to run ahead from."""
 
-    # Rounded between fused operations as the eager model rounds (bfloat16 after each), so the
-    # lane's rows stay as close to a plain forward pass as eager ones.
-    compiled = torch.compile(model, dynamic=True, options={"emulate_precision_casts": True})
-
-    def forward(**kwargs: Any) -> Any:
-        # Traced without "duck" sizes: dynamo would take two sizes that happen to be equal when
-        # it first traces (8 slots and 8 key/value heads; 64 columns and a head of 64) for one,
-        # making the lane's slots or width a constant, and trace the whole model again at the
-        # first shape where they differ (docs/performance.md has what that cost).
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
-            return compiled(**kwargs)
-
-    return forward
+    keys: list[bytes]  # its rows with every token chosen, as the streams' next pass names them
+    last: torch.Tensor  # best's rows of its last step, on the device: the tokens to feed next
+    best: Callable[[torch.Tensor], torch.Tensor]
 
 
-def _kv_bytes(model: Any, slots: int, width: int) -> int:
-    layers, kv_heads, head_dim = _kv_layout(model)
-    itemsize = next(model.parameters()).element_size()
-    return 2 * layers * slots * kv_heads * width * head_dim * itemsize
+@dataclass(frozen=True)
+class _Ahead:
+    """Greedy steps launched before the streams asked for them."""
 
-
-def _kv_layout(model: Any) -> tuple[int, int, int]:
-    """Layers, key/value heads and head size of the model's attention."""
-    text = model.config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return text.num_hidden_layers, text.num_key_value_heads, head_dim
+    keys: list[bytes]  # the rows they extend, as the next pass names them
+    column: int  # the lane's write column before them
+    reduced: list[torch.Tensor]  # best's rows of each, on the device

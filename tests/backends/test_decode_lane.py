@@ -189,7 +189,7 @@ async def test_concurrent_generation_streams_share_lane_steps(engine):
 async def test_the_lane_and_the_prefix_cache_share_one_budget(model_dir, reference, tight):
     """docs/engines.md: memory is the prefix cache's budget, the lane's shapes included. A budget
     the lane's shapes fill half of: lane and cache together never hold more than it."""
-    budget = 3 * decode_lane._kv_bytes(reference.model, 16, 16)
+    budget = 3 * decode_lane.kv_bytes(reference.model, 16, 16)
     engine = load(model_dir, "cpu", decode_lane_rows=64, prefix_cache_bytes=budget)
     rng = np.random.default_rng(3)
     held = []
@@ -254,6 +254,37 @@ async def assert_bursts_take_steps_ahead(engine, caplog) -> None:
 
 async def test_streams_in_bursts_take_several_steps_a_pass_fed_on_the_device(engine, tight, caplog):
     await assert_bursts_take_steps_ahead(engine, caplog)  # tight: through changes of the lane's shape
+
+
+async def test_steps_run_ahead_are_taken_by_the_streams_next_pass_and_dropped_where_it_differs(
+    engine, monkeypatch
+):
+    """After a pass of greedy steps the lane runs the streams' next steps before they ask (the
+    option greedy_run_ahead, off by default): the
+    streams' next pass takes them, a pass that differs (a stream ended, one more joined) drops
+    them, and every stream's tokens, log-probabilities and alternatives are those of its run
+    alone, a token at a time."""
+    from tests.backends.test_step_scheduler import GREEDY, PROMPTS, assert_same, stream
+
+    cases = [
+        (PROMPTS[0], replace(GREEDY, max_tokens=60)),
+        (PROMPTS[1], replace(GREEDY, max_tokens=45, top_logprobs=0)),
+        (PROMPTS[2], replace(GREEDY, max_tokens=70)),
+    ]
+    alone = [await stream(engine, text, params) for text, params in cases]
+    monkeypatch.setattr(engine, "run_ahead", 4)
+    taken, dropped = engine.lane.ahead_taken, engine.lane.ahead_dropped
+
+    async def joining_later(text, params, interval):
+        await asyncio.sleep(0.2 if params.max_tokens == 70 else 0)
+        return await stream(engine, text, replace(params, stream_interval=interval))
+
+    together = await asyncio.gather(
+        *(joining_later(t, p, i) for (t, p), i in zip(cases, (50, 5, 50), strict=True))
+    )
+    for batched, single in zip(together, alone, strict=True):
+        assert_same(batched, single)
+    assert engine.lane.ahead_taken > taken and engine.lane.ahead_dropped > dropped
 
 
 async def test_streams_joining_one_by_one_keep_their_rows_in_the_lane(engine, monkeypatch):
