@@ -13,6 +13,7 @@ take (gateway/contract/links.py).
 from __future__ import annotations
 
 import copy
+import inspect
 import typing
 from collections.abc import Iterable
 from typing import Any
@@ -89,7 +90,7 @@ class _Schemas:
                 self.types.append(t)
         inline, components = msgspec.json.schema_components(self.types, ref_template=REF)
         self.inline = inline
-        self.components = copy.deepcopy(components)
+        self.components = {name: _cleaned(schema) for name, schema in components.items()}
 
     def resolve(self, schema: Schema) -> Any:
         """A declared schema in JSON Schema: each type replaced by its schema (a reference)."""
@@ -103,6 +104,16 @@ class _Schemas:
 
     def content(self, by_media_type: Any) -> dict[str, Any]:
         return {media: {"schema": self.resolve(schema)} for media, schema in by_media_type.items()}
+
+
+def _cleaned(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a type's schema with its description (its docstring) indented as
+    `inspect.cleandoc` leaves it, as msgspec from 0.23 writes it: the same document whichever
+    msgspec made it."""
+    schema = copy.deepcopy(schema)
+    if isinstance(schema.get("description"), str):
+        schema["description"] = inspect.cleandoc(schema["description"])
+    return schema
 
 
 def _declared_types(operations: Iterable[Any]) -> list[Any]:
