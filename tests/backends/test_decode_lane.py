@@ -260,27 +260,27 @@ async def test_steps_run_ahead_are_taken_by_the_streams_next_pass_and_dropped_wh
     engine, monkeypatch
 ):
     """After a pass of greedy steps the lane runs the streams' next steps before they ask (the
-    option greedy_run_ahead, off by default): the
-    streams' next pass takes them, a pass that differs (a stream ended, one more joined) drops
-    them, and every stream's tokens, log-probabilities and alternatives are those of its run
-    alone, a token at a time."""
+    option greedy_run_ahead, off by default): the streams' next pass takes them, and a pass that
+    differs (here: a stream ended with the pass before) drops them; every stream's tokens,
+    log-probabilities and alternatives are those of its run alone, a token at a time."""
     from tests.backends.test_step_scheduler import GREEDY, PROMPTS, assert_same, stream
 
-    cases = [
-        (PROMPTS[0], replace(GREEDY, max_tokens=60)),
+    whole = 16  # steps a pass takes (the engine's greedy_steps_ahead, as loaded)
+    assert engine.steps_ahead == whole
+    cases = [  # the first ends with the second pass of whole steps, where the others go on
+        (PROMPTS[0], replace(GREEDY, max_tokens=1 + 2 * whole)),
         (PROMPTS[1], replace(GREEDY, max_tokens=45, top_logprobs=0)),
-        (PROMPTS[2], replace(GREEDY, max_tokens=70)),
+        (PROMPTS[2], replace(GREEDY, max_tokens=40)),
     ]
     alone = [await stream(engine, text, params) for text, params in cases]
+    engine.lane.clear()  # no earlier stream's row beside these, so the passes fall as said above
     monkeypatch.setattr(engine, "run_ahead", 4)
     taken, dropped = engine.lane.ahead_taken, engine.lane.ahead_dropped
-
-    async def joining_later(text, params, interval):
-        await asyncio.sleep(0.2 if params.max_tokens == 70 else 0)
-        return await stream(engine, text, replace(params, stream_interval=interval))
-
     together = await asyncio.gather(
-        *(joining_later(t, p, i) for (t, p), i in zip(cases, (50, 5, 50), strict=True))
+        *(
+            stream(engine, t, replace(p, stream_interval=i))
+            for (t, p), i in zip(cases, (50, 5, 50), strict=True)
+        )
     )
     for batched, single in zip(together, alone, strict=True):
         assert_same(batched, single)
