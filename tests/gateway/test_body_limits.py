@@ -151,9 +151,11 @@ def test_huge_bodies_that_fail_validation_keep_health_quick(tmp_path):
     assert all(
         a.json()["error"]["param"] == "model" and "`str`" in a.json()["error"]["message"] for a in answers
     )
-    # Decoded on the loop, each body wrong at its last field holds it 0.8 s here and a probe
-    # waits that long; decoded in the worker, the slowest probe waits under 0.1 s.
-    assert max(latencies) < 0.5, sorted(latencies)[-5:]
+    # Decoded on the loop, each of the two bodies wrong at their last field holds it 0.8 s here,
+    # and a probe waits through each hold (one probe through both: 1.6 s); decoded in the worker,
+    # probes wait under 0.1 s, and one of them at most as long as the machine's own hiccups.
+    slowest = sorted(latencies)
+    assert slowest[-2] < 0.5 and slowest[-1] < 1.0, slowest[-5:]
 
 
 def test_half_sent_bodies_stay_within_the_servers_budget_of_unfinished_bytes(tmp_path):
