@@ -9,8 +9,9 @@ bursts of 50, as a completion's do) through one TransformersEngine, from 32-toke
 own. Each pair of a `--steps-ahead` and a `--run-ahead` value is a way: the engine options
 `greedy_steps_ahead` (how many greedy steps a pass may take with each step's tokens fed back on
 the device; 1 is one step a pass) and `greedy_run_ahead` (how many steps the lane launches after
-such a pass before the streams ask for them, DecodeLane.run_ahead; 0: none). The ways share one loaded engine and run in turns, `--repeats` rounds each after a warm-up round, new
-prompts every round. Prints per way and stream count the median tok/s, the event loop's CPU time
+such a pass before the streams ask for them, DecodeLane.run_ahead; 0: none). The ways share one
+loaded engine and run in turns, `--repeats` rounds each after a warm-up round, new prompts every
+round. Prints per way and stream count the median tok/s, the event loop's CPU time
 per token (`time.thread_time` of its thread: sampling, scheduling, the generators), the passes per
 round, where the engine's worker thread spent the round (its share of the wall time in passes;
 per step of the passes that took steps ahead, and in the other passes: prompts, single steps),
@@ -118,9 +119,9 @@ async def run(args: argparse.Namespace, model: str) -> list[tuple]:
                         f"{equal}/{streams * len(runs)}",
                     )
                 )
+                rates = [round(r[0]) for r in runs]
                 print(
-                    f"steps ahead {way[0]}, run ahead {way[1]}, {streams} streams: {[round(r[0]) for r in runs]} tok/s",
-                    flush=True,
+                    f"steps ahead {way[0]}, run ahead {way[1]}, {streams} streams: {rates} tok/s", flush=True
                 )
     finally:
         await engine.aclose()

@@ -172,10 +172,14 @@ class DecodeLane:
         shape.positions.copy_(torch.from_numpy(inputs[1]))
         out = shape.step()[: len(rows)]  # the step moves the cache's write column on by one
         self._column += 1
-        self._slot_of = dict(zip(keys, range(len(keys)), strict=True))
-        self._used = len(rows)
-        self.steps += 1
+        self._hold(keys)
         return out
+
+    def _hold(self, keys: Sequence[bytes]) -> None:
+        """After a step: slot i holds the row keyed keys[i]."""
+        self._slot_of = dict(zip(keys, range(len(keys)), strict=True))
+        self._used = len(keys)
+        self.steps += 1
 
     def greedy_steps(
         self,
@@ -198,9 +202,7 @@ class DecodeLane:
             start = self._column - 1
         else:
             reduced, start = ahead.reduced, ahead.column
-            self._slot_of = dict(zip(keys, range(n), strict=True))
-            self._used = n
-            self.steps += 1
+            self._hold(keys)
         shape = self._shape
         assert shape is not None
         taken = min(steps, shape.width - start)  # the shape's columns bound the steps
