@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -237,8 +238,10 @@ class TransformersEngine(Engine):
         )
         if engine.lane is not None and engine.lane.compiled:
             log.info("compiling the decode lane's step (torch.compile)")
+            started = time.perf_counter()
             with torch.inference_mode():
                 engine.lane.prepare()
+            log.info("decode lane's step ready in %.0f s", time.perf_counter() - started)
         return engine
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:

@@ -103,6 +103,7 @@ class LaneShape:
 
 
 def compiled_forward(model: Any) -> Any:
+    import torch._dynamo.config
     import torch.fx.experimental._config
 
     # Rounded between fused operations as the eager model rounds (bfloat16 after each), so the
@@ -114,7 +115,13 @@ def compiled_forward(model: Any) -> Any:
         # it first traces (8 slots and 8 key/value heads; 64 columns and a head of 64) for one,
         # making the lane's slots or width a constant, and trace the whole model again at the
         # first shape where they differ (docs/performance.md has what that cost).
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        # With floats specialised from the start: dynamic=True otherwise traces the model's float
+        # attributes (norm epsilons, attention scales) as symbols, then specialises them and
+        # traces the whole model a second time.
+        with (
+            torch.fx.experimental._config.patch(use_duck_shape=False),
+            torch._dynamo.config.patch(specialize_float=True),
+        ):
             return compiled(**kwargs)
 
     return forward
