@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -257,6 +258,48 @@ def start_admin_gateway(
         f'admin_key = "{admin_key}"',
         f'adapters_root = "{adapters_root}"\nadapters = {{{loaded}}}',
     )
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, Path]:
+    """An adapters root: (root, {"a", "b": real PEFT adapters}, a directory outside the root).
+    Beside "a" and "b" lie the adapters a load must refuse (too large a rank, pickled, targeting no
+    module, links leading outside the root)."""
+    root = tmp_path_factory.mktemp("adapters")
+    paths = {
+        "a": make_lora_adapter(model_dir, root / "a", 1),
+        "b": make_lora_adapter(model_dir, root / "b", 2),
+    }
+    make_lora_adapter(model_dir, root / "too_big", 3, rank=80)
+    make_lora_adapter(model_dir, root / "pickled", 4, safe_serialization=False)
+    mismatched = make_lora_adapter(model_dir, root / "mismatched", 5)
+    config = json.loads((mismatched / "adapter_config.json").read_text())
+    config["target_modules"] = ["no_such_module"]
+    (mismatched / "adapter_config.json").write_text(json.dumps(config))
+    outside = tmp_path_factory.mktemp("outside")
+    make_lora_adapter(model_dir, outside / "evil", 6)
+    (root / "link").symlink_to(outside / "evil")
+    (root / "loop").symlink_to(root / "loop")
+    # Adapter directories inside the root whose files lead outside it.
+    for leaked in ("adapter_model.safetensors", "adapter_config.json"):
+        leaky = make_lora_adapter(model_dir, root / f"leaky-{leaked}", 7)
+        (leaky / leaked).unlink()
+        (leaky / leaked).symlink_to(outside / "evil" / leaked)
+    return root, paths, outside
+
+
+@pytest.fixture(scope="session")
+def lora_gateway(
+    lora_adapters: tuple[Path, dict, Path], model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    """The real model with the admin endpoints on (key "admin-secret"), adapter "a" of
+    `lora_adapters` loaded at start and its root for loads at run time. Shared by the LoRA tests of
+    tests/gateway (test_lora.py, test_sglang_native.py) and tests/client/test_client_genlm_api.py:
+    whoever loads an adapter unloads it, so each finds only "a" served."""
+    root, paths, _ = lora_adapters
+    gateway = start_admin_gateway(model_dir, tmp_path_factory.mktemp("lora"), root, {"a": paths["a"]})
+    yield gateway
+    gateway.stop()
 
 
 def dense_rows(base_url: str, rows) -> tuple[Any, int]:

@@ -11,26 +11,11 @@ import torch
 
 from logprob_gateway_client import AsyncGatewayLM, GatewayClientError
 from logprob_gateway_client.wire import pack_ids
-from tests.conftest import MODEL, make_lora_adapter, start_admin_gateway
+from tests.conftest import MODEL
 
 pytestmark = pytest.mark.slow
 genlm_llm = pytest.importorskip("genlm.backend.llm")
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def adapter_paths(model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    return root, {name: make_lora_adapter(model_dir, root / name, seed) for seed, name in enumerate("ab", 11)}
-
-
-@pytest.fixture(scope="module")
-def lora_gateway(adapter_paths, model_dir, tmp_path_factory):
-    """Adapter "a" loaded at start; "b" lies in the adapters root, for loading at run time."""
-    root, paths = adapter_paths
-    gateway = start_admin_gateway(model_dir, tmp_path_factory.mktemp("client-lora"), root, {"a": paths["a"]})
-    yield gateway
-    gateway.stop()
 
 
 @pytest.fixture()

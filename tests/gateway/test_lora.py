@@ -1,53 +1,24 @@
-"""LoRA adapters selected by model name, with real PEFT adapters made here, checked against a
+"""LoRA adapters selected by model name, with real PEFT adapters (tests/conftest.py), checked against a
 direct transformers + PEFT forward pass of the same adapter."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import numpy as np
 import pytest
 import torch
 
-from tests.conftest import MODEL, PROMPTS, last_row, load_peft_models, make_lora_adapter, start_admin_gateway
+from tests.conftest import MODEL, PROMPTS, last_row, load_peft_models
 
 pytestmark = pytest.mark.slow
 ADMIN = {"Authorization": "Bearer admin-secret"}
 
 
 @pytest.fixture(scope="module")
-def adapters(model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    paths = {
-        "a": make_lora_adapter(model_dir, root / "a", 1),
-        "b": make_lora_adapter(model_dir, root / "b", 2),
-    }
-    make_lora_adapter(model_dir, root / "too_big", 3, rank=80)
-    make_lora_adapter(model_dir, root / "pickled", 4, safe_serialization=False)
-    mismatched = make_lora_adapter(model_dir, root / "mismatched", 5)
-    config = json.loads((mismatched / "adapter_config.json").read_text())
-    config["target_modules"] = ["no_such_module"]
-    (mismatched / "adapter_config.json").write_text(json.dumps(config))
-    outside = tmp_path_factory.mktemp("outside")
-    make_lora_adapter(model_dir, outside / "evil", 6)
-    (root / "link").symlink_to(outside / "evil")
-    (root / "loop").symlink_to(root / "loop")
-    # Adapter directories inside the root whose files lead outside it.
-    for leaked in ("adapter_model.safetensors", "adapter_config.json"):
-        leaky = make_lora_adapter(model_dir, root / f"leaky-{leaked}", 7)
-        (leaky / leaked).unlink()
-        (leaky / leaked).symlink_to(outside / "evil" / leaked)
-    return root, paths, outside
-
-
-@pytest.fixture(scope="module")
-def lora_gateway(adapters, model_dir, tmp_path_factory):
-    root, paths, _ = adapters
-    gateway = start_admin_gateway(model_dir, tmp_path_factory.mktemp("lora"), root, {"a": paths["a"]})
-    yield gateway
-    gateway.stop()
+def adapters(lora_adapters):
+    return lora_adapters
 
 
 @pytest.fixture(scope="module")

@@ -503,23 +503,13 @@ def test_batch_stream_events_carry_their_index(http, reference):
     }
 
 
-@pytest.fixture(scope="module")
-def lora_gateway(model_dir, tmp_path_factory):
-    from tests.conftest import make_lora_adapter, start_admin_gateway
-
-    root = tmp_path_factory.mktemp("sglang-adapters")
-    path = make_lora_adapter(model_dir, root / "a", 1)
-    gateway = start_admin_gateway(model_dir, tmp_path_factory.mktemp("sglang-lora"), root, {"a": path})
-    yield gateway, path
-    gateway.stop()
-
-
-def test_lora_path_and_model_select_the_adapter(lora_gateway, model_dir, reference):
+def test_lora_path_and_model_select_the_adapter(lora_gateway, lora_adapters, model_dir, reference):
+    """On the session's admin gateway (tests/conftest.py), adapter "a" loaded at start."""
     import httpx
 
     from tests.conftest import last_row, load_peft_models
 
-    gateway, path = lora_gateway
+    gateway, path = lora_gateway, lora_adapters[1]["a"]
     peft = load_peft_models(model_dir, {"a": path})["a"]
     ids = reference.tokenizer(PROMPT)["input_ids"]
     expected, sequence = [], list(ids)
