@@ -17,13 +17,8 @@ ADMIN = {"Authorization": "Bearer admin-secret"}
 
 
 @pytest.fixture(scope="module")
-def adapters(lora_adapters):
-    return lora_adapters
-
-
-@pytest.fixture(scope="module")
-def peft_reference(adapters, model_dir):
-    return load_peft_models(model_dir, adapters[1])
+def peft_reference(lora_adapters, model_dir):
+    return load_peft_models(model_dir, lora_adapters[1])
 
 
 def ref_greedy(model, ids, n):
@@ -63,11 +58,13 @@ def admin(gateway, path, body, headers=ADMIN):
     return httpx.post(gateway.base_url + path, json=body, headers=headers, timeout=60)
 
 
-def test_models_lists_adapters(lora_gateway, adapters):
+def test_models_lists_adapters(lora_gateway, lora_adapters):
     data = httpx.get(lora_gateway.base_url + "/v1/models").json()["data"]
     by_id = {m["id"]: m for m in data}
     assert set(by_id) == {MODEL, f"{MODEL}:a"}
-    assert by_id[f"{MODEL}:a"]["parent"] == MODEL and by_id[f"{MODEL}:a"]["root"] == str(adapters[1]["a"])
+    assert by_id[f"{MODEL}:a"]["parent"] == MODEL and by_id[f"{MODEL}:a"]["root"] == str(
+        lora_adapters[1]["a"]
+    )
 
 
 def test_dense_rows_and_greedy_text_equal_peft_forward(lora_gateway, peft_reference, reference):
