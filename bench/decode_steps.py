@@ -1,17 +1,15 @@
 """Concurrent greedy streams in the transformers engine, in process: steps ahead on the device or not.
 
     python -m bench.decode_steps --random-model llama-1b --tokenizer DIR --device cuda --dtype bfloat16 \
-        --streams 8 64 --max-tokens 128 --steps-ahead 1 8 --run-ahead 0 4
+        --streams 8 64 --max-tokens 128 --steps-ahead 1 8 16
     python -m bench.decode_steps --random-model llama-tiny --lane --streams 64   # CPU: host work alone
 
 N streams each generate `--max-tokens` greedy tokens (no logprobs, sent whole: the tokens come in
 bursts of 50, as a completion's do) through one TransformersEngine, from 32-token prompts of their
-own. Each pair of a `--steps-ahead` and a `--run-ahead` value is a way: the engine options
-`greedy_steps_ahead` (how many greedy steps a pass may take with each step's tokens fed back on
-the device; 1 is one step a pass) and `greedy_run_ahead` (how many steps the lane launches after
-such a pass before the streams ask for them, DecodeLane.run_ahead; 0: none). The ways share one
-loaded engine and run in turns, `--repeats` rounds each after a warm-up round, new prompts every
-round. Prints per way and stream count the median tok/s, the event loop's CPU time
+own. Each `--steps-ahead` value is a way (the engine option `greedy_steps_ahead`: how many greedy
+steps a pass may take with each step's tokens fed back on the device; 1 is one step a pass). The
+ways share one loaded engine and run in turns, `--repeats` rounds each after a warm-up round, new
+prompts every round. Prints per way and stream count the median tok/s, the event loop's CPU time
 per token (`time.thread_time` of its thread: sampling, scheduling, the generators), the passes per
 round, where the engine's worker thread spent the round (its share of the wall time in passes;
 per step of the passes that took steps ahead, and in the other passes: prompts, single steps),
@@ -95,22 +93,22 @@ async def run(args: argparse.Namespace, model: str) -> list[tuple]:
     rows = []
     try:
         for streams in args.streams:
-            pairs = [(steps, ahead) for steps in args.steps_ahead for ahead in args.run_ahead]
-            results: dict[tuple[int, int], list[tuple]] = {w: [] for w in pairs}
+            ways = args.steps_ahead
+            results: dict[int, list[tuple]] = {w: [] for w in ways}
             for round_ in range(args.repeats + 1):
-                for way in pairs if round_ % 2 == 0 else list(reversed(pairs)):
-                    engine.steps_ahead, engine.run_ahead = way
+                for way in ways if round_ % 2 == 0 else list(reversed(ways)):
+                    engine.steps_ahead = way
                     result = await one_round(engine, clock, streams, args.max_tokens, seed=round_)
                     if round_:  # the first round warms up (shapes, graphs)
                         results[way].append(result)
-            first = results[pairs[0]]
+            first = results[ways[0]]
             for way, runs in results.items():
                 equal = sum(
                     a == b for r, f in zip(runs, first, strict=True) for a, b in zip(r[3], f[3], strict=True)
                 )
                 rows.append(
                     (
-                        *way,
+                        way,
                         streams,
                         statistics.median(r[0] for r in runs),
                         statistics.median(r[1] for r in runs),
@@ -120,9 +118,7 @@ async def run(args: argparse.Namespace, model: str) -> list[tuple]:
                     )
                 )
                 rates = [round(r[0]) for r in runs]
-                print(
-                    f"steps ahead {way[0]}, run ahead {way[1]}, {streams} streams: {rates} tok/s", flush=True
-                )
+                print(f"steps ahead {way}, {streams} streams: {rates} tok/s", flush=True)
     finally:
         await engine.aclose()
     return rows
@@ -136,7 +132,6 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--steps-ahead", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--run-ahead", type=int, nargs="+", default=[0, 4])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lane", action="store_true", help="the decode lane on where it is off by default")
     args = parser.parse_args()
@@ -152,13 +147,13 @@ def main() -> None:
         rows = asyncio.run(run(args, model))
     print(f"\n### {args.max_tokens} greedy tokens per stream, sent whole, median of {args.repeats}\n")
     print(
-        "| steps ahead | run ahead | streams | tok/s | event loop µs/token | passes per round | worker busy"
+        "| steps ahead | streams | tok/s | event loop µs/token | passes per round | worker busy"
         " | ms per step ahead | ms in other passes | tokens equal the first way's |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for way, ahead, streams, rate, loop_us, passes, busy, ahead_ms, other_ms, equal in rows:
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for way, streams, rate, loop_us, passes, busy, ahead_ms, other_ms, equal in rows:
         print(
-            f"| {way} | {ahead} | {streams} | {rate:,.0f} | {loop_us:.1f} | {passes:.0f} | {busy:.0%}"
+            f"| {way} | {streams} | {rate:,.0f} | {loop_us:.1f} | {passes:.0f} | {busy:.0%}"
             f" | {ahead_ms:.2f} | {other_ms:.1f} | {equal} |"
         )
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -90,9 +89,6 @@ class DecodeLane:
         self._used = 0  # slots holding the last pass's rows (some empty where a row repeated)
         self._column = 0
         self.steps = 0  # passes served by the lane
-        self._then: _Then | None = None  # what the last greedy steps leave to run ahead from
-        self._ahead: _Ahead | None = None  # steps run ahead, not yet asked for
-        self.ahead_taken = self.ahead_dropped = 0  # steps run ahead that a pass took, or not
 
     def prepare(self) -> None:
         """Build (and on CUDA capture, and compile) the smallest shape now rather than at the
@@ -116,7 +112,6 @@ class DecodeLane:
 
     def clear(self) -> None:
         """Forget the rows and every captured shape (the weights they were computed with changed)."""
-        self._then = self._ahead = None
         self._shapes.clear()
         self._shape = None
         self._slot_of = {}
@@ -151,7 +146,6 @@ class DecodeLane:
     def step(self, rows: Sequence[np.ndarray], keys: Sequence[bytes], parents: Sequence[int]) -> torch.Tensor:
         """Log-probabilities [len(rows), vocab] of rows (int32 ids, and their keys) whose parents
         the lane holds (a view of the lane's output, valid until its next step)."""
-        self._drop_ahead()
         shape = self._shape
         assert shape is not None
         slots = _slots_for(len(rows))
@@ -172,14 +166,10 @@ class DecodeLane:
         shape.positions.copy_(torch.from_numpy(inputs[1]))
         out = shape.step()[: len(rows)]  # the step moves the cache's write column on by one
         self._column += 1
-        self._hold(keys)
-        return out
-
-    def _hold(self, keys: Sequence[bytes]) -> None:
-        """After a step: slot i holds the row keyed keys[i]."""
-        self._slot_of = dict(zip(keys, range(len(keys)), strict=True))
+        self._slot_of = dict(zip(keys, range(len(keys)), strict=True))  # slot i holds row keys[i]
         self._used = len(keys)
         self.steps += 1
+        return out
 
     def greedy_steps(
         self,
@@ -193,86 +183,29 @@ class DecodeLane:
         turn of the host between steps: each step's tokens are fed to the next on the device and
         `best` (backends/transformers/host_copy.py best_entries) reduces each step's rows there,
         [rows, C]. Returns `best`'s rows of every step taken, [taken, rows, C], in one copy to the
-        host; the lane then holds the rows as extended by all but the last step's tokens. Steps
-        run ahead for exactly these rows (`run_ahead`) are taken as they are."""
+        host; the lane then holds the rows as extended by all but the last step's tokens."""
         n = len(rows)
-        ahead = self._take_ahead(keys)
-        if ahead is None:
-            reduced = [best(self.step(rows, keys, parents))]  # into another shape first, where needed
-            start = self._column - 1
-        else:
-            reduced, start = ahead.reduced, ahead.column
-            self._hold(keys)
+        reduced = [best(self.step(rows, keys, parents))]  # into another shape first, where needed
         shape = self._shape
         assert shape is not None
-        taken = min(steps, shape.width - start)  # the shape's columns bound the steps
-        if ahead is not None:
-            self.ahead_taken += min(len(reduced), taken)
-            self.ahead_dropped += max(len(reduced) - taken, 0)
-        if len(reduced) > taken:  # run ahead past what the streams want: back to where they end
-            shape.set_column(start + taken)
-            shape.positions[:n].sub_(len(reduced) - taken)
-            del reduced[taken:]
-        while len(reduced) < taken:
-            reduced.append(best(self._greedy_step(shape, n, reduced[-1])))
-        self._column = start + taken
+        taken = min(steps, 1 + shape.width - self._column)  # the shape's columns bound the steps
+        for _ in range(taken - 1):
+            shape.ids[:n].copy_(reduced[-1][:, :1].long())  # the last step's tokens, where they are
+            shape.positions[:n].add_(1)
+            reduced.append(best(shape.step()[:n]))
+            self._column += 1
         host = torch.stack(reduced).cpu().numpy()
-        tokens = host[:, :, 0].T.astype(np.int32)  # [rows, taken]
         if taken > 1:  # the rows the lane holds now: each with the tokens fed to it
+            fed = host[: taken - 1, :, 0].T.astype(np.int32)
             self._slot_of = {
-                key + row_key(more[:-1]): i for i, (key, more) in enumerate(zip(keys, tokens, strict=True))
+                key + row_key(more): i for i, (key, more) in enumerate(zip(keys, fed, strict=True))
             }
             self.steps += taken - 1
-        self._then = _Then(
-            [key + row_key(more) for key, more in zip(keys, tokens, strict=True)], reduced[-1], best
-        )
         return host
-
-    def run_ahead(self, steps: int) -> None:
-        """Launch the next `steps` greedy steps of the rows the last `greedy_steps` left (each fed
-        the token it chose last): on CUDA the device runs them while the host hands that pass's
-        tokens out and the streams come back for more. A `greedy_steps` of exactly those rows, in
-        order, takes them; anything else drops them (their columns are masked and written over)."""
-        then, self._then = self._then, None
-        shape = self._shape
-        if then is None or self._ahead is not None or shape is None:
-            return
-        n = len(then.keys)
-        reduced = [then.last]
-        for _ in range(min(steps, shape.width - self._column)):
-            reduced.append(then.best(self._greedy_step(shape, n, reduced[-1])))
-        if len(reduced) > 1:
-            self._ahead = _Ahead(then.keys, self._column, reduced[1:])
-
-    @staticmethod
-    def _greedy_step(shape: LaneShape, n: int, last: torch.Tensor) -> torch.Tensor:
-        """The step after `last` (best's rows of the step before): its tokens fed, on the device."""
-        shape.ids[:n].copy_(last[:, :1].long())
-        shape.positions[:n].add_(1)
-        return shape.step()[:n]
-
-    def _take_ahead(self, keys: Sequence[bytes]) -> _Ahead | None:
-        """The steps run ahead, where they extend exactly `keys`; else none, and none kept."""
-        ahead = self._ahead
-        if ahead is not None and ahead.keys == list(keys):
-            self._ahead = self._then = None
-            return ahead
-        self._drop_ahead()
-        return None
-
-    def _drop_ahead(self) -> None:
-        """Back to where the lane's rows end: steps run ahead are not taken now."""
-        self._then = None
-        if self._ahead is not None:
-            self.ahead_dropped += len(self._ahead.reduced)
-            self._ahead = None
-            assert self._shape is not None
-            self._shape.set_column(self._column)
 
     def own_rows(self) -> tuple[list[KV], list[bytes]] | None:
         """The lane's rows as a source for `refill`: K/V right-aligned at the write column, and
         the rows' keys by slot (b"" for a slot that holds none)."""
-        self._drop_ahead()
         if self._shape is None or not self._slot_of:
             return None
         keys = [b""] * self._used
@@ -300,7 +233,6 @@ class DecodeLane:
         self._refill([(layers, list(range(len(part)))) for layers, part in sources], keys)
 
     def _refill(self, sources: Sequence[tuple[list[KV], list[int]]], keys: list[bytes]) -> None:
-        self._drop_ahead()
         # sources: (K/V right-aligned at their last column, which of their rows), in slot order.
         longest = max(map(key_length, keys))
         shape = self._shape_for(_slots_for(len(keys)), _width_for(longest + 1))
@@ -346,21 +278,3 @@ class DecodeLane:
             self._report_bytes()
         self._shapes.move_to_end(key)
         return shape
-
-
-@dataclass(frozen=True)
-class _Then:
-    """What a pass of greedy steps leaves to run ahead from."""
-
-    keys: list[bytes]  # its rows with every token chosen, as the streams' next pass names them
-    last: torch.Tensor  # best's rows of its last step, on the device: the tokens to feed next
-    best: Callable[[torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class _Ahead:
-    """Greedy steps launched before the streams asked for them."""
-
-    keys: list[bytes]  # the rows they extend, as the next pass names them
-    column: int  # the lane's write column before them
-    reduced: list[torch.Tensor]  # best's rows of each, on the device

@@ -52,7 +52,6 @@ from backends.transformers.grouped_attention import use_grouped_attention
 from backends.transformers.host_copy import release_pinned_memory
 from backends.transformers.prefix_cache import PrefixCache as PrefixKeysValues
 from backends.transformers.step_pass import (
-    DEFAULT_RUN_AHEAD,
     DEFAULT_STEPS_AHEAD,
     GreedySteps,
     StepItem,
@@ -151,7 +150,6 @@ class TransformersEngine(Engine):
         decode_lane_rows: int = 0,
         decode_lane_compile: bool = False,
         steps_ahead: int = DEFAULT_STEPS_AHEAD,
-        run_ahead: int = DEFAULT_RUN_AHEAD,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -172,7 +170,6 @@ class TransformersEngine(Engine):
         # Dense rows and generation steps of concurrent requests share forward passes.
         self.pass_stats = PassStats()
         self.steps_ahead = steps_ahead
-        self.run_ahead = run_ahead
         self.steps: StepScheduler[StepItem, StepResult] = StepScheduler(self._pass, stats=self.pass_stats)
         self.prefix_kv: PrefixKeysValues | None = None  # prefixes' keys/values, reused by dense rows
         if prefix_cache_bytes and supports_prefix_cache(model):
@@ -234,7 +231,6 @@ class TransformersEngine(Engine):
             ),
             decode_lane_compile=bool(config.options.get("decode_lane_compile", device.type == "cuda")),
             steps_ahead=_positive_int(config.options, "greedy_steps_ahead", DEFAULT_STEPS_AHEAD),
-            run_ahead=_positive_int(config.options, "greedy_run_ahead", DEFAULT_RUN_AHEAD, 0),
         )
         if engine.lane is not None and engine.lane.compiled:
             log.info("compiling the decode lane's step (torch.compile)")
@@ -272,29 +268,7 @@ class TransformersEngine(Engine):
         return computed
 
     async def _pass(self, groups: list[Sequence[StepItem]]) -> list[StepResult]:
-        results = await self._run(self._step_results, groups)
-        if self.lane is not None and self.run_ahead and self._all_go_on(groups):
-            # Queued on the worker before the callers' next pass: the device runs the streams'
-            # next steps while the event loop hands this pass's tokens out.
-            self._executor.submit(self._run_ahead)
-        return results
-
-    def _all_go_on(self, groups: list[Sequence[StepItem]]) -> bool:
-        """Whether every caller of a pass is a greedy stream with more steps to come than a pass
-        takes: one with fewer ends with the pass, and steps run ahead would not be taken."""
-        return all(
-            isinstance(want := group[0][3], GreedySteps) and want.steps == self.steps_ahead
-            for group in groups
-        )
-
-    @torch.inference_mode()
-    def _run_ahead(self) -> None:
-        assert self.lane is not None
-        try:
-            self.lane.run_ahead(self.run_ahead)
-        except Exception:  # the next pass runs its steps itself
-            log.exception("decode lane: running steps ahead failed")
-            self.lane.clear()
+        return await self._run(self._step_results, groups)
 
     def _step_results(self, groups: list[Sequence[StepItem]]) -> list[StepResult]:
         results = pass_results(

@@ -29,9 +29,6 @@ from backends.transformers.host_copy import (
 from backends.types import PassStats
 
 DEFAULT_STEPS_AHEAD = 16  # most greedy steps one pass takes of a stream, tokens fed back on the device
-# greedy steps of a pass's streams launched right after it, before they ask (DecodeLane.run_ahead);
-# off until measured on a GPU (docs/performance.md)
-DEFAULT_RUN_AHEAD = 0
 
 
 @dataclass(frozen=True)

@@ -277,37 +277,6 @@ async def test_streams_in_bursts_take_several_steps_a_pass_fed_on_the_device(eng
     await assert_bursts_take_steps_ahead(engine, caplog)  # tight: through changes of the lane's shape
 
 
-async def test_steps_run_ahead_are_taken_by_the_streams_next_pass_and_dropped_where_it_differs(
-    engine, monkeypatch
-):
-    """After a pass of greedy steps the lane runs the streams' next steps before they ask (the
-    option greedy_run_ahead, off by default): the streams' next pass takes them, and a pass that
-    differs (here: a stream ended with the pass before) drops them; every stream's tokens,
-    log-probabilities and alternatives are those of its run alone, a token at a time."""
-    from tests.backends.test_step_scheduler import GREEDY, PROMPTS, assert_same, stream
-
-    whole = 16  # steps a pass takes (the engine's greedy_steps_ahead, as loaded)
-    assert engine.steps_ahead == whole
-    cases = [  # the first ends with the second pass of whole steps, where the others go on
-        (PROMPTS[0], replace(GREEDY, max_tokens=1 + 2 * whole)),
-        (PROMPTS[1], replace(GREEDY, max_tokens=45, top_logprobs=0)),
-        (PROMPTS[2], replace(GREEDY, max_tokens=40)),
-    ]
-    alone = [await stream(engine, text, params) for text, params in cases]
-    engine.lane.clear()  # no earlier stream's row beside these, so the passes fall as said above
-    monkeypatch.setattr(engine, "run_ahead", 4)
-    taken, dropped = engine.lane.ahead_taken, engine.lane.ahead_dropped
-    together = await asyncio.gather(
-        *(
-            stream(engine, t, replace(p, stream_interval=i))
-            for (t, p), i in zip(cases, (50, 5, 50), strict=True)
-        )
-    )
-    for batched, single in zip(together, alone, strict=True):
-        assert_same(batched, single)
-    assert engine.lane.ahead_taken > taken and engine.lane.ahead_dropped > dropped
-
-
 async def test_streams_joining_one_by_one_keep_their_rows_in_the_lane(engine, monkeypatch):
     """Streams sent whole, starting one after another while the others run (as requests arrive):
     past its prompt no stream's step runs through the prefix cache (the lane holds every row: a
