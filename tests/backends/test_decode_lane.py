@@ -196,10 +196,10 @@ class _Records(logging.Handler):
 async def test_concurrent_generation_streams_share_lane_steps(engine):
     """Streams of different prompt lengths, joining at different times, step together in the
     lane; each stream's tokens and log-probabilities equal its run alone."""
-    from tests.backends.test_step_scheduler import PROMPTS, assert_same, stream
+    from tests.backends.test_step_scheduler import PROMPTS, assert_same, run_alone, stream
 
     prompts = PROMPTS[:4]
-    alone = [await stream(engine, text) for text in prompts]
+    alone = [await run_alone(engine, text) for text in prompts]
     lane_steps = engine.lane.steps
     together = await asyncio.gather(*(stream(engine, text) for text in prompts))
     for batched, single in zip(together, alone, strict=True):
@@ -237,7 +237,7 @@ async def assert_bursts_take_steps_ahead(engine, caplog) -> None:
     two, and a dense call among them (its rows as alone); no pass fails on the way (a failed pass
     is retried a submission at a time, with the same results). A stream with one step left at a
     pass's start is checked alone, below: where passes fall here depends on the dense call."""
-    from tests.backends.test_step_scheduler import GREEDY, PROMPTS, assert_same, stream
+    from tests.backends.test_step_scheduler import GREEDY, PROMPTS, assert_same, run_alone, stream
 
     cases = [
         (PROMPTS[0], replace(GREEDY, max_tokens=21)),
@@ -245,7 +245,7 @@ async def assert_bursts_take_steps_ahead(engine, caplog) -> None:
         (PROMPTS[2] * 3, GREEDY),  # a longer prompt
         (PROMPTS[7], replace(GREEDY, max_tokens=18)),  # another length ending inside a pass
     ]
-    alone = [await stream(engine, text, params) for text, params in cases]
+    alone = [await run_alone(engine, text, params) for text, params in cases]
     rows = [ids(engine, text) for text in PROMPTS[3:6]]
     rows_alone = await engine_rows(engine, rows)
     lane_steps, passes = engine.lane.steps, engine.pass_stats.passes
@@ -282,9 +282,9 @@ async def test_streams_joining_one_by_one_keep_their_rows_in_the_lane(engine, mo
     past its prompt no stream's step runs through the prefix cache (the lane holds every row: a
     stream whose first token went out is in the next pass, beside prompts that arrived meanwhile),
     and each equals its run alone."""
-    from tests.backends.test_step_scheduler import GREEDY, PROMPTS, assert_same, stream
+    from tests.backends.test_step_scheduler import GREEDY, PROMPTS, assert_same, run_alone, stream
 
-    alone = [await stream(engine, text) for text in PROMPTS]
+    alone = [await run_alone(engine, text) for text in PROMPTS]
     computed: list[int] = []  # lengths of the rows run through the model, not the lane
     cached_logprobs = DenseRows._cached_logprobs
 

@@ -5,6 +5,7 @@ a running batch and leave it at once."""
 from __future__ import annotations
 
 import asyncio
+import weakref
 from dataclasses import replace
 
 import numpy as np
@@ -148,6 +149,18 @@ async def stream(engine, text: str, params: SamplingParams = GREEDY, stop_after:
     return steps
 
 
+_RUNS_ALONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+async def run_alone(engine, text: str, params: SamplingParams = GREEDY, fresh: bool = False):
+    """`stream` of a request with nothing beside it. On one engine it is always the same (what the
+    tests compare batched streams with), so it is computed once per engine (or again, `fresh`)."""
+    runs, key = _RUNS_ALONE.setdefault(engine, {}), (text, repr(params))  # params hold a dict
+    if fresh or key not in runs:
+        runs[key] = await stream(engine, text, params)
+    return runs[key]
+
+
 def assert_same(batched, alone) -> None:
     assert [s.token_id for s in batched] == [s.token_id for s in alone]
     np.testing.assert_allclose([s.logprob for s in batched], [s.logprob for s in alone], rtol=0, atol=1e-4)
@@ -157,7 +170,7 @@ def assert_same(batched, alone) -> None:
 
 
 async def test_concurrent_streams_share_passes_and_each_equals_its_run_alone(engine, passes):
-    alone = [await stream(engine, text) for text in PROMPTS]
+    alone = [await run_alone(engine, text, fresh=True) for text in PROMPTS]
     solo_passes = len(passes)
     assert solo_passes == sum(len(steps) for steps in alone)  # alone: one pass per step
     passes.clear()
@@ -169,7 +182,7 @@ async def test_concurrent_streams_share_passes_and_each_equals_its_run_alone(eng
 
 
 async def test_a_stream_joins_a_running_batch_and_a_stopped_one_leaves_it_at_once(engine, passes):
-    first_alone, second_alone = await stream(engine, PROMPTS[0]), await stream(engine, PROMPTS[1])
+    first_alone, second_alone = await run_alone(engine, PROMPTS[0]), await run_alone(engine, PROMPTS[1])
     passes.clear()
     started = asyncio.Event()
 
@@ -207,7 +220,7 @@ async def test_streams_in_bursts_equal_their_runs_a_token_at_a_time(engine, pass
     pass under way when it left."""
     sampled = SamplingParams(max_tokens=19, temperature=0.9, top_p=0.95, seed=3, top_logprobs=1)
     cases = [(PROMPTS[0], GREEDY), (PROMPTS[1], sampled), (PROMPTS[2], GREEDY)]
-    alone = [await stream(engine, text, params) for text, params in cases]
+    alone = [await run_alone(engine, text, params) for text, params in cases]
     bursts = [
         replace(params, stream_interval=interval)
         for (_, params), interval in zip(cases, (5, 7, 50), strict=True)
@@ -240,7 +253,7 @@ async def test_a_stream_in_bursts_held_runs_at_most_one_burst_past_and_then_goes
     """Past its first token a stream steps on while its consumer takes tokens in; held there
     (generation paused holds the consumer between tokens), it stops once a burst waits for the
     consumer, and then goes on as a token at a time would."""
-    alone = await stream(engine, PROMPTS[4])
+    alone = await run_alone(engine, PROMPTS[4])
     generator = engine.generate(ids(engine, PROMPTS[4]), replace(GREEDY, stream_interval=5))
     try:
         steps = [await anext(generator)]
