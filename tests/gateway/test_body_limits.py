@@ -124,7 +124,7 @@ def test_huge_bodies_that_fail_validation_keep_health_quick(tmp_path):
     rows = b"[" + b",".join([b"[1,2,3,4,5,6,7,8,9,1,2,3,4,5,6,7]"] * 1_900_000) + b"]"
     bodies = [b'{"model": 5, "input": ' + rows + b"}", b'{"input": ' + rows + b', "model": 5}'] * 2
     assert all(len(body) > 60 * 2**20 for body in bodies)
-    answers, latencies = [], []
+    answers: list[httpx.Response] = []
 
     def post(body: bytes) -> None:
         answers.append(
@@ -143,19 +143,27 @@ def test_huge_bodies_that_fail_validation_keep_health_quick(tmp_path):
         for sender in senders:
             sender.join()
 
+    def quick(latencies: list[float]) -> bool:
+        # Decoded on the loop, each of the two bodies wrong at their last field holds it 0.8 s
+        # here, and a probe waits through each hold (one probe through both: 1.6 s); decoded in
+        # the worker, probes wait under 0.1 s, and one of them at most as long as the machine's
+        # own hiccups.
+        slowest = sorted(latencies)
+        return slowest[-2] < 0.5 and slowest[-1] < 1.0
+
     try:
-        latencies, _ = health_latencies_during(gateway.base_url, send_all)
+        rounds = []
+        for _ in range(2):  # a held loop is slow every time; a busy machine's hiccups rarely twice
+            rounds.append(health_latencies_during(gateway.base_url, send_all)[0])
+            if quick(rounds[-1]):
+                break
     finally:
         gateway.stop()
-    assert [a.status_code for a in answers] == [400] * len(bodies)
+    assert [a.status_code for a in answers] == [400] * len(bodies) * len(rounds)
     assert all(
         a.json()["error"]["param"] == "model" and "`str`" in a.json()["error"]["message"] for a in answers
     )
-    # Decoded on the loop, each of the two bodies wrong at their last field holds it 0.8 s here,
-    # and a probe waits through each hold (one probe through both: 1.6 s); decoded in the worker,
-    # probes wait under 0.1 s, and one of them at most as long as the machine's own hiccups.
-    slowest = sorted(latencies)
-    assert slowest[-2] < 0.5 and slowest[-1] < 1.0, slowest[-5:]
+    assert quick(rounds[-1]), [sorted(latencies)[-5:] for latencies in rounds]
 
 
 def test_half_sent_bodies_stay_within_the_servers_budget_of_unfinished_bytes(tmp_path):
