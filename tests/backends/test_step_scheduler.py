@@ -161,6 +161,20 @@ async def run_alone(engine, text: str, params: SamplingParams = GREEDY, fresh: b
     return runs[key]
 
 
+async def passes_once_still(engine, quiet=0.3, limit=30.0):
+    """The engine's pass count once no pass has run for `quiet` seconds (a busy machine can take
+    longer than a fixed sleep to finish a burst); fails if passes go on past `limit`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    count = engine.pass_stats.passes
+    while loop.time() < deadline:
+        await asyncio.sleep(quiet)
+        if engine.pass_stats.passes == count:
+            return count
+        count = engine.pass_stats.passes
+    raise AssertionError(f"passes went on for {limit} s")
+
+
 def assert_same(batched, alone) -> None:
     assert [s.token_id for s in batched] == [s.token_id for s in alone]
     np.testing.assert_allclose([s.logprob for s in batched], [s.logprob for s in alone], rtol=0, atol=1e-4)
@@ -233,20 +247,6 @@ async def test_streams_in_bursts_equal_their_runs_a_token_at_a_time(engine, pass
     await passes_once_still(engine)  # the engine goes quiet
     # the first token, one burst, the pass that went on while the burst was handed over, none after
     assert len(closed) == 2 and len(passes) == 1 + 6 + 1
-
-
-async def passes_once_still(engine, quiet=0.3, limit=30.0):
-    """The engine's pass count once no pass has run for `quiet` seconds (a busy machine can take
-    longer than a fixed sleep to finish a burst); fails if passes go on past `limit`."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    count = engine.pass_stats.passes
-    while loop.time() < deadline:
-        await asyncio.sleep(quiet)
-        if engine.pass_stats.passes == count:
-            return count
-        count = engine.pass_stats.passes
-    raise AssertionError(f"passes went on for {limit} s with the consumer held")
 
 
 async def test_a_stream_in_bursts_held_runs_at_most_one_burst_past_and_then_goes_on(engine):

@@ -139,6 +139,7 @@ def test_clients_that_never_read_are_cut_off_within_the_answer_budget(model_dir,
     gateway = start_real_gateway(
         model_dir, tmp_path, f"[limits]\nwrite_stall_timeout_s = {WRITE_STALL_TIMEOUT_S}\n"
     )
+    socks: list[socket.socket] = []
     try:
         host, port = _address(gateway)
         pid = gateway.process.pid
@@ -147,7 +148,7 @@ def test_clients_that_never_read_are_cut_off_within_the_answer_budget(model_dir,
             {"model": MODEL, "input": rows, "encoding_format": "base64", "dtype": "float32"}
         )
         idle_kib = memory_kib(pid, "VmRSS")
-        socks = [_raw_request(host, port, body) for _ in range(8)]
+        socks += [_raw_request(host, port, body) for _ in range(8)]
         time.sleep(3)
         begun = time.monotonic()
         while time.monotonic() - begun < WRITE_STALL_TIMEOUT_S + 6:
@@ -166,9 +167,9 @@ def test_clients_that_never_read_are_cut_off_within_the_answer_budget(model_dir,
                 time.sleep(WRITE_STALL_TIMEOUT_S + 3)
                 more, ended = _read_all(socks[i], limit=64 * 2**20)
                 answers[i] = (data + more, ended)
+    finally:
         for sock in socks:
             sock.close()
-    finally:
         gateway.stop()
     # A cut connection may end in a reset that loses what the client's kernel held: no status then.
     refused = [data for data, _ in answers if data.startswith(b"HTTP/1.1 429 ")]
