@@ -29,7 +29,7 @@ from gateway.models.registry import ModelRegistry
 from gateway.openai import chat, completions, models
 from gateway.server.shutdown import Shutdown
 from gateway.settings import Settings
-from gateway.sglang import routes as sglang_routes
+from gateway.sglang_api import routes as sglang_routes
 from gateway.weights import group_routes
 from gateway.weights import routes as weights_routes
 

@@ -1,5 +1,6 @@
 """The shape of the shipped code (docs/layout.md): which package may import which, no cycles,
-no module too long to read at once, and test support kept out of what ships.
+no torch in gateway/ (named or reached through another module), no module too long to read at
+once, and test support kept out of what ships.
 
 Each rule is a function of a repository root that returns what breaks it, and each is shown
 failing on a scratch copy of the packages with a violation planted in it."""
@@ -29,23 +30,72 @@ def modules(root: Path) -> dict[str, Path]:
     return found
 
 
-def imported(name: str, path: Path) -> set[str]:
-    """Every module name that module `name` (at `path`) imports, absolute, wherever the import
-    statement is (top level, a function, `if TYPE_CHECKING:`); `from a import b` names both `a`
-    and `a.b`, as `b` may be a module."""
+def imports(name: str, path: Path) -> list[tuple[str, bool]]:
+    """(module, on_import) for every module name that module `name` (at `path`) imports,
+    absolute, wherever the import is (top level, a function, `if TYPE_CHECKING:`): `import`
+    statements, `from a import b` (naming both `a` and `a.b`, as `b` may be a module), and
+    `importlib.import_module` or `__import__` of a constant name. `on_import`: the import runs
+    when the module is imported (not in a function's body, nor under `if TYPE_CHECKING:`)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    found: list[tuple[str, bool]] = []
+
+    def absolute(module: str, level: int, within: str = package) -> str:
+        if not level:
+            return module
+        kept = within.split(".")[: len(within.split(".")) - level + 1]
+        return ".".join([*kept, module]).strip(".")
+
+    def visit(node: ast.AST, on_import: bool) -> None:
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            found.extend((alias.name, on_import) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                kept = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*kept, base]).strip(".")
-            found.update([base, *(f"{base}.{alias.name}" for alias in node.names)])
-    found.discard(name)
-    return found
+            base = absolute(node.module or "", node.level)
+            found.extend((module, on_import) for module in [base, *(f"{base}.{a.name}" for a in node.names)])
+        elif isinstance(node, ast.Call) and (module := _constant_import(node, package)):
+            found.append((absolute(module[0].lstrip("."), module[1], module[2]), on_import))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            deferred = node.body if isinstance(node.body, list) else [node.body]
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            deferred = node.body
+        else:
+            deferred = []
+        for child in ast.iter_child_nodes(node):
+            visit(child, on_import and child not in deferred)
+
+    visit(ast.parse(path.read_text()), True)
+    return [(module, on_import) for module, on_import in found if module != name]
+
+
+def _constant_import(call: ast.Call, package: str) -> tuple[str, int, str] | None:
+    """(name, level, package it is relative to) of `importlib.import_module("a.b")`,
+    `import_module(".b", __package__)` or `__import__("a.b")`; None for any other call, or a name
+    known only when it runs."""
+    function = call.func
+    called = function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", None)
+    if called not in ("import_module", "__import__") or not call.args:
+        return None
+    first = call.args[0]
+    if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+        return None
+    level = len(first.value) - len(first.value.lstrip("."))
+    anchor = call.args[1] if called == "import_module" and len(call.args) > 1 else None
+    anchor = next((k.value for k in call.keywords if k.arg == "package"), anchor)
+    if isinstance(anchor, ast.Constant) and isinstance(anchor.value, str):
+        return first.value, level, anchor.value
+    if level and not (isinstance(anchor, ast.Name) and anchor.id == "__package__"):
+        return None
+    return first.value, level, package
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imported(name: str, path: Path) -> set[str]:
+    """Every module name that module `name` (at `path`) imports, wherever (`imports`)."""
+    return {module for module, _ in imports(name, path)}
 
 
 def _top(module: str) -> str:
@@ -83,6 +133,54 @@ def gateway_modules_importing_torch(root: Path) -> list[str]:
         for name, path in modules(root).items()
         if _top(name) == "gateway" and "torch" in {_top(i) for i in imported(name, path)}
     )
+
+
+def _packages_and_self(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def gateway_modules_reaching_torch(root: Path) -> dict[str, list[str]]:
+    """The gateway modules that import, anywhere, a module outside gateway/ (an engine's, the
+    client's) whose import loads torch, each with the chain of imports on import that gets there.
+    Through such a module torch is in gateway/ as surely as by `import torch` (and
+    `from backends.x import torch` is this case); the engines themselves are loaded by name
+    through backends/registry.py, whose imports on import load no torch."""
+    found = modules(root)
+    on_import = {
+        name: {module for module, runs in imports(name, path) if runs} for name, path in found.items()
+    }
+    reaching = {}
+    for name, path in found.items():
+        if _top(name) != "gateway":
+            continue
+        for module in sorted(imported(name, path) & found.keys()):
+            if _top(module) != "gateway" and (chain := _chain_to_torch(module, on_import)):
+                reaching[name] = chain
+                break
+    return reaching
+
+
+def _chain_to_torch(module: str, on_import: dict[str, set[str]]) -> list[str] | None:
+    """The imports on import from `module` (or a package above it) to torch, or None."""
+    came_from: dict[str, str | None] = {}
+    waiting = []
+    for prefix in _packages_and_self(module):
+        came_from[prefix] = None
+        waiting.append(prefix)
+    while waiting:
+        name = waiting.pop(0)
+        for dep in sorted(on_import.get(name, ())):
+            if _top(dep) == "torch":
+                chain = [dep, name]
+                while (name := came_from[name]) is not None:
+                    chain.append(name)
+                return chain[::-1]
+            for prefix in _packages_and_self(dep):
+                if prefix not in came_from and prefix in on_import:
+                    came_from[prefix] = name
+                    waiting.append(prefix)
+    return None
 
 
 def cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -144,6 +242,10 @@ def test_the_gateway_imports_no_torch():
     assert gateway_modules_importing_torch(ROOT) == []
 
 
+def test_the_gateway_reaches_no_torch_through_other_modules():
+    assert gateway_modules_reaching_torch(ROOT) == {}
+
+
 def test_no_import_cycle():
     assert cycle(import_graph(ROOT)) is None
 
@@ -200,6 +302,54 @@ def test_torch_in_the_gateway_is_found(tmp_path):
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch.nn\n",
     )
     assert gateway_modules_importing_torch(root) == ["gateway.status"]
+
+
+def test_torch_imported_by_name_in_the_gateway_is_found(tmp_path):
+    root = scratch(tmp_path)
+    plant(root, "gateway/status.py", 'import importlib\nTORCH = importlib.import_module("torch.cuda")\n')
+    plant(root, "gateway/access.py", 'def f():\n    return __import__("torch")\n')
+    assert gateway_modules_importing_torch(root) == ["gateway.access", "gateway.status"]
+
+
+def test_torch_reached_through_another_module_is_found(tmp_path):
+    root = scratch(tmp_path)
+    assert gateway_modules_reaching_torch(root) == {}
+    # an engine's module that imports torch, and one that imports such a module on import
+    plant(root, "gateway/status.py", "from backends.weights_in_place import torch\n")
+    (root / "backends/shortcut.py").write_text("from backends.transformers import dense_rows\n")
+    plant(root, "gateway/metrics.py", "def f():\n    from backends.shortcut import something\n")
+    # imported on import of any module of its package
+    plant(root, "backends/mlx/__init__.py", "import backends.device_tensors\nimport torch.cuda\n")
+    plant(root, "gateway/access.py", "from backends.mlx.lora import AdapterSet\n")
+    # imports that do not load torch: in a function, or only for type checkers
+    (root / "backends/lazy.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"
+        "else:\n    import backends.types\ndef f():\n    import torch\n"
+    )
+    plant(root, "gateway/guard.py", "import backends.lazy\n")
+    assert gateway_modules_reaching_torch(root) == {
+        "gateway.access": ["backends.mlx", "torch.cuda"],
+        "gateway.metrics": ["backends.shortcut", "backends.transformers.dense_rows", "torch"],
+        "gateway.status": ["backends.weights_in_place", "torch"],
+    }
+
+
+def test_a_module_imported_by_a_constant_name_is_an_import(tmp_path):
+    root = scratch(tmp_path)
+    plant(root, "backends/sampling.py", 'import importlib\nimportlib.import_module("gateway.errors")\n')
+    plant(
+        root,
+        "backends/grammar/text.py",
+        "from importlib import import_module\ndef f(name):\n    import_module(name)\n"
+        '    import_module(".pool", __package__)\n    import_module("..rows", package="backends.grammar")\n',
+    )
+    plant(root, "backends/mock.py", 'GATEWAY = __import__("gateway.app")\n')
+    assert engines_importing_the_gateway(root) == {
+        "backends.mock": ["gateway.app"],
+        "backends.sampling": ["gateway.errors"],
+    }
+    text = root / "backends/grammar/text.py"
+    assert {"backends.grammar.pool", "backends.rows"} <= imported("backends.grammar.text", text)
 
 
 def test_a_cycle_is_found_when_there_is_one(tmp_path):

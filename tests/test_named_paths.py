@@ -1,7 +1,7 @@
 """Every file the prose names is there: paths in the docs (README.md files, docs/*.md) and in the
 docstrings and comments of the Python files, and the tree of docs/layout.md, which also lists
 every module of the shipped packages. (Relative links of the docs, and their anchors, are
-tests/test_docs.py's.)
+tests/test_docs.py's; names of functions and classes, tests/test_named_code.py's.)
 
 A path from the repository's root (`gateway/dense/routes.py`, `docs/cache.md`, `bench/`) must
 exist; an all-capital word in it stands for any name (`scripts/ENGINE-wheels.txt`). A shorter

@@ -82,12 +82,10 @@ class _Worker:
 
     def __init__(self) -> None:
         self.process: subprocess.Popen[bytes] | None = None
-        self.started = 0  # how many processes this worker has had
 
     def ensure_started(self, start: Callable[[], subprocess.Popen[bytes]]) -> None:
         if self.process is None or self.process.poll() is not None:
             self.process = start()
-            self.started += 1
 
     def run(self, grammar: Grammar, timeout_s: float) -> list[str]:
         """The worker's answer; TimeoutError (the worker killed) past `timeout_s`, _WorkerGone if
@@ -182,10 +180,6 @@ class CompilePool:
         self._spare_lock = threading.Lock()
         self._threads = ThreadPoolExecutor(max_workers=self._capacity, thread_name_prefix="grammar-job")
         atexit.register(self.close)
-
-    @property
-    def processes_started(self) -> int:
-        return sum(worker.started for worker in self._workers)
 
     async def run(self, job: Callable[..., T], *args: Any) -> T:
         """`job(*args)` on a thread of the pool's own, or GrammarBusyError at once if the pool is

@@ -231,13 +231,8 @@ class CollectiveGroups:
         self.device = device
         self._groups: dict[str, Any] = {}  # name -> torch ProcessGroup
         self._joining: set[str] = set()
-        self._unsettled = 0  # join threads still running
+        self._unsettled = 0  # join threads still running, those given up on included
         self._busy: dict[str, asyncio.Lock] = {}
-
-    @property
-    def unsettled(self) -> int:
-        """Join threads still running, those given up on included."""
-        return self._unsettled
 
     def _backend(self, requested: str | None) -> str:
         if requested is None:

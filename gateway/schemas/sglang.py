@@ -4,7 +4,7 @@ Field names, defaults and response keys are SGLang's (`srt/managers/io_struct.py
 `srt/sampling/sampling_params.py`). Unknown top-level fields are ignored, as SGLang does; unknown
 keys inside `sampling_params` are refused (SGLang fails them with a 500). `null` means "default"
 everywhere. Fields SGLang accepts but this gateway cannot honour are checked in
-gateway/sglang/items.py and refused with a 400 that says so.
+gateway/sglang_api/items.py and refused with a 400 that says so.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import numpy as np
 from backends.rows import PackedRows
 from gateway.dense.service import DenseService
 from gateway.schemas.sglang import Triple
-from gateway.sglang.items import Item
+from gateway.sglang_api.items import Item
 
 
 class Triples:
@@ -85,8 +85,8 @@ async def next_token_rows(
     scores. The caller holds the model's weights for reading."""
     served, pending = item.served, iter(prefixes)
     while batch := list(islice(pending, served.settings.max_batch_rows)):
-        placed, _ = await dense.rows(served, item.adapter, PackedRows.of(batch))
-        for row in placed.rows:
+        placed, _ = await dense.logprobs(served, item.adapter, PackedRows.of(batch))
+        for row in placed.logprobs:
             yield row
 
 

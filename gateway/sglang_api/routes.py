@@ -1,5 +1,5 @@
 """SGLang's native API (0.5.17), for SGLang's own clients: the frontend language's
-`RuntimeEndpoint` and TorchRL's `AsyncSGLang` with an external server. Semantics: gateway/sglang/items.py and generate.py."""
+`RuntimeEndpoint` and TorchRL's `AsyncSGLang` with an external server. Semantics: gateway/sglang_api/items.py and generate.py."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from gateway.models.served import ServedModel
 from gateway.requests import decode_json, registry, reserve_stream, resolve_model, settings
 from gateway.responses import json_response, sse_event, sse_response
 from gateway.schemas.sglang import GenerateRequest, GenerateResponse, ModelInfo, ServerInfo
-from gateway.sglang import generate as native
-from gateway.sglang.items import plan
+from gateway.sglang_api import generate as native
+from gateway.sglang_api.items import plan
 from gateway.weights.routes import require_admin
 
 SGLANG_VERSION = "0.5.17"

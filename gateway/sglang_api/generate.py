@@ -23,8 +23,8 @@ from backends.vocab import decode_text
 from gateway.dense.service import DenseService
 from gateway.generation import choices as gen
 from gateway.schemas.sglang import ABORTED, FinishReason, GenerateResponse, MetaInfo, Triple
-from gateway.sglang.items import Item
-from gateway.sglang.triples import Scores, Triples, at_temperature, input_scores, next_token_rows
+from gateway.sglang_api.items import Item
+from gateway.sglang_api.triples import Scores, Triples, at_temperature, input_scores, next_token_rows
 
 
 def _finish(item: Item, piece_text: str, steps: Sequence[TokenStep], reason: str) -> tuple[str, FinishReason]:
