@@ -7,7 +7,9 @@ references in the same process: `static`, transformers' own static-shape decode 
 the step compiled with CUDA graphs: the limit a fixed-shape step reaches) and `decode`, a plain
 transformers decode (DynamicCache). Each way's column `÷ static` is its median over the static
 reference's. `--ways` picks some; `--profile` prints torch's profile of a few steps of the engine
-as it ships.
+as it ships. On CUDA a last column gives each way's median over the bandwidth floor, measured in
+the same process: every weight read once, the rows' keys and values read once, and the float32
+rows copied into page-locked host memory (`bandwidth_floor_ms`).
 
     python -m bench.dense_step --random-model llama-1b --device cuda --dtype bfloat16 --particles 16 64 256
     python -m bench.dense_step ... --ways "as shipped" static      # the engine beside its limit
@@ -27,6 +29,7 @@ import numpy as np
 from backends.builtin_models import resolve_model_dir
 from backends.rows import PackedRows
 from backends.transformers.engine import TransformersEngine, resolve_device, resolve_dtype
+from backends.transformers.lane_shape import kv_layout
 from backends.types import EngineConfig
 from bench.smc import add_model_arguments, random_model_dir
 from bench.smc_ways import PlainDecode, StaticDecode
@@ -37,6 +40,33 @@ ENGINE_WAYS = {  # engine options: the defaults (on CUDA: the decode lane, compi
     "no lane": {"decode_lane_rows": 0},
 }
 WAYS = ["static", *ENGINE_WAYS, "decode"]  # the static reference first: the others' ratios need it
+
+
+def bandwidth_floor_ms(model, rows: int, length: int, repeats: int = 20) -> float:
+    """What a dense call of `rows` rows of `length` tokens cannot go below on this device: each
+    weight read once (a norm of every parameter), each row's keys and values read once, and the
+    rows' float32 log-probabilities copied to page-locked host memory. The median of `repeats`."""
+    import torch
+
+    params = [p for p in model.parameters()]
+    layers, kv_heads, head_dim = kv_layout(model)
+    kv = torch.empty(
+        2 * layers * rows * kv_heads * length * head_dim, dtype=params[0].dtype, device=params[0].device
+    )
+    vocab = model.get_output_embeddings().weight.shape[0]
+    logprobs = torch.empty(rows, vocab, dtype=torch.float32, device=params[0].device)
+    host = torch.empty(rows, vocab, dtype=torch.float32, pin_memory=True)
+    times = []
+    for _ in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch._foreach_norm(params)
+        kv.sum()
+        host.copy_(logprobs, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[1:])
 
 
 def engine_call(engine: TransformersEngine):
@@ -83,9 +113,19 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     vocab = model.get_output_embeddings().weight.shape[0]
     max_len = args.prompt_tokens + args.steps + 8
-    print("| P | way | call ms median | p90 | min | ÷ static |\n| ---: | --- | ---: | ---: | ---: | ---: |")
+    print(
+        "| P | way | call ms median | p90 | min | ÷ static | ÷ floor |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: |"
+    )
     for p in args.particles:
         static = StaticDecode(model, p, max_len) if "static" in args.ways else None
+        # the rows' mean length over the steps
+        floor = (
+            bandwidth_floor_ms(model, p, args.prompt_tokens + args.steps // 2)
+            if device.type == "cuda"
+            else None
+        )
+        if floor is not None:
+            print(f"| {p} | bandwidth floor | {floor:.2f} | | | | 1.00 |", flush=True)
         medians = {}
         for name in [w for w in WAYS if w in args.ways]:
             times = []
@@ -103,8 +143,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
             ms = sorted(t * 1e3 for t in times)
             medians[name] = statistics.median(ms)
             ratio = f"{medians[name] / medians['static']:.2f}" if "static" in medians else "–"
+            over_floor = f"{medians[name] / floor:.2f}" if floor else "–"
             print(
-                f"| {p} | {name} | {medians[name]:.2f} | {ms[int(0.9 * len(ms))]:.2f} | {ms[0]:.2f} | {ratio} |",
+                f"| {p} | {name} | {medians[name]:.2f} | {ms[int(0.9 * len(ms))]:.2f} | {ms[0]:.2f} | {ratio} | {over_floor} |",
                 flush=True,
             )
     if args.profile and "as shipped" in engines:

@@ -78,6 +78,50 @@ def reference(model_dir: Path):
     return Reference(model, tokenizer)
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random weights of a two-layer Llama 64 wide with the default model's tokenizer and chat
+    template, for tests whose point is a mechanism (scheduling, batching, limits, the protocol)
+    rather than the real model's answers: a token costs a few ms here instead of ~85. Its logits
+    are spread (initializer_range) so that greedy picks are far from ties, as a trained model's
+    mostly are, and batched numerics never flip them."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    directory = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_model_dir: Path) -> Reference:
+    """The tiny model loaded directly with transformers in float32: its ground truth."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return Reference(model, AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
 class Reference:
     def __init__(self, model, tokenizer) -> None:
         self.model = model
@@ -302,6 +346,25 @@ def lora_gateway(
     gateway.stop()
 
 
+@pytest.fixture(scope="session")
+def mlx_gateway(
+    lora_adapters: tuple[Path, dict, Path], model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    """The default model on the MLX engine (float32), adapter "a" of `lora_adapters` loaded at
+    start. Shared by tests/backends/test_mlx_engine.py and the SGLang clients of
+    tests/gateway/test_sglang_native.py, so that MLX starts once."""
+    pytest.importorskip("mlx_lm")
+    _, paths, _ = lora_adapters
+    config = tmp_path_factory.mktemp("mlx-gateway") / "gateway.toml"
+    config.write_text(
+        f'[[models]]\nname = "{MODEL}"\nmodel = "{model_dir}"\nbackend = "mlx"\ndtype = "float32"\n'
+        f'max_model_len = 2048\nadapters = {{a = "{paths["a"]}"}}\n'
+    )
+    gateway = start_gateway(["--config", str(config)], config.parent / "gateway.log")
+    yield gateway
+    gateway.stop()
+
+
 def dense_rows(base_url: str, rows) -> tuple[Any, int]:
     """The served default model's rows (float32 numpy [rows, vocab]) and the answer's cache hits."""
     import msgspec
@@ -364,4 +427,4 @@ async def engine_rows(engine, rows, adapters=None, out=None) -> Any:
     placed = await place_rows(engine, PackedRows.of(rows), adapters, out)
     for array in outputs(out) if out is not None else ():
         placed.wait_landed(array)
-    return placed.rows
+    return placed.logprobs

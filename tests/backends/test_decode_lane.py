@@ -35,6 +35,15 @@ def engine(model_dir):
     return engine
 
 
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model_dir):
+    """The lane over the tiny random model, for the stream tests: how streams share the lane's
+    steps, at a few ms a token."""
+    engine = load(tiny_model_dir, "cpu", decode_lane_rows=64)
+    assert engine.lane is not None
+    return engine
+
+
 @pytest.fixture()
 def tight(monkeypatch):
     """Shapes with little room to grow, so a short run changes shape several times."""
@@ -118,7 +127,7 @@ async def test_on_the_gpu_lane_steps_are_graph_replays_equal_to_uncached_rows(mo
         await gpu.aclose()
 
 
-async def test_a_step_torch_compile_cannot_build_runs_uncompiled(model_dir, reference, monkeypatch):
+async def test_a_step_torch_compile_cannot_build_runs_uncompiled(tiny_model_dir, tiny_reference, monkeypatch):
     def failing_compile(model, **kwargs):
         def compiled(*args, **kwargs):
             raise RuntimeError("no compiler here")
@@ -126,10 +135,10 @@ async def test_a_step_torch_compile_cannot_build_runs_uncompiled(model_dir, refe
         return compiled
 
     monkeypatch.setattr(decode_lane.torch, "compile", failing_compile)
-    engine = load(model_dir, "cpu", decode_lane_rows=64, decode_lane_compile=True)
+    engine = load(tiny_model_dir, "cpu", decode_lane_rows=64, decode_lane_compile=True)
     try:
         assert engine.lane is not None and not engine.lane.compiled  # given up at load, not at a request
-        worst, checked = await smc_run(engine, reference, steps=6, seed=2)
+        worst, checked = await smc_run(engine, tiny_reference, steps=6, seed=2)
         assert worst < 1e-4 and engine.lane.steps >= 4
     finally:
         await engine.aclose()
@@ -193,25 +202,25 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-async def test_concurrent_generation_streams_share_lane_steps(engine):
+async def test_concurrent_generation_streams_share_lane_steps(tiny_engine):
     """Streams of different prompt lengths, joining at different times, step together in the
     lane; each stream's tokens and log-probabilities equal its run alone."""
     from tests.backends.test_step_scheduler import PROMPTS, assert_same, run_alone, stream
 
     prompts = PROMPTS[:4]
-    alone = [await run_alone(engine, text) for text in prompts]
-    lane_steps = engine.lane.steps
-    together = await asyncio.gather(*(stream(engine, text) for text in prompts))
+    alone = [await run_alone(tiny_engine, text) for text in prompts]
+    lane_steps = tiny_engine.lane.steps
+    together = await asyncio.gather(*(stream(tiny_engine, text) for text in prompts))
     for batched, single in zip(together, alone, strict=True):
         assert_same(batched, single)
-    assert engine.lane.steps - lane_steps >= len(alone[0]) - 2
+    assert tiny_engine.lane.steps - lane_steps >= len(alone[0]) - 2
 
 
-async def test_the_lane_and_the_prefix_cache_share_one_budget(model_dir, reference, tight):
+async def test_the_lane_and_the_prefix_cache_share_one_budget(tiny_model_dir, tiny_reference, tight):
     """docs/engines.md: memory is the prefix cache's budget, the lane's shapes included. A budget
     the lane's shapes fill half of: lane and cache together never hold more than it."""
-    budget = 3 * decode_lane.kv_bytes(reference.model, 16, 16)
-    engine = load(model_dir, "cpu", decode_lane_rows=64, prefix_cache_bytes=budget)
+    budget = 3 * decode_lane.kv_bytes(tiny_reference.model, 16, 16)
+    engine = load(tiny_model_dir, "cpu", decode_lane_rows=64, prefix_cache_bytes=budget)
     rng = np.random.default_rng(3)
     held = []
     try:
@@ -248,7 +257,7 @@ async def assert_bursts_take_steps_ahead(engine, caplog) -> None:
     alone = [await run_alone(engine, text, params) for text, params in cases]
     rows = [ids(engine, text) for text in PROMPTS[3:6]]
     rows_alone = await engine_rows(engine, rows)
-    lane_steps, passes = engine.lane.steps, engine.pass_stats.passes
+    lane_steps, passes = engine.lane.steps, engine.status().pass_stats.passes
     intervals = (50, 5, 50, 50)
     caplog.set_level(logging.WARNING, logger="backends.step_scheduler")
 
@@ -267,24 +276,24 @@ async def assert_bursts_take_steps_ahead(engine, caplog) -> None:
         assert_same(batched, single)
     np.testing.assert_allclose(rows_meanwhile, rows_alone, rtol=0, atol=1e-4)
     tokens = max(map(len, alone))
-    assert engine.pass_stats.passes - passes < tokens / 2  # several steps a pass
+    assert engine.status().pass_stats.passes - passes < tokens / 2  # several steps a pass
     assert engine.lane.steps - lane_steps >= tokens - 4  # nearly all of them in the lane
     retried = [r.getMessage() for r in caplog.records if r.name == "backends.step_scheduler"]
     assert not retried, retried  # not asyncio's: an engine of another test, collected meanwhile
 
 
-async def test_streams_in_bursts_take_several_steps_a_pass_fed_on_the_device(engine, tight, caplog):
-    await assert_bursts_take_steps_ahead(engine, caplog)  # tight: through changes of the lane's shape
+async def test_streams_in_bursts_take_several_steps_a_pass_fed_on_the_device(tiny_engine, tight, caplog):
+    await assert_bursts_take_steps_ahead(tiny_engine, caplog)  # tight: through changes of the lane's shape
 
 
-async def test_streams_joining_one_by_one_keep_their_rows_in_the_lane(engine, monkeypatch):
+async def test_streams_joining_one_by_one_keep_their_rows_in_the_lane(tiny_engine, monkeypatch):
     """Streams sent whole, starting one after another while the others run (as requests arrive):
     past its prompt no stream's step runs through the prefix cache (the lane holds every row: a
     stream whose first token went out is in the next pass, beside prompts that arrived meanwhile),
     and each equals its run alone."""
     from tests.backends.test_step_scheduler import GREEDY, PROMPTS, assert_same, run_alone, stream
 
-    alone = [await run_alone(engine, text) for text in PROMPTS]
+    alone = [await run_alone(tiny_engine, text) for text in PROMPTS]
     computed: list[int] = []  # lengths of the rows run through the model, not the lane
     cached_logprobs = DenseRows._cached_logprobs
 
@@ -297,12 +306,12 @@ async def test_streams_joining_one_by_one_keep_their_rows_in_the_lane(engine, mo
 
     async def joining(i: int, text: str):
         await asyncio.sleep(i * pass_s / 2)
-        return await stream(engine, text, replace(GREEDY, stream_interval=50))
+        return await stream(tiny_engine, text, replace(GREEDY, stream_interval=50))
 
     together = await asyncio.gather(*(joining(i, text) for i, text in enumerate(PROMPTS)))
     for batched, single in zip(together, alone, strict=True):
         assert_same(batched, single)
-    assert sorted(computed) == sorted(len(ids(engine, text)) for text in PROMPTS)  # prompts only
+    assert sorted(computed) == sorted(len(ids(tiny_engine, text)) for text in PROMPTS)  # prompts only
 
 
 @requires_cuda

@@ -12,8 +12,7 @@ pytest.importorskip("mlx_lm")
 from backends.errors import AdapterError, WeightsError  # noqa: E402
 from backends.mlx.engine import MlxEngine  # noqa: E402
 from backends.types import EngineConfig, SamplingParams  # noqa: E402
-from bench.launcher import start_gateway  # noqa: E402
-from tests.conftest import MODEL, engine_rows, make_lora_adapter  # noqa: E402
+from tests.conftest import MODEL, engine_rows, load_peft_models, make_lora_adapter  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.mlx]
 TEXTS = ["The capital of France is", "Hi", "A longer sentence about the weather in Paris today"]
@@ -55,14 +54,15 @@ async def test_concurrent_dense_calls_and_a_stream_share_a_pass(engine, referenc
 
     rows = [reference.tokenizer(t).input_ids for t in TEXTS]
     alone = [await engine_rows(engine, [ids]) for ids in rows]
-    passes, computed = engine.pass_stats.passes, engine.pass_stats.rows
+    before = engine.status().pass_stats
     generator = engine.generate(rows[0], SamplingParams(max_tokens=1, temperature=0))
     first, second, steps = await asyncio.gather(
         engine_rows(engine, rows[:2]), engine_rows(engine, rows[1:]), anext(generator)
     )
     await generator.aclose()
-    assert engine.pass_stats.passes - passes == 1 and engine.pass_stats.largest >= 3
-    assert engine.pass_stats.rows - computed == 4  # the row both calls ask for once, and the stream's
+    after = engine.status().pass_stats
+    assert after.passes - before.passes == 1 and after.largest >= 3
+    assert after.rows - before.rows == 4  # the row both calls ask for once, and the stream's
     for got, want in ((first, alone[:2]), (second, alone[1:])):
         np.testing.assert_allclose(got, np.concatenate(want), rtol=0, atol=1e-4)
     assert steps.token_id == reference.greedy(rows[0], 1)[0]
@@ -253,38 +253,29 @@ async def test_bad_adapters_leave_the_engine_unchanged(model_dir, lora, referenc
     assert np.max(np.abs((await engine_rows(engine, [ids]))[0] - reference.logprobs(ids)[-1])) <= 1e-3
 
 
-def test_openai_sdk_through_the_mlx_backend(model_dir, reference, lora, tmp_path):
-    paths, references = lora
-    config = tmp_path / "mlx.toml"
-    config.write_text(
-        f'[[models]]\nname = "{MODEL}"\nmodel = "{model_dir}"\nbackend = "mlx"\nadapters = {{a = "{paths["a"]}"}}\n'
+def test_openai_sdk_through_the_mlx_backend(mlx_gateway, lora_adapters, model_dir, reference):
+    _, paths, _ = lora_adapters
+    client = openai.OpenAI(base_url=mlx_gateway.base_url + "/v1", api_key="unused", max_retries=0)
+    ids = reference.tokenizer(TEXTS[0]).input_ids
+    expected = reference.tokenizer.decode(reference.greedy(ids, 6))
+    out = client.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=6, temperature=0, logprobs=1)
+    assert out.choices[0].text == expected
+    stream = client.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=6, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == expected
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        stream=True,
     )
-    gateway = start_gateway(["--config", str(config)], tmp_path / "mlx.log")
-    try:
-        client = openai.OpenAI(base_url=gateway.base_url + "/v1", api_key="unused", max_retries=0)
-        ids = reference.tokenizer(TEXTS[0]).input_ids
-        expected = reference.tokenizer.decode(reference.greedy(ids, 6))
-        out = client.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=6, temperature=0, logprobs=1)
-        assert out.choices[0].text == expected
-        stream = client.completions.create(
-            model=MODEL, prompt=TEXTS[0], max_tokens=6, temperature=0, stream=True
-        )
-        assert "".join(c.choices[0].text for c in stream if c.choices) == expected
-        chat = client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "Hi"}],
-            max_tokens=5,
-            temperature=0,
-            stream=True,
-        )
-        assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
-        dense = httpx.post(
-            gateway.base_url + "/v1/next_token_logprobs", json={"model": f"{MODEL}:a", "input": [ids]}
-        )
-        row = np.array(dense.json()["data"][0]["logprobs"], dtype=np.float32)
-        assert np.max(np.abs(row - peft_row(references["a"], ids))) <= 1e-3
-    finally:
-        gateway.stop()
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+    dense = httpx.post(
+        mlx_gateway.base_url + "/v1/next_token_logprobs", json={"model": f"{MODEL}:a", "input": [ids]}
+    )
+    row = np.array(dense.json()["data"][0]["logprobs"], dtype=np.float32)
+    peft_a = load_peft_models(model_dir, {"a": paths["a"]})["a"]
+    assert np.max(np.abs(row - peft_row(peft_a, ids))) <= 1e-3
 
 
 async def test_new_weights_load_in_place_and_bad_ones_change_nothing(

@@ -18,6 +18,7 @@ def test_each_way_gets_a_row_of_times_against_the_static_reference(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = re.findall(r"^\| 4 \| ([a-z ]+) \| ([\d.]+) \|.*\| ([\d.]+) \|$", done.stdout, re.MULTILINE)
+    # the last column, over the bandwidth floor, is measured on CUDA only
+    rows = re.findall(r"^\| 4 \| ([a-z ]+) \| ([\d.]+) \|.*\| ([\d.]+) \| – \|$", done.stdout, re.MULTILINE)
     assert [way for way, _, _ in rows] == ways
     assert all(float(ms) > 0 for _, ms, _ in rows) and rows[0][2] == "1.00"

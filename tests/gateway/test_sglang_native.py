@@ -15,7 +15,6 @@ import jsonschema
 import numpy as np
 import pytest
 
-from bench.launcher import start_gateway
 from tests.conftest import MODEL, dense_rows, mock_app_client
 
 pytestmark = pytest.mark.slow
@@ -532,27 +531,14 @@ def test_lora_path_and_model_select_the_adapter(lora_gateway, lora_adapters, mod
 
 
 @pytest.fixture(scope="module", params=["composed-vllm", "mlx"])
-def other_engine(request, model_dir, tmp_path_factory):
+def other_engine(request):
     """A gateway on another engine: (base URL, the tolerance of its rows against transformers).
     vLLM's: the session's composed model (tests/conftest.py), vLLM generating and the transformers
-    engine scoring, so one vLLM start serves both modules."""
-    backend = request.param
-    if backend == "composed-vllm":
-        yield request.getfixturevalue("composed_vllm_starting").result().base_url, 1e-2
-        return
-    pytest.importorskip("mlx_lm")
-    config = tmp_path_factory.mktemp(f"sglang-{backend}") / "gateway.toml"
-    config.write_text(f"""
-[[models]]
-name = "{MODEL}"
-model = "{model_dir}"
-backend = "{backend}"
-dtype = "float32"
-max_model_len = 2048
-""")
-    gateway = start_gateway(["--config", str(config)], config.parent / "gateway.log")
-    yield gateway.base_url, 1e-3
-    gateway.stop()
+    engine scoring, so one vLLM start serves both modules; MLX's: the session's MLX gateway, which
+    tests/backends/test_mlx_engine.py uses too."""
+    if request.param == "composed-vllm":
+        return request.getfixturevalue("composed_vllm_starting").result().base_url, 1e-2
+    return request.getfixturevalue("mlx_gateway").base_url, 1e-3
 
 
 def test_sglang_clients_work_the_same_on_vllm_and_mlx(other_engine, reference):
