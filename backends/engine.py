@@ -14,9 +14,9 @@ A capability is an object or None, and `engine.<capability> is None` is the one 
     prefix_cache  PrefixCache   prefix keys/values kept for reuse, which can be forgotten
     structured_outputs  StructuredOutputs   generation held to a grammar (SamplingParams.grammar)
 
-And one record an engine may keep: `pass_stats` (PassStats), the counters of its own scheduler,
-where an engine merges concurrent calls into shared passes itself (None: its library's scheduler
-does, or nothing does).
+A capability changes what a request can get (lacking it: a 400, a 501, a copy on the host). What
+an engine only reports of itself is one method, `status()` (EngineStatus): whether it is healthy,
+and the counters of its own scheduler where it merges concurrent calls into shared passes itself.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from backends.rows import PackedRows
 from backends.types import (
     AnnouncedTensor,
     EngineConfig,
+    EngineStatus,
     Grammar,
     ModelInfo,
-    PassStats,
     PromptLogprobs,
     SamplingParams,
     TokenStep,
@@ -182,7 +182,6 @@ class Engine(ABC):
     host_memory: HostMemory | None = None
     prefix_cache: PrefixCache | None = None
     structured_outputs: StructuredOutputs | None = None
-    pass_stats: PassStats | None = None
 
     @classmethod
     @abstractmethod
@@ -213,8 +212,11 @@ class Engine(ABC):
         the iterator so the engine frees the request's state.
         """
 
-    def is_healthy(self) -> bool:
-        return True
+    def status(self) -> EngineStatus:
+        """How it is doing now. This default, healthy and without passes of its own, fits an engine
+        whose work runs in this process within its calls; one whose library's engine or server can
+        stop, or that merges concurrent calls into passes of its own, overrides it."""
+        return EngineStatus()
 
     async def aclose(self) -> None:  # noqa: B027 (optional hook)
         """Release the model's resources."""

@@ -28,11 +28,13 @@ from backends.builtin_models import resolve_model_dir
 from backends.engine import Engine
 from backends.errors import AdapterError, WeightsError, WeightsGroupError
 from backends.grammar.constraint import LLGuidanceGrammars
+from backends.placement import copy_rows_into
 from backends.rows import PackedRows
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
 from backends.types import (
     AnnouncedTensor,
     EngineConfig,
+    EngineStatus,
     ModelInfo,
     PromptLogprobs,
     SamplingParams,
@@ -53,7 +55,7 @@ class MockHostMemory(engine_contract.HostMemory):
         self.engine = engine
         self.vocab_size = engine.info.vocab_size
         self.calls: list[tuple[str, int]] = []
-        self._landing: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._landing: dict[int, tuple[np.ndarray, np.ndarray, Sequence[int] | None]] = {}
 
     def register(self, address: int, size: int) -> bool:
         self.calls.append(("register", address))
@@ -75,15 +77,15 @@ class MockHostMemory(engine_contract.HostMemory):
         """The rows land in each array once waited for, as a device's copy may land after the call."""
         self.engine.writes.append(len(arrays))
         computed = await self.engine.next_token_logprobs(rows, adapters)
-        answer = computed if positions is None else computed[list(positions)]
         for array in arrays:
-            self._landing[array.ctypes.data] = (array, answer)
+            self._landing[array.ctypes.data] = (array, computed, positions)
 
     def wait_landed(self, array: np.ndarray) -> None:
         self.calls.append(("wait_landed", array.ctypes.data))
         landing = self._landing.pop(array.ctypes.data, None)
         if landing is not None:
-            landing[0][...] = landing[1]
+            into, computed, positions = landing
+            copy_rows_into(computed, positions, [into])
 
 
 class MockAdapters(engine_contract.Adapters):
@@ -202,7 +204,7 @@ class MockEngine(Engine):
             options=dict(config.options),
         )
 
-    def logits(self, prefix: Sequence[int], adapter: str | None = None) -> np.ndarray:
+    def logits(self, prefix: np.ndarray | Sequence[int], adapter: str | None = None) -> np.ndarray:
         """Already normalised: these logits are also the log-probabilities."""
         if adapter is not None and adapter not in self.adapters.loaded:
             raise AdapterError(f"adapter {adapter!r} is not loaded")
@@ -224,10 +226,10 @@ class MockEngine(Engine):
         await asyncio.sleep(self.delay_s)
         if not len(rows):
             return np.zeros((0, self.info.vocab_size), np.float32)
-        return np.stack([self.logits(row, a) for row, a in zip(rows.lists(), adapters, strict=True)])
+        return np.stack([self.logits(row, a) for row, a in zip(rows.views(), adapters, strict=True)])
 
-    def is_healthy(self) -> bool:
-        return not self.dead
+    def status(self) -> EngineStatus:
+        return EngineStatus(healthy=not self.dead)
 
     async def prompt_logprobs(
         self, ids: Sequence[int], top_k: int, adapter: str | None = None

@@ -1,13 +1,16 @@
-"""The backends by name: where each engine lives and what it needs, imported only when chosen."""
+"""The backends by name: where each engine lives, what it needs, and what it tells a composed
+model of itself; imported only when chosen."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from backends.errors import EngineUnavailableError
+from backends.types import EngineConfig
 
 if TYPE_CHECKING:
     from backends.engine import Engine
@@ -24,6 +27,15 @@ class Backend:
     # it may compute a composed model's dense rows (`dense_backend`): it runs them itself, not as
     # requests through a scheduler built for generation (vLLM's, SGLang's)
     dense: bool = False
+    # As a composed model's generation engine: the options it takes where the model's leave them
+    # unset, and "module:name" of its terms for a share of the GPU it shares with the dense engine
+    # (a GenerationShare, backends/composed/memory.py; None: it takes no share of that GPU).
+    generation_defaults: Mapping[str, Any] = field(default_factory=dict)
+    generation_share: str | None = None
+    # As a composed model's dense engine: "module:name" of a function of its EngineConfig giving
+    # the memory of the GPU it loaded on and its cache's budget there, None off that GPU (None: it
+    # holds no GPU memory the generation engine must leave it).
+    dense_gpu: str | None = None
 
 
 # The vLLM wheels for CPU pull torchvision/torchaudio/torchcodec built for another torch, which break
@@ -40,15 +52,29 @@ _BACKENDS: dict[str, Backend] = {
         ("torch", "transformers"),
         "pip install -e .",
         dense=True,
+        dense_gpu="backends.transformers.engine:dense_gpu",
     ),
     "mock": Backend("backends.mock", "MockEngine", ("transformers",), "pip install -e .", dense=True),
     "mlx": Backend(
         "backends.mlx.engine", "MlxEngine", ("mlx", "mlx_lm"), 'pip install -e ".[mlx]"', dense=True
     ),
-    "vllm": Backend("backends.vllm.engine", "VllmEngine", ("torch", "vllm"), VLLM_INSTALL),
+    "vllm": Backend(
+        "backends.vllm.engine",
+        "VllmEngine",
+        ("torch", "vllm"),
+        VLLM_INSTALL,
+        # never asked for dense rows in a composed model, so without the row-capturing logits
+        # processor, which would hold it to its older, slower model runner (docs/engines.md, vLLM)
+        generation_defaults={"dense_rows": "logprobs"},
+        generation_share="backends.vllm.gpu_share:VLLM_SHARE",
+    ),
     # its `url` mode needs no sglang here; the other modes import it when they start
     "sglang": Backend(
-        "backends.sglang.engine", "SglangEngine", ("transformers",), 'pip install -e ".[sglang]"'
+        "backends.sglang.engine",
+        "SglangEngine",
+        ("transformers",),
+        'pip install -e ".[sglang]"',
+        generation_share="backends.sglang.gpu_share:SGLANG_SHARE",
     ),
 }
 
@@ -59,6 +85,23 @@ SELF = "self"
 DENSE_BACKEND_NAMES = (SELF, *(name for name, backend in _BACKENDS.items() if backend.dense))
 # The engine of a model whose dense_backend is not "self"; no model names it as its backend.
 COMPOSED = Backend("backends.composed.engine", "ComposedEngine", (), "pip install -e .")
+# A composed engine's config options: the two backends, and the options each engine loads with.
+GENERATION, DENSE = "generation_backend", "dense_backend"
+GENERATION_OPTIONS, DENSE_OPTIONS = "generation_options", "dense_options"
+
+
+def composed_config(
+    config: EngineConfig, generation_backend: str, dense_backend: str, dense_options: Mapping[str, Any]
+) -> EngineConfig:
+    """The composed engine's config: `config` (whose options are the generation engine's), the
+    two backends' names and the dense engine's options."""
+    options = {
+        GENERATION: generation_backend,
+        DENSE: dense_backend,
+        GENERATION_OPTIONS: dict(config.options),
+        DENSE_OPTIONS: dict(dense_options),
+    }
+    return replace(config, options=options)
 
 
 def _backend(name: str) -> Backend:
@@ -97,3 +140,19 @@ def engine_class(backend: str, dense_backend: str = SELF) -> type[Engine]:
     except ImportError as exc:
         raise _not_installed(backend, exc.name) from exc
     return getattr(module, spec.class_name)
+
+
+def generation_defaults(backend: str) -> Mapping[str, Any]:
+    """The options `backend` takes as a composed model's generation engine where the model's leave
+    them unset."""
+    return _backend(backend).generation_defaults
+
+
+def composed_hook(backend: str, role: str) -> Any:
+    """What `backend` tells a composed model of itself as its `role` ("generation_share" or
+    "dense_gpu", the fields of Backend), imported now; None where it tells nothing."""
+    where = getattr(_backend(backend), role)
+    if where is None:
+        return None
+    module, _, name = where.partition(":")
+    return getattr(importlib.import_module(module), name)

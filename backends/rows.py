@@ -1,16 +1,18 @@
 """Token-id rows packed as the wire brings them, and each row's key, made once where rows enter.
 
 A dense request's rows are every row's ids one after another as little-endian int32 and where
-each row ends. A row's key is its ids' bytes (`row_key`; with its adapter, where adapters mix): a
-bytes object hashes once, keeps its hash, and compares in C, so the output cache, de-duplication
-before an engine call and within an engine's pass, and the decode lane's slots all use it as it
-is. The row a row extends by one token has the same bytes less the last id's (`parent_key`). An
-engine whose library takes lists asks for them (`lists`) once, where it calls the library.
+each row ends. A row's key is its ids' bytes (`row_key`): a bytes object hashes once, keeps its
+hash, and compares in C, so de-duplication (one index per adapter, backends/placement.py), an
+engine's pass, its prefix trie and decode lane all use it as it is, and the output cache makes
+its own address of it once per request (its scope, then the key). The row a row extends by one
+token has the same bytes less the last id's (`parent_key`), and a growing row's key grows with it
+(`GrowingRow`). Engines compute from the packed ids (`views`); one whose library takes lists asks
+for them (`lists`) once, where it calls the library.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -32,29 +34,18 @@ def key_length(key: bytes) -> int:
     return len(key) // INT32.itemsize
 
 
-def first_positions(keys: Sequence[Hashable]) -> tuple[list[int], list[int] | None]:
-    """Where each distinct key first comes, in order, and per key the index of its distinct key
-    among those; None for the second when every key is distinct."""
-    index: dict[Hashable, int] = {}
-    positions, firsts = [], []
-    for i, key in enumerate(keys):
-        position = index.setdefault(key, len(index))
-        if position == len(firsts):  # seen first here
-            firsts.append(i)
-        positions.append(position)
-    return firsts, None if len(firsts) == len(keys) else positions
-
-
 class GrowingRow:
-    """A generation's ids so far as int32, grown in place: every step hands its engine a view of
-    them (and its key) without converting the whole sequence again."""
+    """A generation's ids so far as int32, grown in place, and their key, grown with them by the
+    new id's bytes: every step hands its engine a view of the ids and the key without converting
+    the whole sequence again."""
 
-    __slots__ = ("_ids", "_length")
+    __slots__ = ("_ids", "_length", "key")
 
     def __init__(self, ids: Sequence[int]) -> None:
         self._ids = np.empty(max(2 * len(ids), 16), dtype=INT32)
         self._ids[: len(ids)] = ids
         self._length = len(ids)
+        self.key = row_key(self._ids[: self._length])
 
     def append(self, token: int) -> None:
         if self._length == len(self._ids):  # earlier views keep the old array
@@ -63,6 +54,7 @@ class GrowingRow:
             self._ids = grown
         self._ids[self._length] = token
         self._length += 1
+        self.key += int(token).to_bytes(INT32.itemsize, "little", signed=True)
 
     def view(self) -> np.ndarray:
         """The ids so far; later appends leave it as it is."""

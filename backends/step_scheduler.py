@@ -45,10 +45,10 @@ Item = TypeVar("Item")
 Result = TypeVar("Result")
 
 
-def split_rows(rows: np.ndarray, groups: Sequence[Sequence[object]]) -> list[np.ndarray]:
-    """Rows of all groups' items, in order, as one view per group."""
+def split_rows(logprobs: np.ndarray, groups: Sequence[Sequence[object]]) -> list[np.ndarray]:
+    """The rows of `logprobs` of all groups' items, in order, as one view per group."""
     ends = np.cumsum([len(group) for group in groups])
-    return [rows] if len(groups) == 1 else np.split(rows, ends[:-1])
+    return [logprobs] if len(groups) == 1 else np.split(logprobs, ends[:-1])
 
 
 @dataclass

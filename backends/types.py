@@ -1,5 +1,6 @@
 """The values that cross the engine boundary: what loads an engine, what a request asks, what
-an engine answers, and what a trainer announces. Arrays are numpy, never per-float objects."""
+an engine answers and reports of itself, what a trainer announces, and the memory of a GPU that a
+composed model's two engines share. Arrays are numpy, never per-float objects."""
 
 from __future__ import annotations
 
@@ -140,6 +141,30 @@ class PassStats:
     submissions: int = 0  # dense calls and generation steps served
     rows: int = 0  # rows computed, identical rows of one pass once
     largest: int = 0  # most submissions in one pass
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """How an engine is doing, as `Engine.status()` reads it now: what the gateway reports
+    (/health, /metrics, /v1/models/{model}/stats), never what it serves by."""
+
+    # False once the engine can serve nothing more: its library's engine or server stopped, or a
+    # composed model's engines hold different weights
+    healthy: bool = True
+    # a copy of its own scheduler's counters, where it merges concurrent calls into shared passes
+    # itself; None where its library's scheduler does, or nothing does
+    pass_stats: PassStats | None = None
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """One GPU's memory, in bytes: `free` and `total` as torch.cuda.mem_get_info reads them (every
+    process's use), `dense` what a composed model's dense engine holds (this process's allocator),
+    about what its generation engine's weights will take; other processes may hold the rest."""
+
+    free: int
+    total: int
+    dense: int
 
 
 @dataclass(frozen=True)

@@ -75,14 +75,14 @@ async def one_round(
         prompt = [(seed * 7919 + i * 104729 + k * 31) % vocab + 1000 for k in range(PROMPT_TOKENS)]
         return [step.token_id async for step in engine.generate(prompt, params)]
 
-    passes, before = engine.pass_stats.passes, clock.read()
+    passes, before = engine.status().pass_stats.passes, clock.read()
     started, cpu = time.perf_counter(), time.thread_time()
     texts = await asyncio.gather(*(stream(i) for i in range(streams)))
     wall, loop_cpu = time.perf_counter() - started, time.thread_time() - cpu
     ahead_s, other_s, ahead_steps, _ = (now - then for now, then in zip(clock.read(), before, strict=True))
     worker = ((ahead_s + other_s) / wall, 1e3 * ahead_s / max(ahead_steps, 1), 1e3 * other_s)
     count = sum(map(len, texts))
-    return count / wall, loop_cpu / count * 1e6, engine.pass_stats.passes - passes, texts, worker
+    return count / wall, loop_cpu / count * 1e6, engine.status().pass_stats.passes - passes, texts, worker
 
 
 async def run(args: argparse.Namespace, model: str) -> list[tuple]:

@@ -40,7 +40,7 @@ def engine_rows(engine: Engine) -> NextRows:
         index: dict[tuple[int, ...], int] = {}  # identical rows once, as AsyncGatewayLM asks for them
         for row in rows:
             index.setdefault(tuple(row), len(index))
-        out = (await place_rows(engine, PackedRows.of(list(index)))).rows
+        out = (await place_rows(engine, PackedRows.of(list(index)))).logprobs
         if len(index) == len(rows):  # no particle repeats: the engine's matrix as it is
             return out
         return out[[index[tuple(r)] for r in rows]]

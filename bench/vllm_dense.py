@@ -78,7 +78,7 @@ async def main(args: argparse.Namespace) -> None:
         for call in paths.values():  # warm-up
             await call(fresh(2))
         rows = fresh(4)
-        ours, theirs = (await place_rows(engine, PackedRows.of(rows))).rows, await vllm_rows(engine, rows)
+        ours, theirs = (await place_rows(engine, PackedRows.of(rows))).logprobs, await vllm_rows(engine, rows)
         assert np.max(np.abs(ours - theirs)) <= 1e-5, "the two paths disagree"
         print(
             f"vLLM {engine.info.dtype}, vocab {engine.info.vocab_size}, prefixes of {args.length + 1} tokens;"

@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from backends.composed.capabilities import hand_over
-from backends.composed.engine import ComposedEngine, composed_config
+from backends.composed.engine import ComposedEngine
+from backends.registry import composed_config
 from backends.types import EngineConfig, SamplingParams
 from bench.sglang_check import engine_options
 from bench.smc import add_model_arguments, random_model_dir

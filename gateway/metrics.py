@@ -147,7 +147,7 @@ class StateCollector(Collector):
             f"{PREFIX}_engine_rows", "Distinct dense rows of the engine calls answered.", labels=["model"]
         )
         for served in self.models.models.values():
-            healthy = served.ready and served.engine is not None and served.engine.is_healthy()
+            healthy = served.ready and served.engine is not None and served.engine.status().healthy
             ready.add_metric([served.name], 1.0 if healthy else 0.0)
             calls = self.dense.engine_calls.get(served.name)
             if calls is not None:

@@ -72,8 +72,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from backends.builtin_models import DEFAULT_MODEL
-from backends.composed.engine import composed_config
-from backends.registry import BACKEND_NAMES, DENSE_BACKEND_NAMES, SELF
+from backends.registry import BACKEND_NAMES, DENSE_BACKEND_NAMES, SELF, composed_config
 from backends.types import EngineConfig
 
 ENV_PREFIX = "LOGPROB_GATEWAY_"

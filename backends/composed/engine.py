@@ -4,6 +4,8 @@ SGLang, ...) and a dense engine (transformers, ...), to the gateway one Engine.
     next_token_logprobs, prompt_logprobs, host_memory   the dense engine
     generate, structured_outputs                        the generation engine
     adapters, weights, prefix_cache                     both (capabilities.py)
+    status                                              both: healthy while both are and hold
+                                                        the same weights; the dense engine's passes
 
 So every score (dense rows, prompt scores) comes from the dense engine and every generated token
 from the generation engine. The two must mean the same by every token id: `load` refuses engines
@@ -11,18 +13,18 @@ whose tokenizers or vocabulary sizes differ (EngineMismatchError). `info` is the
 with the generation engine's end-of-sequence ids (where its streams stop) and the shorter of the
 two context lengths.
 
-Its config (`composed_config`) names the two backends; the model's `options` go to the
-generation engine, `dense_options` to the dense one; every other field to both. On one GPU, the
+Its config (backends/registry.py, `composed_config`) names the two backends; the model's `options`
+go to the generation engine, with the defaults its backend takes in a composed model where they
+leave them unset, `dense_options` to the dense one; every other field to both. On one GPU, the
 generation engine's memory share leaves room for the dense engine unless the options set it
-(memory.py).
+(memory.py). What differs by backend its registry entry tells: nothing here asks for one by name.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 
@@ -36,36 +38,16 @@ from backends.composed.memory import dense_gpu, fitted_options
 from backends.composed.vocabulary import vocabulary_difference
 from backends.engine import Engine
 from backends.errors import EngineMismatchError, EngineUnavailableError
-from backends.registry import engine_class
+from backends.registry import (
+    DENSE,
+    DENSE_OPTIONS,
+    GENERATION,
+    GENERATION_OPTIONS,
+    engine_class,
+    generation_defaults,
+)
 from backends.rows import PackedRows
-from backends.types import EngineConfig, ModelInfo, PromptLogprobs, SamplingParams, TokenStep
-
-GENERATION, DENSE = "generation_backend", "dense_backend"
-GENERATION_OPTIONS, DENSE_OPTIONS = "generation_options", "dense_options"
-
-
-def composed_config(
-    config: EngineConfig, generation_backend: str, dense_backend: str, dense_options: Mapping[str, Any]
-) -> EngineConfig:
-    """The composed engine's config: `config` (whose options are the generation engine's), the
-    two backends' names and the dense engine's options."""
-    options = {
-        GENERATION: generation_backend,
-        DENSE: dense_backend,
-        GENERATION_OPTIONS: dict(config.options),
-        DENSE_OPTIONS: dict(dense_options),
-    }
-    return replace(config, options=options)
-
-
-def generation_defaults(backend: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The generation engine's options, with the defaults it takes in a composed model where the
-    options leave them unset: it is never asked for dense rows, so vLLM runs without its
-    row-capturing logits processor, which would hold it to its older, slower model runner
-    (docs/engines.md, vLLM)."""
-    if backend == "vllm":
-        return {"dense_rows": "logprobs", **options}
-    return dict(options)
+from backends.types import EngineConfig, EngineStatus, ModelInfo, PromptLogprobs, SamplingParams, TokenStep
 
 
 def _close(engine: Engine) -> None:
@@ -114,15 +96,18 @@ class ComposedEngine(Engine):
     @classmethod
     def load(cls, config: EngineConfig) -> ComposedEngine:
         """The dense engine, then the generation engine, each with its own options (the second's
-        with `generation_defaults` and, on a GPU, a memory share that leaves room for the dense
-        engine, where the options leave them unset); both closed again if the second fails to load
-        or the two do not match."""
+        with its backend's `generation_defaults` and, on a GPU, a memory share that leaves room for
+        the dense engine, where the options leave them unset); both closed again if the second
+        fails to load or the two do not match."""
         options = config.options
         shared = replace(config, options={})
         dense_config = replace(shared, options=options.get(DENSE_OPTIONS, {}))
         dense = engine_class(options[DENSE]).load(dense_config)
         try:
-            generation_options = generation_defaults(options[GENERATION], options.get(GENERATION_OPTIONS, {}))
+            generation_options = {
+                **generation_defaults(options[GENERATION]),
+                **options.get(GENERATION_OPTIONS, {}),
+            }
             on_gpu = dense_gpu(options[DENSE], dense_config)
             if on_gpu is not None:  # room for the dense engine's cache (backends/composed/memory.py)
                 generation_options = fitted_options(options[GENERATION], generation_options, *on_gpu)
@@ -159,8 +144,10 @@ class ComposedEngine(Engine):
             return _nothing()
         return self.generation.generate(ids, params, adapter)
 
-    def is_healthy(self) -> bool:
-        return self.unusable is None and self.generation.is_healthy() and self.dense.is_healthy()
+    def status(self) -> EngineStatus:
+        generation, dense = self.generation.status(), self.dense.status()
+        healthy = self.unusable is None and generation.healthy and dense.healthy
+        return EngineStatus(healthy=healthy, pass_stats=dense.pass_stats)
 
     async def aclose(self) -> None:
         try:

@@ -46,13 +46,14 @@ from backends.engine import Engine
 from backends.errors import WeightsError
 from backends.grammar.constraint import LLGuidanceGrammars
 from backends.mlx.lora import AdapterSet
-from backends.rows import PackedRows, first_positions
+from backends.placement import distinct_positions
+from backends.rows import PackedRows
 from backends.sampling import log_softmax, prompt_scores, sample_tokens
 from backends.step_scheduler import StepScheduler, split_rows
 from backends.types import (
     EngineConfig,
+    EngineStatus,
     ModelInfo,
-    PassStats,
     PromptLogprobs,
     SamplingParams,
     TokenStep,
@@ -188,9 +189,8 @@ class MlxEngine(Engine):
         self._adapters = AdapterSet(model)
         self._prompt_cache = LRUPromptCache(max_size=64, max_bytes=prompt_cache_bytes)
         self.prompt_tokens_computed = 0  # prompt tokens prefilled (not served from the prompt cache)
-        self.pass_stats = PassStats()
         self.steps: StepScheduler[Step | DenseRow, np.ndarray] = StepScheduler(
-            lambda groups: self._run(self._step_pass, groups), stats=self.pass_stats
+            lambda groups: self._run(self._step_pass, groups)
         )
         self.adapters = MlxAdapters(self)
         self.weights = MlxWeights(self)
@@ -246,23 +246,25 @@ class MlxEngine(Engine):
         return await self.steps.submit(list(zip(rows.keys, rows.views(), adapters, strict=True)))
 
     def _dense_rows(self, items: Sequence[DenseRow]) -> np.ndarray:
-        """log_softmax after each of the dense rows of a pass, each distinct row computed once."""
-        firsts, positions = first_positions([(adapter, key) for key, _, adapter in items])
-        self.pass_stats.rows += len(firsts)
+        """log_softmax after each of the dense rows of a pass, each distinct row computed once
+        (placement's rule, across the pass's calls)."""
+        firsts, positions = distinct_positions([key for key, _, _ in items], [a for *_, a in items])
+        self.steps.stats.rows += len(firsts)
         parts = []
         for start in range(0, len(firsts), DENSE_ROWS):
             chunk = [items[i] for i in firsts[start : start + DENSE_ROWS]]
-            parts.append(
-                self._next_token_logprobs([ids.tolist() for _, ids, _ in chunk], [a for *_, a in chunk])
-            )
+            parts.append(self._next_token_logprobs([ids for _, ids, _ in chunk], [a for *_, a in chunk]))
         computed = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return computed if positions is None else computed[positions]
 
-    def _next_token_logprobs(self, rows: Sequence[list[int]], adapters: Sequence[str | None]) -> np.ndarray:
+    def _next_token_logprobs(self, rows: Sequence[np.ndarray], adapters: Sequence[str | None]) -> np.ndarray:
         self._adapters.set_rows(adapters)
         width = max(len(r) for r in rows)
         padding = [width - len(r) for r in rows]
-        tokens = mx.array([[0] * pad + list(r) for pad, r in zip(padding, rows, strict=True)])
+        padded = np.zeros((len(rows), width), dtype=np.int32)  # left-padded, from the int32 ids as they came
+        for row, (pad, ids) in enumerate(zip(padding, rows, strict=True)):
+            padded[row, pad:] = ids
+        tokens = mx.array(padded)
         cache = [BatchKVCache(padding) for _ in self.model.layers]
         if self._head is None:
             return _log_softmax(self.model(tokens, cache=cache)[:, -1, :])
@@ -309,7 +311,7 @@ class MlxEngine(Engine):
             out[dense] = self._dense_rows([items[i] for i in dense])  # type: ignore[misc]
         steps: list[Step] = [item for item in items if isinstance(item[0], _Stream)]  # type: ignore[misc]
         at = [i for i, item in enumerate(items) if isinstance(item[0], _Stream)]
-        self.pass_stats.rows += len(steps)
+        self.steps.stats.rows += len(steps)
         decoding = []
         for i, (stream, ids) in zip(at, steps, strict=True):
             if not stream.cache:
@@ -353,6 +355,9 @@ class MlxEngine(Engine):
         self._adapters.set_rows([adapter])
         logits = self.model(mx.array([new_ids]), cache=cache)[0, -1]
         return np.array(logits.astype(mx.float32))
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(pass_stats=replace(self.steps.stats))
 
     async def aclose(self) -> None:
         await self.steps.aclose()

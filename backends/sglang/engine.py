@@ -63,6 +63,7 @@ from backends.sglang.transport import HttpTransport, Transport
 from backends.sglang.weights import SglangWeights
 from backends.types import (
     EngineConfig,
+    EngineStatus,
     ModelInfo,
     PromptLogprobs,
     SamplingParams,
@@ -356,8 +357,8 @@ class SglangEngine(Engine):
         finally:
             await stream.aclose()
 
-    def is_healthy(self) -> bool:
-        return self.transport.is_healthy()
+    def status(self) -> EngineStatus:
+        return EngineStatus(healthy=self.transport.is_healthy())
 
     async def aclose(self) -> None:
         await self.transport.aclose()

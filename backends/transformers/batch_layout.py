@@ -27,7 +27,7 @@ def plan_groups(todo: Sequence[int], max_tokens: int) -> list[list[int]]:
 
 
 def left_padded(
-    rows: Sequence[Sequence[int]], skip: Sequence[int]
+    rows: Sequence[np.ndarray] | Sequence[Sequence[int]], skip: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Input ids [rows, width] of every row without its first skip[i] tokens, left-padded; the
     attention mask [rows, max(skip) + width] of the whole rows, right-aligned, and the ids' positions.

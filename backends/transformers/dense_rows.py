@@ -21,7 +21,7 @@ from backends.transformers.batch_layout import left_padded, mask_if_padded, plan
 from backends.transformers.cache_argument import output_cache, with_cache
 from backends.transformers.decode_lane import DecodeLane
 from backends.transformers.host_copy import best_entries
-from backends.transformers.prefix_cache import PrefixCache
+from backends.transformers.prefix_cache import KVPrefixTrie
 
 
 class DenseRows:
@@ -33,7 +33,7 @@ class DenseRows:
         device: torch.device,
         *,
         max_batch_tokens: int,
-        prefix_cache: PrefixCache | None,
+        prefix_cache: KVPrefixTrie | None,
         lane: DecodeLane | None,
     ) -> None:
         self._call = call  # a forward pass, row i with adapter i (the engine's PEFT dispatch)
@@ -82,7 +82,7 @@ class DenseRows:
             assert out is not None
             return out
         cache = self.prefix_cache
-        tokens = [rows[i].tolist() for i in rest]  # the prefix cache's trie walks them
+        tokens = [rows[i] for i in rest]  # int32 views: the trie finds most by their keys
         matches = [
             cache.match(adapters[i], t, keys[i]) if cache else (None, 0)
             for i, t in zip(rest, tokens, strict=True)
@@ -130,9 +130,7 @@ class DenseRows:
             self.prefix_cache.stats.reused_tokens += reused
             self.prefix_cache.stats.computed_tokens += tokens - reused
 
-    def _uncached_logprobs(
-        self, rows: Sequence[Sequence[int]], adapters: Sequence[str | None]
-    ) -> torch.Tensor:
+    def _uncached_logprobs(self, rows: Sequence[np.ndarray], adapters: Sequence[str | None]) -> torch.Tensor:
         # Left padding keeps every row's last token in the final position; explicit position ids
         # and the attention mask make each row's result equal to its unpadded forward pass.
         return self._last_logprobs(adapters, *left_padded(rows, [0] * len(rows)), None)[0]
@@ -160,11 +158,11 @@ class DenseRows:
 
     def _cached_logprobs(
         self,
-        rows: Sequence[Sequence[int]],
+        rows: Sequence[np.ndarray],
         adapters: Sequence[str | None],
         row_keys: Sequence[bytes],
         matches: Sequence[tuple[Any, int]],
-        prefix_cache: PrefixCache,
+        prefix_cache: KVPrefixTrie,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         # The batch's layout is the uncached one, [pad][row], with the first `past` columns taken
         # from the cache: rows whose cached prefix ends earlier than their share of those columns

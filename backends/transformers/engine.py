@@ -3,11 +3,12 @@
 All model calls run on one worker thread per engine, so concurrent requests interleave at
 forward-pass granularity without blocking the event loop.
 
-Dense rows reuse the attention keys/values of their longest cached prefix (backends/transformers/prefix_cache.py),
-so a row one token longer than an earlier one costs one decode step. Its byte budget is
-`options = {prefix_cache_bytes = N}`: 0 turns it off; by default 1 GiB on CPU and a tenth of the
-GPU's memory on CUDA; the decode lane's shapes count against it too. Models with attention other than plain full attention (sliding windows,
-linear attention) run without it. Rows are grouped into forward passes by how many tokens each
+Dense rows reuse the attention keys/values of their longest cached prefix (a KVPrefixTrie,
+backends/transformers/prefix_cache.py), so a row one token longer than an earlier one costs one
+decode step. Its byte budget is `options = {prefix_cache_bytes = N}`: 0 turns it off; by default
+1 GiB on CPU and a tenth of the GPU's memory on CUDA; the decode lane's shapes count against it
+too. Models with attention other than plain full attention (sliding windows, linear attention)
+run without it. Rows are grouped into forward passes by how many tokens each
 must compute, at most `max_batch_tokens` (16384) padded tokens per pass.
 
 On CUDA, rows reach the host through page-locked memory, which the gateway's in-process output
@@ -26,6 +27,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -36,7 +38,7 @@ from backends.builtin_models import resolve_model_dir
 from backends.engine import Engine
 from backends.errors import AdapterError
 from backends.grammar.constraint import LLGuidanceGrammars
-from backends.rows import GrowingRow, PackedRows, row_key
+from backends.rows import GrowingRow, PackedRows
 from backends.sampling import Pick, greedy_alternatives, sample_in_bursts, sample_tokens
 from backends.step_scheduler import StepScheduler
 from backends.transformers.cache_argument import output_cache, with_cache
@@ -50,7 +52,7 @@ from backends.transformers.decode_lane import DecodeLane, lane_supported
 from backends.transformers.dense_rows import DenseRows
 from backends.transformers.grouped_attention import use_grouped_attention
 from backends.transformers.host_copy import release_pinned_memory
-from backends.transformers.prefix_cache import PrefixCache as PrefixKeysValues
+from backends.transformers.prefix_cache import KVPrefixTrie
 from backends.transformers.step_pass import (
     DEFAULT_STEPS_AHEAD,
     GreedySteps,
@@ -61,8 +63,9 @@ from backends.transformers.step_pass import (
 from backends.transformers.weights_collective import CollectiveGroups
 from backends.types import (
     EngineConfig,
+    EngineStatus,
+    GpuMemory,
     ModelInfo,
-    PassStats,
     PromptLogprobs,
     SamplingParams,
     TokenStep,
@@ -103,6 +106,17 @@ def prefix_cache_bytes(options: Any, device: torch.device) -> int:
             return torch.cuda.get_device_properties(device).total_memory // 10
         return 1 << 30
     return _positive_int(options, "prefix_cache_bytes", 0, minimum=0)
+
+
+def dense_gpu(config: EngineConfig) -> tuple[GpuMemory, int] | None:
+    """(the GPU's memory now, the prefix cache's budget) of an engine loaded with `config` on the
+    first visible GPU, where a composed model's generation engine starts; None elsewhere."""
+    device = resolve_device(config.device)
+    if device.type != "cuda" or (device.index or 0) != 0:
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    memory = GpuMemory(free, total, torch.cuda.memory_reserved(device))
+    return memory, prefix_cache_bytes(config.options, device)
 
 
 def supports_prefix_cache(model: Any) -> bool:
@@ -168,12 +182,11 @@ class TransformersEngine(Engine):
         self.adapters = TransformersAdapters(self)
         self.weights = TransformersWeights(self)
         # Dense rows and generation steps of concurrent requests share forward passes.
-        self.pass_stats = PassStats()
         self.steps_ahead = steps_ahead
-        self.steps: StepScheduler[StepItem, StepResult] = StepScheduler(self._pass, stats=self.pass_stats)
-        self.prefix_kv: PrefixKeysValues | None = None  # prefixes' keys/values, reused by dense rows
+        self.steps: StepScheduler[StepItem, StepResult] = StepScheduler(self._pass)
+        self.prefix_kv: KVPrefixTrie | None = None  # prefixes' keys/values, reused by dense rows
         if prefix_cache_bytes and supports_prefix_cache(model):
-            self.prefix_kv = PrefixKeysValues(prefix_cache_bytes)
+            self.prefix_kv = KVPrefixTrie(prefix_cache_bytes)
             self.prefix_cache = TransformersPrefixCache(self)
         elif prefix_cache_bytes:
             log.info("%s: no prefix K/V reuse for this attention type", model_path)
@@ -275,7 +288,7 @@ class TransformersEngine(Engine):
             self.dense,
             groups,
             use_lane=self._peft is None,
-            stats=self.pass_stats,
+            stats=self.steps.stats,
             host_memory=self.host_memory,
         )
         self._release_pinned_memory()
@@ -328,10 +341,9 @@ class TransformersEngine(Engine):
             """The scheduler's item for the steps after `tokens` are appended (none: the prompt's)."""
             for token in tokens:
                 sequence.append(token)
-            row = sequence.view()
             steps = min(steps, self.steps_ahead)
             want = alternatives if steps == 1 or alternatives is None else GreedySteps(alternatives, steps)
-            return [(row, row_key(row), adapter, want)]
+            return [(sequence.view(), sequence.key, adapter, want)]
 
         async def next_logits(token: int | None) -> np.ndarray | Pick:
             # Through the scheduler, rows of log-probabilities: the sampler's choices are those
@@ -362,6 +374,9 @@ class TransformersEngine(Engine):
         )
         state.cache = output_cache(out)
         return out.logits[0, -1].float().cpu().numpy()
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(pass_stats=replace(self.steps.stats))
 
     async def aclose(self) -> None:
         await self.groups.aclose()

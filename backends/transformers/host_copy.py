@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 _PORTABLE = 1  # cudaHostRegisterPortable: for every device's context, not only the current one
 
 
-def _page_locked_like(rows: torch.Tensor) -> torch.Tensor:
-    return torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+def _page_locked_like(logprobs: torch.Tensor) -> torch.Tensor:
+    return torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,13 @@ class WrittenRows:
     positions: Sequence[int] | None
 
 
-def rows_to_host(rows: torch.Tensor) -> np.ndarray:
-    """Rows as numpy. From a GPU, one copy into page-locked memory (pageable memory goes through a
-    staging buffer at a fraction of the speed); the array
-    keeps that memory until it is dropped, then torch's host allocator reuses it."""
-    if rows.device.type == "cpu":
-        return rows.numpy()
-    return _page_locked_like(rows).copy_(rows).numpy()
+def rows_to_host(logprobs: torch.Tensor) -> np.ndarray:
+    """Rows of log-probabilities as numpy. From a GPU, one copy into page-locked memory (pageable
+    memory goes through a staging buffer at a fraction of the speed); the array keeps that memory
+    until it is dropped, then torch's host allocator reuses it."""
+    if logprobs.device.type == "cpu":
+        return logprobs.numpy()
+    return _page_locked_like(logprobs).copy_(logprobs).numpy()
 
 
 def greedy_picks(logprobs: torch.Tensor, alternatives: Sequence[int]) -> list[Pick]:
@@ -99,7 +99,7 @@ def unregister_host_memory(address: int) -> None:
 
 
 def write_rows_into(
-    rows: torch.Tensor,
+    logprobs: torch.Tensor,
     arrays: Sequence[np.ndarray],
     positions: Sequence[int] | None,
     host_memory: CudaHostMemory | None = None,
@@ -110,8 +110,8 @@ def write_rows_into(
     arrays' (an answer does not wait for the copies kept for later).
     An array in registered or page-locked memory takes one copy; into pageable memory the
     driver stages it (correct, slower)."""
-    answer = rows if positions is None else rows[torch.tensor(positions, device=rows.device)]
-    stream = torch.cuda.current_stream(rows.device)
+    answer = logprobs if positions is None else logprobs[torch.tensor(positions, device=logprobs.device)]
+    stream = torch.cuda.current_stream(logprobs.device)
     first, *later = arrays
     torch.from_numpy(first).copy_(answer, non_blocking=True)
     landings = [(first, _recorded(stream))] if host_memory is not None else []

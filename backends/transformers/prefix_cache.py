@@ -1,4 +1,4 @@
-"""A bounded cache of attention keys/values by (adapter, token prefix) for the dense-row path.
+"""KVPrefixTrie: attention keys/values by (adapter, token prefix), bounded in bytes, for dense rows.
 
 Workloads such as sequential Monte Carlo ask for rows that grow by one token per call. With the
 K/V of a row's longest cached prefix at hand, the engine computes only the row's new tokens.
@@ -14,7 +14,9 @@ an entry serves every prefix of its tokens: entries sit on leaves only, an entry
 a prefix of a newer one is dropped when that one is stored, and the longest cached prefix of a row
 is found by walking its tokens, O(len(row)). A row that is an entry's tokens, or those and one
 more token (a generation step, an SMC extension), is found by its key instead (its int32 bytes,
-backends/rows.py: hashed in C), so a stream's step costs the same however long the stream is.
+backends/rows.py, as the row came: hashed in C, in the adapter's own index of leaves), so a
+stream's step costs the same however long the stream is, and its ids stay as they came (int32)
+unless a walk needs them.
 
 Not thread-safe: the engine uses it from its one worker thread.
 """
@@ -25,11 +27,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from backends.rows import parent_key, row_key
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values) of one layer: [batch, heads, width, head_dim]
+Tokens = np.ndarray | Sequence[int]  # a row's ids: int32 as they came, or a list
 
 
 class KVBlock:
@@ -72,7 +76,7 @@ class Entry:
 
 
 @dataclass
-class PrefixCacheStats:
+class KVPrefixTrieStats:
     lookups: int = 0  # rows looked up
     hits: int = 0  # rows that found a cached prefix
     reused_tokens: int = 0  # tokens whose K/V came from the cache (set by the engine)
@@ -80,28 +84,29 @@ class PrefixCacheStats:
     evictions: int = 0  # entries dropped for the byte budget
 
 
-class PrefixCache:
+class KVPrefixTrie:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.nbytes = 0  # bytes of the blocks that live entries view
         self.held_elsewhere = 0  # bytes of this budget that others hold (the decode lane's shapes)
-        self.stats = PrefixCacheStats()
+        self.stats = KVPrefixTrieStats()
         self._roots: dict[str | None, _Node] = {}
         self._lru: OrderedDict[Entry, None] = OrderedDict()
-        self._leaves: dict[tuple[str | None, bytes], _Node] = {}  # by (adapter, key), each entry's leaf
+        self._leaves: dict[str | None, dict[bytes, _Node]] = {}  # per adapter, each entry's leaf by key
 
     def __len__(self) -> int:
         return len(self._lru)
 
     def match(
-        self, adapter: str | None, tokens: Sequence[int], key: bytes | None = None
+        self, adapter: str | None, tokens: Tokens, key: bytes | None = None
     ) -> tuple[Entry | None, int]:
         """The entry holding the longest cached prefix of `tokens` (whose key is `key`), and that
         prefix's length."""
         self.stats.lookups += 1
         key = row_key(tokens) if key is None else key
         # an entry's leaf has no children: the row is its tokens, or those and a token more
-        node = self._leaves.get((adapter, key)) or self._leaves.get((adapter, parent_key(key)))
+        leaves = self._leaves.get(adapter)
+        node = None if leaves is None else leaves.get(key) or leaves.get(parent_key(key))
         if node is None:
             node = self._walk(adapter, tokens)
             if node is None:
@@ -115,12 +120,12 @@ class PrefixCache:
         self.stats.hits += 1
         return node.entry, depth
 
-    def _walk(self, adapter: str | None, tokens: Sequence[int]) -> _Node | None:
+    def _walk(self, adapter: str | None, tokens: Tokens) -> _Node | None:
         """The deepest node on the path of `tokens`; None without a trie for `adapter`."""
         node = self._roots.get(adapter)
         if node is None:
             return None
-        for token in tokens:
+        for token in _ints(tokens):
             child = node.children.get(token)
             if child is None:
                 break
@@ -185,7 +190,7 @@ class PrefixCache:
 
     def store(
         self,
-        rows: Sequence[tuple[str | None, Sequence[int]]],
+        rows: Sequence[tuple[str | None, Tokens]],
         layers: list[KV],
         keys: Sequence[bytes] | None = None,
     ) -> None:
@@ -214,24 +219,25 @@ class PrefixCache:
         self._roots.pop(adapter, None)
         for entry in [e for e in self._lru if e.adapter == adapter]:
             self._remove(entry, prune=False)
+        self._leaves.pop(adapter, None)
 
     def clear(self) -> None:
         for entry in list(self._lru):
             self._remove(entry, prune=False)
         self._roots.clear()
+        self._leaves.clear()
 
-    def _insert(
-        self, adapter: str | None, tokens: Sequence[int], block: KVBlock, row: int, key: bytes
-    ) -> None:
-        node = self._leaves.get((adapter, key))
+    def _insert(self, adapter: str | None, tokens: Tokens, block: KVBlock, row: int, key: bytes) -> None:
+        leaves = self._leaves.setdefault(adapter, {})
+        node = leaves.get(key)
         if node is None:
             # Entries sit on leaves only, so on the path to the leaf of the tokens less their last
             # one there is no other entry: the walk starts there.
-            parent = self._leaves.get((adapter, parent_key(key))) if tokens else None
+            parent = leaves.get(parent_key(key)) if len(tokens) else None
             node, rest = (parent, tokens[-1:]) if parent is not None else (self._roots.get(adapter), tokens)
             if node is None:
                 node = self._roots[adapter] = _Node(None, -1)
-            for token in rest:
+            for token in _ints(rest):
                 if node.entry is not None:  # a shorter entry on the path: the new one holds its tokens
                     self._remove(node.entry, prune=False)
                 child = node.children.get(token)
@@ -243,7 +249,7 @@ class PrefixCache:
         if node.entry is not None:
             self._remove(node.entry, prune=False)
         entry = node.entry = Entry(adapter, block, row, block.width - len(tokens), node, key)
-        self._leaves[adapter, key] = node
+        leaves[key] = node
         self._lru[entry] = None
         if block.live == 0:
             self.nbytes += block.nbytes
@@ -251,7 +257,7 @@ class PrefixCache:
 
     def _remove(self, entry: Entry, *, prune: bool) -> None:
         del self._lru[entry]
-        del self._leaves[entry.adapter, entry.key]
+        del self._leaves[entry.adapter][entry.key]
         node = entry.leaf
         node.entry = None
         entry.block.live -= 1
@@ -261,3 +267,8 @@ class PrefixCache:
         while prune and node.parent is not None and not node.children and node.entry is None:
             del node.parent.children[node.token]
             node = node.parent
+
+
+def _ints(tokens: Tokens) -> Sequence[int]:
+    """Ids as Python ints, the trie's edges: int32 ids converted once, for a walk."""
+    return tokens.tolist() if isinstance(tokens, np.ndarray) else tokens

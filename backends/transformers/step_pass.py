@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from backends.rows import first_positions
+from backends.placement import distinct_positions
 from backends.sampling import Pick
 from backends.step_scheduler import split_rows
 from backends.transformers.dense_rows import DenseRows
@@ -58,7 +58,7 @@ def pass_results(
 ) -> list[StepResult]:
     """Each group's rows on the host, its greedy stream's Pick (or Picks), or (None) its rows
     written into host memory from the device: only rows a caller reads cross to the host, once.
-    A row that several groups ask for (the same adapter) is computed once."""
+    A row that several groups ask for (the same adapter) is computed once, by placement's rule."""
     ahead = steps_ahead(dense, groups, stats) if use_lane else None
     if ahead is not None:
         return ahead
@@ -66,7 +66,7 @@ def pass_results(
     rows, keys, adapters = [i[0] for i in items], [i[1] for i in items], [i[2] for i in items]
     positions = None  # a group's own rows are distinct already (backends/placement.py)
     if len(groups) > 1:
-        firsts, positions = first_positions(list(zip(adapters, keys, strict=True)))
+        firsts, positions = distinct_positions(keys, adapters)
         if positions is not None:
             rows, keys, adapters = ([column[i] for i in firsts] for column in (rows, keys, adapters))
     computed = dense(rows, keys, adapters, use_lane=use_lane)

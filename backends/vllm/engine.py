@@ -58,6 +58,7 @@ from backends.grammar.constraint import LLGuidanceGrammars, ascii_digits
 from backends.rows import PackedRows
 from backends.types import (
     EngineConfig,
+    EngineStatus,
     Grammar,
     ModelInfo,
     PromptLogprobs,
@@ -400,8 +401,8 @@ class VllmEngine(Engine):
                 finish_reason="length" if finish == "length" else ("stop" if finish else None),
             )
 
-    def is_healthy(self) -> bool:
-        return not self.engine.errored
+    def status(self) -> EngineStatus:
+        return EngineStatus(healthy=not self.engine.errored)
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.engine.shutdown)

@@ -45,7 +45,7 @@ def install() -> None:
     stamp(writer, writer.target, "segment", "segment found")
     stamp(
         service.DenseService,
-        service.DenseService.rows,
+        service.DenseService.logprobs,
         "rows: keys, lookup",
         "rows done",
         rows=lambda args: len(args[3]),  # (self, served, adapter, rows, ...)
@@ -53,7 +53,7 @@ def install() -> None:
     cache = gateway.dense.row_cache.RowCache
     stamp(cache, cache.lookup, "lookup", "looked up")
     calls = gateway.dense.engine_calls.EngineCalls
-    stamp(calls, calls.rows, "engine calls", "engine calls done")
+    stamp(calls, calls.logprobs, "engine calls", "engine calls done")
     engines, host_memories = [MockEngine], [MockHostMemory]
     try:
         from backends.transformers.capabilities import TransformersHostMemory

@@ -60,7 +60,7 @@ def answer_nbytes(
 
 
 def in_shared_memory(
-    rows: np.ndarray,
+    logprobs: np.ndarray,
     body: NextTokenLogprobsRequest,
     usage: NextTokenLogprobsUsage,
     binary: bool,
@@ -70,12 +70,12 @@ def in_shared_memory(
     """The matrix copied into the client's segment (`destination`, uint8), unless the engine wrote
     it there itself; the body says where it lies."""
     if not written:
-        copy_into(destination, np.frombuffer(matrix_view(rows, body.dtype), dtype=np.uint8))
+        copy_into(destination, np.frombuffer(matrix_view(logprobs, body.dtype), dtype=np.uint8))
     assert body.shared_memory is not None
     document = NextTokenLogprobsSharedMemoryResponse(
         model=body.model,
-        vocab_size=rows.shape[1],
-        rows=len(rows),
+        vocab_size=logprobs.shape[1],
+        rows=len(logprobs),
         dtype=body.dtype,
         usage=usage,
         offset=body.shared_memory.offset,
@@ -85,16 +85,17 @@ def in_shared_memory(
 
 
 def in_body(
-    rows: np.ndarray, body: NextTokenLogprobsRequest, usage: NextTokenLogprobsUsage, binary: bool
+    logprobs: np.ndarray, body: NextTokenLogprobsRequest, usage: NextTokenLogprobsUsage, binary: bool
 ) -> Parts:
-    """The answer with its rows in the body, in the layout, encoding and dtype asked for."""
+    """The answer with its rows (`logprobs`, float32 [rows, vocab]) in the body, in the layout,
+    encoding and dtype asked for."""
     if body.layout == "matrix":
-        return _matrix(rows, body, usage, binary)
-    vocab_size = rows.shape[1]
+        return _matrix(logprobs, body, usage, binary)
+    vocab_size = logprobs.shape[1]
     if binary:
         data = [
             NextTokenLogprobsBinaryRow(index=i, logprobs=view)  # type: ignore[arg-type]
-            for i, view in enumerate(row_views(rows, body.dtype))
+            for i, view in enumerate(row_views(logprobs, body.dtype))
         ]
         document = NextTokenLogprobsBinaryResponse(
             model=body.model, vocab_size=vocab_size, dtype=body.dtype, data=data, usage=usage
@@ -109,7 +110,7 @@ def in_body(
         NextTokenLogprobsRow(
             index=i, logprobs=row_base64(r, body.dtype) if body.encoding_format == "base64" else r.tolist()
         )
-        for i, r in enumerate(rows)
+        for i, r in enumerate(logprobs)
     )
     return _filled(msgspec.json.encode(response), b'"data":[]', items)
 
@@ -133,20 +134,20 @@ def _filled(document: bytes, empty: bytes, items: Iterable[object]) -> Parts:
 
 
 def _matrix(
-    rows: np.ndarray, body: NextTokenLogprobsRequest, usage: NextTokenLogprobsUsage, binary: bool
+    logprobs: np.ndarray, body: NextTokenLogprobsRequest, usage: NextTokenLogprobsUsage, binary: bool
 ) -> Parts:
-    fields = dict(model=body.model, vocab_size=rows.shape[1], rows=len(rows), usage=usage)
+    fields = dict(model=body.model, vocab_size=logprobs.shape[1], rows=len(logprobs), usage=usage)
     if binary:
         # The document with an empty matrix ends with the empty `bin` (0xc4 0x00), as the matrix is
         # its last field: swap that for the real header, and the array's memory follows unjoined.
         empty = msgspec.msgpack.encode(
             NextTokenLogprobsBinaryMatrixResponse(**fields, dtype=body.dtype, logprobs=memoryview(b""))
         )
-        matrix = matrix_view(rows, body.dtype)
+        matrix = matrix_view(logprobs, body.dtype)
         return [empty[:-2] + msgpack_bin_header(len(matrix)), matrix]
     if body.encoding_format == "base64":
         document = NextTokenLogprobsMatrixResponse(**fields, dtype=body.dtype, logprobs="")
         head, tail = _around(msgspec.json.encode(document), b'"logprobs":""')
-        return [head, base64.b64encode(matrix_view(rows, body.dtype)), tail]
+        return [head, base64.b64encode(matrix_view(logprobs, body.dtype)), tail]
     document = NextTokenLogprobsMatrixResponse(**fields, dtype="float32", logprobs=[])
-    return _filled(msgspec.json.encode(document), b'"logprobs":[]', (r.tolist() for r in rows))
+    return _filled(msgspec.json.encode(document), b'"logprobs":[]', (r.tolist() for r in logprobs))

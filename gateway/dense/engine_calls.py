@@ -1,11 +1,12 @@
-"""A request's rows asked of its model's engine: at most `max_batch_rows` distinct rows a call.
+"""A request's rows asked of its model's engine: counted and timed, at most `max_batch_rows`
+distinct rows a call.
 
 The gateway batches nothing itself. An engine merges concurrent calls into shared work in its own
 scheduler (the transformers and MLX engines in backends/step_scheduler.py, vLLM and SGLang in
-their libraries'), so each request's rows go down as they come, through backends/placement.py:
-rows that repeat computed once, into `out` when given (a GPU engine writes there from its
-device). A request with more distinct rows than `max_batch_rows` makes several calls of at most
-that many, one after another, and gets its rows back in order (copied into `out` when given).
+their libraries'), so each request's rows go down as they come, through backends/placement.py,
+which drops repeats and rows the output cache found, splits a request with more distinct rows
+than `max_batch_rows` into calls of at most that many, and places every row where it goes. This
+module only counts those calls and times them (`EngineCalls.call`, around each of them).
 
 A request whose client has gone is cancelled, and its call with it: an engine drops the rows of a
 call cancelled before its work began (its scheduler's queue, or its worker's). A failing call
@@ -14,15 +15,14 @@ fails its own request alone.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-
-import numpy as np
+from functools import partial
 
 from backends.engine import Engine
-from backends.placement import Out, Placed, copy_rows_into, outputs, place_rows
+from backends.placement import Known, Out, Placed, place_rows
 from backends.rows import PackedRows
 
 
@@ -62,47 +62,44 @@ class EngineCalls:
         self._on_answer = on_answer or (lambda rows: None)  # a call answered, with its distinct rows
         self.stats = CallStats()
 
-    async def rows(
+    async def logprobs(
         self,
         rows: PackedRows,
         adapter: str | None = None,
         out: Out | None = None,
+        known: Known | None = None,
+        keep: bool = False,
+        *,
         times: EngineTimes | None = None,
     ) -> Placed:
-        """The rows, float32 [len(rows), vocab], each equal to what the engine computes for it
-        alone; in every array of `out` when given. `times`, if given, is filled in with when the
-        (last) engine call began and ended."""
-        self.stats.requests += 1
-        self.stats.rows += len(rows)
-        keys = rows.keys
-        distinct = len(set(keys))
-        if distinct <= self.max_batch_rows:  # one call, repeats and `out` as they are
-            return await self._call(rows, adapter, distinct, out, times)
-        unique = list(dict.fromkeys(keys))  # the distinct rows, in the order first asked
-        parts = []
-        for start in range(0, len(unique), self.max_batch_rows):
-            chunk = PackedRows.from_keys(unique[start : start + self.max_batch_rows])
-            parts.append((await self._call(chunk, adapter, len(chunk), None, times)).rows)
-        computed = np.concatenate(parts)
-        positions = None  # every row distinct, in order
-        if len(unique) < len(keys):
-            index = dict(zip(unique, range(len(unique)), strict=True))
-            positions = [index[key] for key in keys]
-        if out is None:
-            return Placed(computed if positions is None else computed[positions])
-        arrays = outputs(out)  # gathered straight into them: megabytes, off the loop
-        await asyncio.to_thread(copy_rows_into, computed, positions, arrays)
-        return Placed(arrays[0])
+        """The log-probabilities after each of `rows`, float32 [len(rows), vocab], each equal to
+        what the engine computes for it alone; in every array of `out` when given. `known`: the
+        rows the caller has already, per row or None (place_rows' `known`); `keep`: place_rows'.
+        `times`, if given, is filled in with when the (last) engine call began and ended."""
+        asked = len(rows) if known is None else sum(row is None for row in known)
+        if asked:
+            self.stats.requests += 1
+            self.stats.rows += asked
+        return await place_rows(
+            self._engine,
+            rows,
+            [adapter] * len(rows),
+            out,
+            known,
+            keep=keep,
+            max_rows=self.max_batch_rows,
+            watch=partial(self.call, times),
+        )
 
-    async def _call(
-        self, rows: PackedRows, adapter: str | None, distinct: int, out: Out | None, times: EngineTimes | None
-    ) -> Placed:
+    @contextmanager
+    def call(self, times: EngineTimes | None, distinct: int) -> Iterator[None]:
+        """One engine call of `distinct` rows, counted once answered and timed into `times`."""
         stats = self.stats
         self._on_call()
         stats.in_progress += 1
         began = time.perf_counter()
         try:
-            placed = await place_rows(self._engine, rows, [adapter] * len(rows), out)
+            yield
         finally:
             stats.in_progress -= 1
             if times is not None:
@@ -111,4 +108,3 @@ class EngineCalls:
         stats.engine_rows += distinct
         stats.largest_call = max(stats.largest_call, distinct)
         self._on_answer(distinct)
-        return placed

@@ -98,7 +98,7 @@ async def next_token_logprobs(request: Request) -> Response:
 async def dense_stats(request: Request, model: str) -> Response:
     served, _ = requests.resolve_model(request, model)
     s = _dense(request).calls(served).stats
-    engine = served.require_engine().pass_stats
+    engine = served.require_engine().status().pass_stats
     passes = None
     if engine is not None:
         passes = EnginePassStats(

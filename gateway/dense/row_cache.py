@@ -3,20 +3,25 @@
 The cache is an optimisation, never part of correctness: any failure of the store (down, slow,
 garbage) reads as a miss, and the rows are computed as if there were no cache.
 
-    RowCache          keys, lookup, deferred stores (read-your-writes), statistics
+    RowCache          fill, keys, lookup, deferred stores (read-your-writes), statistics
      ├── MemoryRowCache  the engine's rows themselves, in an LRU bounded by the memory they keep
      └── RedisRowCache   framed, checksummed values in Redis (dense/redis_store.py)
+
+`RowCache.fill` is the way through it: the rows it finds go down with the rest, as rows the
+engine need not compute (backends/placement.py places them with the computed ones), and it hands
+back the computation the caller waits on, whose rows are stored once computed.
 
 Stores are deferred by one mechanism, `QuietTime` (dense/quiet_time.py): a store runs once the
 next engine call begins, when the clients that asked wait, not while a client on this host
 computes on the answer it just got. A lookup of a key still waiting to be stored runs the store
 at once and waits for it; shutdown lets stores finish.
 
-In process, a key is bytes: (model fingerprint, adapter) in MessagePack, then the row's ids as
-little-endian int32 (backends/rows.py's keys), which hashes once and compares in C; the value is a
-read-only view of the matrix the engine returned: no copy, no framing (engines return a fresh
-matrix per call and nothing on the response path writes to it). A matrix's rows go in together,
-and the least recently used matrix goes whole, as its memory does.
+A key is the cache's address of a row's key (backends/rows.py), made once per request in `keys`.
+In process, it is bytes: (model fingerprint, adapter) in MessagePack, then the row's key, which
+hashes once and compares in C; the value is a read-only view of the matrix the engine returned:
+no copy, no framing (engines return a fresh matrix per call and nothing on the response path
+writes to it). A matrix's rows go in together, and the least recently used matrix goes whole, as
+its memory does.
 
 In Redis, a key is `{namespace}:v{FORMAT}:row:{sha256(model fingerprint, adapter, dtype, token
 ids as little-endian int32)}`; a value is a 16-byte header (magic + version, row length, CRC-32
@@ -40,12 +45,13 @@ import threading
 import time
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import numpy as np
 
+from backends.placement import Known, Placed
 from backends.rows import PackedRows
 from gateway.dense.quiet_time import QuietTime
 from gateway.dense.redis_store import CacheStats, RedisStore
@@ -128,6 +134,45 @@ class RowCache(ABC):
 
     @abstractmethod
     async def _delete(self, keys: Sequence[Key]) -> None: ...
+
+    async def fill(
+        self,
+        fingerprint: str,
+        adapter: str | None,
+        rows: PackedRows,
+        width: int,
+        compute: Callable[[Known | None, bool], Awaitable[Placed]],
+        *,
+        direct: bool,
+    ) -> tuple[Awaitable[Placed], int]:
+        """The computation of `rows` (of a model, `fingerprint`, and adapter, its name and
+        fingerprint; `width` floats each) that the caller awaits, and how many rows the cache
+        found: `compute(known, keep)` gets those rows (per row, or None: none found), and `keep`,
+        whether the engine should write a copy of rows it writes from its device for the cache.
+        `direct`: the rows go from the engine's device straight into a client's memory. Rows the
+        engine computed are stored once computed (`store_later`)."""
+        keys = self.keys(fingerprint, adapter, rows)
+        # Rows never asked for nor stored before (every SMC step) get no second copy from the
+        # device for the cache; asked again, they are kept. In process, they are in no store:
+        # not looked up either.
+        new = direct and self.asked is not None and not self.asked.before(keys)
+        if new and not self.shared:
+            self.missed(len(keys))
+            return compute(None, False), 0
+        found = await self.lookup(keys, width)
+        hits = sum(row is not None for row in found)
+        computing = asyncio.ensure_future(compute(found if hits else None, direct and not new and not hits))
+        computing.add_done_callback(functools.partial(self._store_computed, keys))
+        return computing, hits
+
+    def _store_computed(self, keys: Sequence[Key], computing: asyncio.Future[Placed]) -> None:
+        """A fill's rows are computed: those the engine computed are stored later."""
+        if computing.cancelled() or computing.exception() is not None:  # the request's to report
+            return
+        computed = computing.result().computed
+        if computed is not None:
+            kept = keys if computed.asked is None else [keys[i] for i in computed.asked]
+            self.store_later(kept, computed.logprobs, computed.landed)
 
     async def lookup(self, keys: Sequence[Key], width: int) -> list[np.ndarray | None]:
         """The rows stored under `keys` (None: a miss)."""

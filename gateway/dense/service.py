@@ -2,8 +2,13 @@
 
     DenseService.answer
      ├── where the answer goes: the body, or the client's shared memory (shared_memory.py)
-     ├── rows: the output cache (row_cache.py), the engine for the rest (engine_calls.py)
-     └── the answer's bytes (delivery.py)
+     ├── logprobs: the output cache (row_cache.py) → the engine's calls (engine_calls.py) →
+     │   placement (backends/placement.py: repeats and cached rows dropped, every row placed)
+     └── the answer's bytes (delivery.py), once the rows have landed
+
+The rows go down that chain once: the cache hands what it found down with the rows, as rows the
+engine need not compute, and stores what the engine computed once it has; the answer is made from
+the one matrix that comes back.
 
 An engine that can write rows into host memory itself (backends.engine.HostMemory: a GPU engine)
 gets the client's segment, registered with it, as `out` for a request with none of its rows
@@ -11,7 +16,8 @@ cached, at most `max_batch_rows` distinct rows (one engine call) and a float32 a
 then reach the client in one copy from the device. With an output cache, rows asked for before
 (`RowCache.asked`) are copied for it too: `out` also names page-locked rows of the engine's own
 (`host_memory.empty`), which the cache keeps once the client's segment has been handed on; the
-answer goes once the client's rows have landed, and the cache's copy is stored once it has too.
+answer goes once the client's rows have landed (a worker thread waits for the device, never the
+event loop), and the cache's copy is stored once it has too.
 Rows never asked before, every step of an SMC loop, get neither the second copy nor the cache's
 bookkeeping: most are never asked again, and the copy, its page-locked memory and the store cost
 about as much of the gateway's time per call as everything else it does (docs/performance.md).
@@ -20,12 +26,9 @@ about as much of the gateway's time per call as everything else it does (docs/pe
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass
 from functools import partial
-from itertools import repeat
-from operator import is_not
 from typing import Protocol
 
 import numpy as np
@@ -53,8 +56,6 @@ from gateway.models.served import ServedModel
 from gateway.schemas.logprobs import NextTokenLogprobsRequest, NextTokenLogprobsUsage
 from gateway.settings import Limits
 from logprob_gateway_client.encoding import ITEMSIZE
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ class DenseService:
         times = EngineTimes()
         try:
             async with served.weights.reading():  # keys and rows of the same weights
-                placed, hits = await self.rows(served, adapter, rows, into, times)
+                placed, hits = await self.logprobs(served, adapter, rows, into, times)
         except GatewayError:
             raise
         except EngineUnavailableError as exc:  # unusable until given weights again: 503
@@ -158,17 +159,17 @@ class DenseService:
         tokens = int(rows.ids.size)
         usage = NextTokenLogprobsUsage(prompt_tokens=tokens, total_tokens=tokens, cache_hits=hits)
         computed_at = time.perf_counter()
-        computed = placed.rows
+        logprobs = placed.logprobs
         if into is not None:  # the rows are in the client's memory: a few hundred bytes to say so
             assert destination is not None
-            parts = delivery.in_shared_memory(computed, body, usage, binary, destination.view, True)
+            parts = delivery.in_shared_memory(logprobs, body, usage, binary, destination.view, True)
         # Copying or encoding megabytes of floats would stall the event loop: a worker thread does.
         elif destination is not None:
             parts = await asyncio.to_thread(
-                delivery.in_shared_memory, computed, body, usage, binary, destination.view, False
+                delivery.in_shared_memory, logprobs, body, usage, binary, destination.view, False
             )
         else:
-            parts = await asyncio.to_thread(delivery.in_body, computed, body, usage, binary)
+            parts = await asyncio.to_thread(delivery.in_body, logprobs, body, usage, binary)
         encoding = (
             "shared_memory" if destination is not None else "msgpack" if binary else body.encoding_format
         )
@@ -176,10 +177,10 @@ class DenseService:
         metrics.child(metrics.dense_rows, served.name, adapter or "", encoding).inc(len(rows))
         metrics.child(metrics.dense_response_bytes, served.name, encoding).inc(sum(map(len, parts)))
         # An engine's copy from its device into the client's memory may still be under way: the
-        # answer, made meanwhile, leaves once the rows have landed (this thread, awake, waits out
-        # the device's last work: never longer than the call's own).
+        # answer, made meanwhile, leaves once the rows have landed (a worker thread waits out the
+        # device's last work, the event loop serving others meanwhile).
         landing = time.perf_counter()
-        placed.wait_landed()
+        await placed.landed()
         landing_s = time.perf_counter() - landing
         # Milliseconds, for clients and benches: the request read and checked, rows (the cache
         # and the engine: `engine` is its call, from the engine's queue to its answer, and its
@@ -208,7 +209,7 @@ class DenseService:
         nbytes = count * engine.info.vocab_size * ITEMSIZE[body.dtype]
         return self.shared_memory.target(body.shared_memory, nbytes, engine.host_memory)
 
-    async def rows(
+    async def logprobs(
         self,
         served: ServedModel,
         adapter: str | None,
@@ -216,54 +217,22 @@ class DenseService:
         into: np.ndarray | None = None,
         times: EngineTimes | None = None,
     ) -> tuple[Placed, int]:
-        """The rows, float32 [len(rows), vocab], and how many came from the output cache
-        (bit-identical to computing them): the one way to dense rows, for every route. With `into`
-        (float32 [len(rows), vocab], memory the engine may write into from its device), the rows
-        are there, once landed (`Placed.wait_landed`). `times`: when the engine's call for them
-        began and ended. The caller holds the model's weights for reading
+        """The log-probabilities after each of `rows`, float32 [len(rows), vocab], and how many
+        came from the output cache (bit-identical to computing them): the one way to dense rows,
+        for every route. With `into` (float32 [len(rows), vocab], memory the engine may write into
+        from its device), they are there, once landed (`Placed.landed`). `times`: when the
+        engine's call for them began and ended. The caller holds the model's weights for reading
         (`served.weights.reading()`)."""
-        calls = self.calls(served)
+        compute = partial(self.calls(served).logprobs, rows, adapter, into, times=times)
         cache = self.cache
         if cache is None:
-            return await calls.rows(rows, adapter, into, times), 0
+            return await compute(None, False), 0
         adapter_id = None if adapter is None else f"{adapter}:{served.adapters[adapter].fingerprint}"
-        keys = cache.keys(served.cache_scope, adapter_id, rows)
-        # Rows never asked for nor stored before (every SMC step) get no second copy from the
-        # device for the cache; asked again, they are kept. In process, they are in no store:
-        # not looked up either.
-        new = into is not None and cache.asked is not None and not cache.asked.before(keys)
-        if new and not cache.shared:
-            cache.missed(len(keys))
-            return await calls.rows(rows, adapter, into, times), 0
         vocab_size = served.require_engine().info.vocab_size
-        cached = await cache.lookup(keys, vocab_size)
-        if not any(map(is_not, cached, repeat(None))):  # nothing cached (every SMC step): rows as they come
-            if into is None or new:
-                placed = await calls.rows(rows, adapter, into, times)
-                if into is None:
-                    cache.store_later(keys, placed.rows)
-                return placed, 0
-            # The client's segment is handed on with the answer: the cache keeps rows of the
-            # engine's own (page-locked, from `host_memory.empty`), stored once they have landed.
-            # `into` is only ever memory registered with the engine's host memory
-            # (_engine_target), so the engine has that capability.
-            host_memory = served.require_engine().host_memory
-            assert host_memory is not None
-            own = host_memory.empty(len(rows))
-            placed = await calls.rows(rows, adapter, (into, own), times)
-            cache.store_later(keys, own, partial(placed.wait_landed, own))
-            return placed, 0
-        missing = [i for i, row in enumerate(cached) if row is None]
-        out = np.empty((len(rows), vocab_size), dtype=np.float32) if into is None else into
-        for i, row in enumerate(cached):
-            if row is not None:
-                out[i] = row
-        if missing:
-            fresh = (await calls.rows(rows.take(missing), adapter, times=times)).rows
-            out[missing] = fresh
-            cache.store_later([keys[i] for i in missing], fresh)
-        log.debug("model %s: %d rows, %d from the cache", served.name, len(rows), len(rows) - len(missing))
-        return Placed(out), len(rows) - len(missing)
+        computing, hits = await cache.fill(
+            served.cache_scope, adapter_id, rows, vocab_size, compute, direct=into is not None
+        )
+        return await computing, hits
 
     async def aclose(self) -> None:
         if self.cache is not None:

@@ -40,7 +40,8 @@ class ModelRegistry:
 
     @property
     def healthy(self) -> bool:
-        return all(m.ready and m.engine is not None and m.engine.is_healthy() for m in self.models.values())
+        models = self.models.values()
+        return all(m.ready and m.engine is not None and m.engine.status().healthy for m in models)
 
     async def aclose(self) -> None:
         for served in self.models.values():

@@ -11,9 +11,10 @@ import shutil
 import numpy as np
 import pytest
 
-from backends.composed.engine import ComposedEngine, composed_config
+from backends.composed.engine import ComposedEngine
 from backends.errors import AdapterError, EngineMismatchError, EngineUnavailableError, WeightsError
 from backends.mock import MockEngine
+from backends.registry import composed_config
 from backends.rows import PackedRows
 from backends.types import EngineConfig, SamplingParams
 
@@ -153,7 +154,7 @@ def test_weights_the_generation_engine_refuses_put_the_old_ones_back(engines, tm
         asyncio.run(composed.weights.load(str(weights_dir(tmp_path / "new", "new"))))
     assert dense.info.path == composed.info.path == old_path
     np.testing.assert_array_equal(rows(composed), old_rows)
-    assert composed.is_healthy()
+    assert composed.status().healthy
 
 
 def test_engines_left_apart_serve_nothing_until_weights_load_into_both(engines, tmp_path):
@@ -170,7 +171,7 @@ def test_engines_left_apart_serve_nothing_until_weights_load_into_both(engines, 
     dense.weights.load = only_new
     with pytest.raises(EngineUnavailableError, match="hold different weights"):
         asyncio.run(composed.weights.load(str(weights_dir(tmp_path / "new", "new"))))
-    assert not composed.is_healthy()
+    assert not composed.status().healthy
     with pytest.raises(EngineUnavailableError):
         rows(composed)
     with pytest.raises(EngineUnavailableError):
@@ -178,7 +179,7 @@ def test_engines_left_apart_serve_nothing_until_weights_load_into_both(engines, 
     del generation.weights.load  # loads again
     fixed = weights_dir(tmp_path / "fixed", "fixed")
     asyncio.run(composed.weights.load(str(fixed)))
-    assert composed.is_healthy() and composed.info.path == str(fixed)
+    assert composed.status().healthy and composed.info.path == str(fixed)
     np.testing.assert_array_equal(rows(composed), rows(generation))
 
 

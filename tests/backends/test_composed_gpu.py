@@ -55,7 +55,8 @@ def _divergence(rows: np.ndarray, model, ids) -> float:
 
 
 async def _loaded(model_dir, **config):
-    from backends.composed.engine import ComposedEngine, composed_config
+    from backends.composed.engine import ComposedEngine
+    from backends.registry import composed_config
 
     shared = EngineConfig(model=str(model_dir), options=dict(SGLANG), **config)
     return await asyncio.to_thread(ComposedEngine.load, composed_config(shared, "sglang", "transformers", {}))

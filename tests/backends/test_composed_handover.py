@@ -139,11 +139,11 @@ async def test_tensors_the_generation_engine_refuses_leave_the_model_unusable_un
         assert await trainer.outcome() == "sent"
         with pytest.raises(EngineUnavailableError):
             await engine_rows(composed, ROWS)
-        assert not composed.is_healthy()
+        assert not composed.status().healthy
         await collective.leave(group.name)
     finally:
         trainer.stop()
     monkeypatch.undo()
     await composed.weights.load(str(model_dir))  # both engines again on one set of weights
-    assert composed.is_healthy()
+    assert composed.status().healthy
     await assert_generation_rows(composed, await handed_version(composed, version))

@@ -1,27 +1,21 @@
 """The generation engine's options in a composed model: its memory share on a GPU it shares with
-the dense engine (backends/composed/memory.py), which value is set, in each engine's own terms, and
-that a value the options give is kept; vLLM without its row capture. No GPU here: the GPU's memory
-is given, and the engines are mocks."""
+the dense engine (backends/composed/memory.py), which value is set, in each engine's own terms
+(backends/vllm/gpu_share.py, backends/sglang/gpu_share.py), and that a value the options give is
+kept; vLLM without its row capture. No GPU here: the GPU's memory is given, and the engines are
+mocks."""
 
 from __future__ import annotations
 
 import pytest
 
 from backends.composed import engine as composed_engine
-from backends.composed.engine import ComposedEngine, composed_config
-from backends.composed.memory import (
-    GIB,
-    MARGIN,
-    SGLANG_KV_CAP,
-    GpuMemory,
-    dense_gpu,
-    fitted_options,
-    generation_share,
-    sglang_headroom,
-)
+from backends.composed.engine import ComposedEngine
+from backends.composed.memory import GIB, MARGIN, dense_gpu, fitted_options, generation_share
 from backends.errors import EngineUnavailableError
 from backends.mock import MockEngine
-from backends.types import EngineConfig
+from backends.registry import composed_config
+from backends.sglang.gpu_share import SGLANG_KV_CAP, sglang_headroom
+from backends.types import EngineConfig, GpuMemory
 
 H200 = 143_771 << 20  # bytes, as torch.cuda.mem_get_info gives an H200's total
 # An H200 after a 1B model's dense engine loaded: its weights, context and activations in use

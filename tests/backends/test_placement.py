@@ -40,26 +40,26 @@ def test_rows_from_lists_and_from_wire_bytes_have_the_same_ids_keys_and_views():
 
 async def test_repeats_are_computed_once_and_every_asked_row_is_placed():
     engine = _engine()
-    alone = {i: (await place_rows(engine, PackedRows.of([row]))).rows[0] for i, row in enumerate(ROWS)}
+    alone = {i: (await place_rows(engine, PackedRows.of([row]))).logprobs[0] for i, row in enumerate(ROWS)}
     engine.rows_computed = 0
     placed = await place_rows(engine, PackedRows.of(ROWS))
     assert engine.rows_computed == 3  # [1, 2, 3] and [7] once each
     for i in range(len(ROWS)):
-        assert np.array_equal(placed.rows[i], alone[i])
+        assert np.array_equal(placed.logprobs[i], alone[i])
     # The same row under two adapters is two rows.
     await engine.adapters.load("a", "somewhere")
     engine.rows_computed = 0
     mixed = await place_rows(engine, PackedRows.of([[7], [7]]), [None, "a"])
-    assert engine.rows_computed == 2 and not np.array_equal(mixed.rows[0], mixed.rows[1])
+    assert engine.rows_computed == 2 and not np.array_equal(mixed.logprobs[0], mixed.logprobs[1])
 
 
 @pytest.mark.parametrize("host_memory", [False, True], ids=["copied on the host", "written by the device"])
 async def test_rows_land_in_every_array_of_out(host_memory):
     engine = _engine(host_memory)
-    expected = (await place_rows(engine, PackedRows.of(ROWS))).rows
+    expected = (await place_rows(engine, PackedRows.of(ROWS))).logprobs
     first, second = np.zeros((5, 64), np.float32), np.zeros((5, 64), np.float32)
     placed = await place_rows(engine, PackedRows.of(ROWS), None, (first, second))
-    assert placed.rows is first
+    assert placed.logprobs is first
     for array in (first, second):
         placed.wait_landed(array)
         assert np.array_equal(array, expected)

@@ -12,7 +12,7 @@ import torch
 
 from backends.transformers.batch_layout import plan_groups
 from backends.transformers.engine import TransformersEngine, prefix_cache_bytes
-from backends.transformers.prefix_cache import PrefixCache
+from backends.transformers.prefix_cache import KVPrefixTrie
 from backends.types import EngineConfig
 from tests.conftest import engine_rows, last_row, load_peft_models, make_lora_adapter
 
@@ -31,12 +31,12 @@ def fake_layers(rows: list[list[int]], layers: int = 2) -> list[tuple[torch.Tens
     return [(keys.clone(), -keys.clone()) for _ in range(layers)]
 
 
-def store(cache: PrefixCache, rows: list[list[int]], adapter: str | None = None) -> None:
+def store(cache: KVPrefixTrie, rows: list[list[int]], adapter: str | None = None) -> None:
     cache.store([(adapter, r) for r in rows], fake_layers(rows))
 
 
 def test_match_finds_the_longest_cached_prefix():
-    cache = PrefixCache(1 << 20)
+    cache = KVPrefixTrie(1 << 20)
     store(cache, [[1, 2, 3, 4], [1, 2, 7]])
     assert cache.match(None, [1, 2, 3, 4, 5])[1] == 4
     assert cache.match(None, [1, 2, 3])[1] == 3  # a prefix of a cached row is cached too
@@ -46,7 +46,7 @@ def test_match_finds_the_longest_cached_prefix():
 
 
 def test_gather_right_aligns_each_rows_cached_positions():
-    cache = PrefixCache(1 << 20)
+    cache = KVPrefixTrie(1 << 20)
     store(cache, [[5, 6, 7], [8, 9]])
     picks = [cache.match(None, [5, 6, 7, 1]), cache.match(None, [8, 9, 1]), (None, 0)]
     (keys, values), _ = cache.gather([(e, n) for e, n in picks], 3)
@@ -58,7 +58,7 @@ def test_gather_right_aligns_each_rows_cached_positions():
 
 
 def test_every_row_of_the_last_pass_extended_reads_its_block_without_a_copy():
-    cache = PrefixCache(1 << 20)
+    cache = KVPrefixTrie(1 << 20)
     rows = [[5, 6, 7], [8, 9]]
     layers = fake_layers(rows)
     layers[0][0][1, 0, 0, :] = 42.0  # the padding column before the shorter row: masked by the pass
@@ -72,7 +72,7 @@ def test_every_row_of_the_last_pass_extended_reads_its_block_without_a_copy():
 
 
 def test_extending_a_row_replaces_its_entry():
-    cache = PrefixCache(1 << 20)
+    cache = KVPrefixTrie(1 << 20)
     store(cache, [[1, 2], [3, 4]])
     store(cache, [[1, 2, 5], [3, 4, 6]])
     assert len(cache) == 2  # the longer entries hold the shorter ones' tokens
@@ -83,7 +83,7 @@ def test_extending_a_row_replaces_its_entry():
 
 def test_byte_budget_evicts_least_recently_used_entries():
     block = sum(k.nbytes + v.nbytes for k, v in fake_layers([[1, 2, 3]]))
-    cache = PrefixCache(2 * block)
+    cache = KVPrefixTrie(2 * block)
     store(cache, [[1, 2, 3]])
     store(cache, [[4, 5, 6]])
     cache.match(None, [1, 2, 3])  # now [4, 5, 6] is the least recently used
@@ -94,7 +94,7 @@ def test_byte_budget_evicts_least_recently_used_entries():
 
 
 def test_drop_adapter_forgets_only_that_adapter():
-    cache = PrefixCache(1 << 20)
+    cache = KVPrefixTrie(1 << 20)
     store(cache, [[1, 2]], "a")
     store(cache, [[1, 2]], None)
     cache.drop_adapter("a")
@@ -116,7 +116,7 @@ def test_lookups_by_key_find_what_a_walk_of_the_trie_finds():
     prefix with a live entry, and the entry it returns holds that prefix."""
     rng = np.random.default_rng(0)
     block = sum(k.nbytes + v.nbytes for k, v in fake_layers([[1] * 40] * 4))
-    cache = PrefixCache(6 * block)
+    cache = KVPrefixTrie(6 * block)
     streams = [[int(t) for t in rng.integers(0, 5, 3)] for _ in range(4)]
     for _ in range(200):
         for s in streams:

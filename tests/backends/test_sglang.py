@@ -41,7 +41,7 @@ async def engine(model_dir):
     yield engine
     server = engine.transport.server
     await engine.aclose()
-    assert not server.alive() and not engine.is_healthy()
+    assert not server.alive() and not engine.status().healthy
 
 
 @pytest.fixture
@@ -203,7 +203,7 @@ async def test_managed_server_arguments(engine):
 async def test_url_mode_connects_to_a_running_server(engine, model_dir, sent):
     other = SglangEngine.load(_config(model_dir, mode="url", url=engine.transport.base_url))
     try:
-        assert other.is_healthy() and other.transport.server is None
+        assert other.status().healthy and other.transport.server is None
         # A server the gateway did not start may lack the processor: rows come sorted, exact.
         np.testing.assert_array_equal(
             (await engine_rows(other, [[9, 9]]))[0], distribution([9, 9], None, other.info.vocab_size)
@@ -213,7 +213,7 @@ async def test_url_mode_connects_to_a_running_server(engine, model_dir, sent):
         ]
     finally:
         await other.aclose()
-    assert engine.is_healthy()  # closing a url-mode engine leaves the server alone
+    assert engine.status().healthy  # closing a url-mode engine leaves the server alone
     told = SglangEngine.load(
         _config(model_dir, mode="url", url=engine.transport.base_url, dense_rows="processor")
     )

@@ -180,7 +180,7 @@ async def test_a_join_sglang_fails_is_a_weights_error_with_its_message(engine):
         await engine.weights.collective.join(nccl)
     with pytest.raises(WeightsGroupError, match="does not exist"):  # nothing was joined
         await engine.weights.collective.leave(trainer.name)
-    assert engine.is_healthy()
+    assert engine.status().healthy
 
 
 async def test_an_unknown_group_is_refused_before_sglang_hears_of_it(engine):
@@ -188,7 +188,7 @@ async def test_an_unknown_group_is_refused_before_sglang_hears_of_it(engine):
     before = len(sent(engine, "/update_weights_from_distributed"))
     with pytest.raises(WeightsGroupError, match="no weights update group named 'nobody'"):
         await engine.weights.collective.receive("nobody", [AnnouncedTensor("w", "float32", (1,))])
-    assert len(sent(engine, "/update_weights_from_distributed")) == before and engine.is_healthy()
+    assert len(sent(engine, "/update_weights_from_distributed")) == before and engine.status().healthy
 
 
 async def test_a_join_nobody_answers_is_given_up_at_the_groups_timeout(engine):

@@ -55,15 +55,19 @@ def ids(engine, text: str) -> list[int]:
 async def test_concurrent_requests_share_a_pass_and_rows_they_share_are_computed_once(engine, passes):
     first = [ids(engine, "The capital of France is"), ids(engine, "Once upon a time")]
     second = [ids(engine, "Once upon a time"), ids(engine, "Water boils at")]
-    alone = [(await EngineCalls(engine).rows(PackedRows.of(rows))).rows.copy() for rows in (first, second)]
+    alone = [
+        (await EngineCalls(engine).logprobs(PackedRows.of(rows))).logprobs.copy() for rows in (first, second)
+    ]
     passes.recorded.clear()
-    computed = engine.pass_stats.rows
+    computed = engine.status().pass_stats.rows
     calls = EngineCalls(engine)
-    together = await asyncio.gather(calls.rows(PackedRows.of(first)), calls.rows(PackedRows.of(second)))
+    together = await asyncio.gather(
+        calls.logprobs(PackedRows.of(first)), calls.logprobs(PackedRows.of(second))
+    )
     assert [list(map(len, submissions)) for submissions in passes.recorded] == [[2, 2]]  # one pass
-    assert engine.pass_stats.rows - computed == 3  # the row both asked for, once
+    assert engine.status().pass_stats.rows - computed == 3  # the row both asked for, once
     for placed, own in zip(together, alone, strict=True):
-        np.testing.assert_allclose(placed.rows, own, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(placed.logprobs, own, rtol=0, atol=1e-4)
     stats = calls.stats
     assert (stats.requests, stats.rows, stats.calls, stats.engine_rows, stats.largest_call) == (2, 4, 2, 4, 2)
     assert stats.in_progress == 0
@@ -74,7 +78,7 @@ async def test_a_lone_clients_requests_each_run_at_once_in_a_pass_of_their_own(e
     row = ids(engine, "An SMC loop asks one step at a time:")
     for step in range(4):
         row = [*row, 100 + step]
-        await calls.rows(PackedRows.of([row, [*row[:-1], 200]]))
+        await calls.logprobs(PackedRows.of([row, [*row[:-1], 200]]))
     assert [list(map(len, submissions)) for submissions in passes.recorded] == [[2]] * 4
 
 
@@ -88,19 +92,19 @@ async def test_a_failing_request_fails_alone(engine, passes, monkeypatch):
 
     monkeypatch.setattr(engine, "dense", refusing)
     good = [[ids(engine, f"Neighbour number {i} asks")] for i in range(3)]
-    alone = [(await EngineCalls(engine).rows(PackedRows.of(rows))).rows.copy() for rows in good]
+    alone = [(await EngineCalls(engine).logprobs(PackedRows.of(rows))).logprobs.copy() for rows in good]
     passes.recorded.clear()
     calls = EngineCalls(engine)
     results = await asyncio.gather(
-        *(calls.rows(PackedRows.of(rows)) for rows in good[:2]),
-        calls.rows(PackedRows.of([[1, POISON]])),
-        calls.rows(PackedRows.of(good[2])),
+        *(calls.logprobs(PackedRows.of(rows)) for rows in good[:2]),
+        calls.logprobs(PackedRows.of([[1, POISON]])),
+        calls.logprobs(PackedRows.of(good[2])),
         return_exceptions=True,
     )
     failed = results.pop(2)
     assert isinstance(failed, ValueError)
     for placed, own in zip(results, alone, strict=True):
-        np.testing.assert_allclose(placed.rows, own, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(placed.logprobs, own, rtol=0, atol=1e-4)
     assert len(passes.recorded[0]) == 4  # they met in one pass, which failed, then one by one
     assert calls.stats.calls == 3 and calls.stats.in_progress == 0
 
@@ -110,11 +114,11 @@ async def test_a_request_cancelled_while_queued_is_never_computed(engine, passes
     busy_rows = [ids(engine, "The engine is busy with this request")]
     gone_rows = [ids(engine, "Nobody waits for this one any more")]
     passes.gate = gate = asyncio.Event()
-    computed = engine.pass_stats.rows
-    busy = asyncio.create_task(calls.rows(PackedRows.of(busy_rows)))
+    computed = engine.status().pass_stats.rows
+    busy = asyncio.create_task(calls.logprobs(PackedRows.of(busy_rows)))
     while not passes.recorded:  # its pass has begun, held at the gate
         await asyncio.sleep(0.001)
-    gone = asyncio.create_task(calls.rows(PackedRows.of(gone_rows)))
+    gone = asyncio.create_task(calls.logprobs(PackedRows.of(gone_rows)))
     await asyncio.sleep(0.01)  # queued in the engine's scheduler behind the busy pass
     assert calls.stats.in_progress == 2
     gone.cancel()
@@ -122,11 +126,11 @@ async def test_a_request_cancelled_while_queued_is_never_computed(engine, passes
     await busy
     with pytest.raises(asyncio.CancelledError):
         await gone
-    later = await calls.rows(PackedRows.of([[*busy_rows[0], 13]]))  # the engine serves on
-    assert later.rows.shape == (1, engine.info.vocab_size)
+    later = await calls.logprobs(PackedRows.of([[*busy_rows[0], 13]]))  # the engine serves on
+    assert later.logprobs.shape == (1, engine.info.vocab_size)
     everything = [row for submissions in passes.recorded for rows in submissions for row in rows]
     assert tuple(gone_rows[0]) not in everything
-    assert engine.pass_stats.rows - computed == 2  # the busy row and the later one
+    assert engine.status().pass_stats.rows - computed == 2  # the busy row and the later one
     assert calls.stats.calls == 2 and calls.stats.in_progress == 0
 
 
@@ -168,10 +172,10 @@ async def test_a_requests_rows_are_the_engines_array_and_repeats_are_computed_on
     engine = RecordingEngine()
     calls = EngineCalls(engine)
     times = EngineTimes()
-    rows = (await calls.rows(PackedRows.of([[1, 2], [3], [4, 5, 6]]), times=times)).rows
+    rows = (await calls.logprobs(PackedRows.of([[1, 2], [3], [4, 5, 6]]), times=times)).logprobs
     assert rows is engine.outputs[-1] and rows[:, 0].tolist() == [3, 3, 15]
     assert 0 < times.began < times.ended
-    repeated = (await calls.rows(PackedRows.of([[1], [2], [1]]))).rows
+    repeated = (await calls.logprobs(PackedRows.of([[1], [2], [1]]))).logprobs
     assert engine.outputs[-1][:, 0].tolist() == [1, 2] and repeated[:, 0].tolist() == [1, 2, 1]
     assert calls.stats.engine_rows == 5 and calls.stats.largest_call == 3
 
@@ -181,14 +185,16 @@ async def test_memory_to_write_into_reaches_the_engine_unless_the_request_is_spl
     engine.host_memory = memory = RecordingHostMemory(engine)
     calls = EngineCalls(engine, max_batch_rows=2)
     into, own = np.zeros((3, 3), np.float32), np.zeros((3, 3), np.float32)
-    written = await calls.rows(PackedRows.of([[1], [2], [1]]), None, (into, own))  # 2 distinct rows
-    assert written.rows is into and memory.targets == [((into, own), [[1], [2]])]
+    written = await calls.logprobs(PackedRows.of([[1], [2], [1]]), None, (into, own))  # 2 distinct rows
+    assert written.logprobs is into and memory.targets == [((into, own), [[1], [2]])]
     assert into[:, 0].tolist() == [1, 2, 1] and np.array_equal(own, into)
     # 3 distinct rows, over max_batch_rows: two calls, the rows gathered into `out` in order
     target = np.zeros((4, 3), np.float32)
-    split = await calls.rows(PackedRows.of([[7], [8], [9], [7]]), None, (target,))
-    assert split.rows is target and target[:, 0].tolist() == [7, 8, 9, 7]
+    split = await calls.logprobs(PackedRows.of([[7], [8], [9], [7]]), None, (target,))
+    assert split.logprobs is target and target[:, 0].tolist() == [7, 8, 9, 7]
     assert len(memory.targets) == 1 and [out[:, 0].tolist() for out in engine.outputs[-2:]] == [[7, 8], [9]]
-    plain = (await calls.rows(PackedRows.of([[5], [6], [4]]))).rows  # distinct: the calls' rows as they are
+    plain = (
+        await calls.logprobs(PackedRows.of([[5], [6], [4]]))
+    ).logprobs  # distinct: the calls' rows as they are
     assert plain[:, 0].tolist() == [5, 6, 4]
     assert calls.stats.calls == 5 and calls.stats.largest_call == 2 and calls.stats.requests == 3

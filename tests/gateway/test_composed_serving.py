@@ -1,7 +1,8 @@
 """A model made of two engines (`dense_backend`), served: each route reaches the engine it should
-(two mock engines with different "weights", so every number says where it came from), a model
-whose engines were left apart answers 503 until new weights load, and compositions that cannot
-be are refused at start with status 2. The real engines: test_composed_vllm.py."""
+(two mock engines with different "weights", so every number says where it came from), its stats
+show its dense engine's shared passes (a transformers one), a model whose engines were left apart
+answers 503 until new weights load, and compositions that cannot be are refused at start with
+status 2. The real engines: test_composed_vllm.py."""
 
 from __future__ import annotations
 
@@ -85,6 +86,27 @@ def test_sglang_prefill_only_scores_come_from_the_dense_engine(served, temperatu
     scaled -= np.log(np.exp(scaled - scaled.max()).sum()) + scaled.max()
     assert logprob == pytest.approx(scaled[token], abs=1e-5)  # at the temperature, as SGLang reports
     assert generation.calls == calls
+
+
+@pytest.mark.slow
+def test_the_stats_of_a_composed_model_show_its_dense_engines_passes():
+    """The passes are those of the engine whose scheduler runs them: a transformers dense engine
+    (its own scheduler), not the mock generation engine (none)."""
+    settings = Settings(models=[ModelSettings(name="mock", backend="mock", dense_backend="transformers")])
+    with mock_app_client(settings=settings) as (app, client):
+        engine = app.state.registry.models["mock"].engine
+        assert engine.generation.status().pass_stats is None
+        answer = client.post("/v1/next_token_logprobs", json={"model": "mock", "input": [IDS, IDS[:2]]})
+        assert answer.status_code == 200, answer.text
+        stats = client.get("/v1/models/mock/stats").json()["engine_passes"]
+        dense = engine.dense.status().pass_stats
+        assert stats == {
+            "passes": dense.passes,
+            "submissions": dense.submissions,
+            "rows": dense.rows,
+            "largest": dense.largest,
+        }
+        assert stats["passes"] >= 1 and stats["rows"] >= 2  # the call's two rows, in its passes
 
 
 def test_generated_tokens_come_from_the_generation_engine(served):
