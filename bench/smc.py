@@ -145,12 +145,15 @@ def random_model_dir(
     directory: Path,
     tokenizer_dir: Path | None,
     seed: int = 0,
+    **config: Any,
 ) -> Path:
+    """Random weights of `shape` (its LlamaConfig fields overridden by `config`) and the tokenizer
+    of `tokenizer_dir` (default: SmolLM2's), saved in `directory`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or resolve_model_dir(DEFAULT_MODEL))
     config = LlamaConfig(
-        **SHAPES[shape],
+        **{**SHAPES[shape], **config},
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -86,30 +86,12 @@ def tiny_model_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     are spread (initializer_range) so that greedy picks are far from ties, as a trained model's
     mostly are, and batched numerics never flip them."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        initializer_range=0.3,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    from bench.smc import random_model_dir
+
     directory = tmp_path_factory.mktemp("tiny-model")
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    cpu = torch.device("cpu")
+    return random_model_dir("llama-tiny", torch.float32, cpu, directory, model_dir, initializer_range=0.3)
 
 
 @pytest.fixture(scope="session")
