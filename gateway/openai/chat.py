@@ -15,12 +15,11 @@ from gateway.contract.operation import OPENAPI, SSE, Operation
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
 from gateway.generation import sampling
-from gateway.generation.structured import requested_grammar
 from gateway.models.served import ServedModel
+from gateway.openai.serving import admit
 from gateway.openai.tool_reader import CallStarted, ContentDelta, Event
 from gateway.openai.tools import ToolCalls, requested_calls, template_tool_calls, template_tools
 from gateway.prompts import check_text_chars, tokenize
-from gateway.requests import decode_json, reserve_stream, resolve_model, settings
 from gateway.responses import json_response, new_id, now, sse_event, sse_response
 from gateway.schemas.chat import (
     AssistantMessage,
@@ -131,52 +130,33 @@ def _token_logprobs(served: ServedModel, steps: Sequence[TokenStep]) -> list[Tok
     },
 )
 async def create_chat_completion(request: Request) -> Response:
-    body = await decode_json(request, ChatCompletionRequest)
-    gen.check_stream_options(body.stream, body.stream_options)
-    limits = settings(request).limits
-    served, adapter = resolve_model(request, body.model)
-    served.require_engine()
-    n = sampling.check_choices(body.n or 1, limits)
+    admitted = await admit(request, ChatCompletionRequest)
+    body, served, limits = admitted.body, admitted.served, admitted.limits
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
-    stops = sampling.check_stop(body.stop, limits)
     calls = requested_calls(body, served)
-    if body.stream:  # a slot before any costly work (templating, a grammar's compile): 429 first
-        reserve_stream(request)
-    prompt_ids = await asyncio.to_thread(
+    prompt_ids = await admitted.prompts(
         lambda: chat_prompt_ids(served, body.messages, limits, tools=template_tools(body))
     )
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    wanted = (calls.grammar, "tool_choice") if calls is not None else requested_grammar(body)
-    grammar = await sampling.checked_grammar(served, limits, *wanted)
-    params = sampling.sampling_params(
-        served,
-        limits,
-        max_tokens=sampling.check_context(served, len(prompt_ids), requested, limits),
-        temperature=body.temperature,
-        top_p=body.top_p,
-        seed=body.seed,
+    params = await admitted.sampling_params(
+        [len(prompt_ids)],
+        requested,
         top_logprobs=body.top_logprobs or 0,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        logit_bias=body.logit_bias,
-        grammar=grammar,
+        top_logprobs_field="top_logprobs",
+        logprobs=bool(body.logprobs),
+        grammar=(calls.grammar, "tool_choice") if calls is not None else None,
     )
-    params = sampling.delivered(params, logprobs=bool(body.logprobs), streamed=bool(body.stream), stops=stops)
     if body.logprobs:  # per token: its logprob and its top_logprobs
-        entries = n * params.max_tokens * (1 + params.top_logprobs)
+        entries = admitted.n * params.max_tokens * (1 + params.top_logprobs)
         sampling.check_logprob_entries(
             entries, limits, "ask fewer top_logprobs, n or max_tokens", "top_logprobs"
         )
-    shown = calls.shown_ids if calls is not None else ()
-    streams = [
-        gen.run_choice(served, prompt_ids, sampling.choice_params(params, j), stops, adapter, shown_ids=shown)
-        for j in range(n)
-    ]
-    usage = _UsageCounter(served, adapter, len(prompt_ids))  # counted once admitted: nothing refuses after
+    streams = admitted.choices(prompt_ids, params, calls.shown_ids if calls is not None else ())
+    # counted once admitted: nothing refuses after
+    usage = _UsageCounter(served, admitted.adapter, len(prompt_ids))
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse_response(_stream(served, body, streams, usage, include_usage, calls))
+        return sse_response(_stream(served, body, streams, usage, admitted.include_usage, calls))
     pieces = await asyncio.gather(*(gen.collect(s) for s in streams))
     choices = []
     for index, piece in enumerate(pieces):

@@ -14,10 +14,9 @@ from gateway.contract.operation import OPENAPI, SSE, Operation
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
 from gateway.generation import sampling
-from gateway.generation.structured import requested_grammar
 from gateway.models.served import ServedModel
+from gateway.openai.serving import Admitted, admit
 from gateway.prompts import token_inputs
-from gateway.requests import decode_json, reserve_stream, resolve_model, settings
 from gateway.responses import json_response, new_id, now, sse_event, sse_response
 from gateway.schemas.common import Usage
 from gateway.schemas.completions import (
@@ -134,45 +133,25 @@ _SMALLER = "ask fewer logprobs, prompts, n or max_tokens, or ask /v1/next_token_
     },
 )
 async def create_completion(request: Request) -> Response:
-    body = await decode_json(request, CompletionRequest)
-    gen.check_stream_options(body.stream, body.stream_options)
-    limits = settings(request).limits
-    served, adapter = resolve_model(request, body.model)
-    served.require_engine()
-    n = sampling.check_choices(body.n or 1, limits)
-    if body.best_of is not None and body.best_of != n:
+    admitted = await admit(request, CompletionRequest)
+    body, served, limits = admitted.body, admitted.served, admitted.limits
+    if body.best_of is not None and body.best_of != admitted.n:
         raise InvalidRequestError("best_of is not supported unless it equals n", param="best_of")
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
-    stops = sampling.check_stop(body.stop, limits)
-    if body.stream:  # a slot before any costly work (tokenizing, a grammar's compile): 429 first
-        reserve_stream(request)
-    prompts = await asyncio.to_thread(_prompts, served, body.prompt, limits)
+    prompts = await admitted.prompts(lambda: _prompts(served, body.prompt, limits))
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
-    for p in prompts:
-        sampling.check_context(served, len(p.ids), max_tokens, limits)
-    grammar = await sampling.checked_grammar(served, limits, *requested_grammar(body))
-    params = sampling.sampling_params(
-        served,
-        limits,
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        seed=body.seed,
+    params = await admitted.sampling_params(
+        [len(p.ids) for p in prompts],
+        max_tokens,
         top_logprobs=body.logprobs or 0,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        logit_bias=body.logit_bias,
-        grammar=grammar,
         top_logprobs_field="logprobs",
-    )
-    params = sampling.delivered(
-        params, logprobs=body.logprobs is not None, streamed=bool(body.stream), stops=stops
+        logprobs=body.logprobs is not None,
     )
     if body.logprobs is not None:  # per position: its logprob, the top dict (the chosen token + logprobs)
-        positions = sum((len(p.ids) if body.echo else 0) + max_tokens for p in prompts) * n
+        positions = sum((len(p.ids) if body.echo else 0) + max_tokens for p in prompts) * admitted.n
         sampling.check_logprob_entries(positions * (2 + params.top_logprobs), limits, _SMALLER, "logprobs")
-    run = _Run(served, adapter, body, prompts, n, params, stops)
+    run = _Run(admitted, prompts, params)
     if body.stream:
         return sse_response(run.stream())
     return json_response(await run.complete())
@@ -182,32 +161,16 @@ class _Run:
     """One validated completion request: its prompts times n choices."""
 
     def __init__(
-        self,
-        served: ServedModel,
-        adapter: str | None,
-        body: CompletionRequest,
-        prompts: list[_Prompt],
-        n: int,
-        params: SamplingParams,
-        stops: list[str],
+        self, admitted: Admitted[CompletionRequest], prompts: list[_Prompt], params: SamplingParams
     ) -> None:
-        self.served, self.adapter, self.body, self.prompts = served, adapter, body, prompts
-        self.n, self.params, self.stops = n, params, stops
+        self.admitted, self.prompts, self.params = admitted, prompts, params
+        self.served, self.adapter, self.body = admitted.served, admitted.adapter, admitted.body
         self.id, self.created = new_id("cmpl"), now()
-        self.want_logprobs = body.logprobs is not None
+        self.want_logprobs = self.body.logprobs is not None
         self.prompt_tokens = sum(len(p.ids) for p in prompts)
 
     def _choices(self) -> list[tuple[_Prompt, AsyncIterator[gen.Piece]]]:
-        return [
-            (
-                p,
-                gen.run_choice(
-                    self.served, p.ids, sampling.choice_params(self.params, j), self.stops, self.adapter
-                ),
-            )
-            for p in self.prompts
-            for j in range(self.n)
-        ]
+        return [(p, stream) for p in self.prompts for stream in self.admitted.choices(p.ids, self.params)]
 
     async def _echo(self, prompt: _Prompt) -> tuple[str, CompletionLogprobs | None]:
         """The prompt's text and, with logprobs, its tokens scored (the first one has no score)."""
@@ -288,8 +251,7 @@ class _Run:
             )  # type: ignore[arg-type]
             yield sse_event(self._response([choice], None))
         self._count(completion_tokens)
-        options = self.body.stream_options
-        if options is not None and options.include_usage:
+        if self.admitted.include_usage:
             usage = Usage(
                 prompt_tokens=self.prompt_tokens,
                 completion_tokens=completion_tokens,

@@ -6,21 +6,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from gateway.schemas.common import (
-    ModelName,
-    Name,
-    NonNegativeInt,
-    OutputControls,
-    Penalty,
-    PositiveInt,
-    Seed,
-    Stop,
-    StreamOptions,
-    Temperature,
-    TopP,
-    Usage,
-    sampling_seed,
-)
+from gateway.schemas.common import GenerationRequest, Name, NonNegativeInt, Usage
 
 
 class TextPart(msgspec.Struct, kw_only=True):
@@ -74,8 +60,7 @@ class NamedToolChoice(msgspec.Struct, kw_only=True):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class ChatCompletionRequest(OutputControls, kw_only=True):
-    model: ModelName
+class ChatCompletionRequest(GenerationRequest, kw_only=True):
     messages: list[ChatMessage]
     # Function calls (gateway/openai/tools.py): "auto" (the default with tools) in the model's own
     # call format, "required" or a named function forced; the grammar holds arguments to schema.
@@ -84,22 +69,8 @@ class ChatCompletionRequest(OutputControls, kw_only=True):
     parallel_tool_calls: bool | None = None
     max_tokens: NonNegativeInt | None = None
     max_completion_tokens: NonNegativeInt | None = None
-    temperature: Temperature | None = 1.0
-    top_p: TopP | None = 1.0
-    n: PositiveInt | None = 1
-    stop: Stop | None = None
-    seed: Seed | None = None
     logprobs: bool | None = False
     top_logprobs: NonNegativeInt | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: Penalty | None = 0.0
-    frequency_penalty: Penalty | None = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: Name | None = None
-
-    def __post_init__(self) -> None:
-        self.seed = sampling_seed(self.seed)
 
 
 class TopLogprob(msgspec.Struct, kw_only=True):

@@ -107,6 +107,28 @@ class OutputControls(msgspec.Struct, kw_only=True):
     guided_grammar: NoneOnly = None
 
 
+class GenerationRequest(OutputControls, kw_only=True):
+    """The fields /v1/completions and /v1/chat/completions share: the model (`base:adapter`), the
+    sampling, the stream. Each adds its prompt, its token budget and its logprobs fields; a
+    negative seed arrives wrapped to its unsigned 64-bit value."""
+
+    model: ModelName
+    temperature: Temperature | None = 1.0
+    top_p: TopP | None = 1.0
+    n: PositiveInt | None = 1
+    stop: Stop | None = None
+    seed: Seed | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: Name | None = None
+
+    def __post_init__(self) -> None:
+        self.seed = sampling_seed(self.seed)
+
+
 # What a refusal of each of those fields adds to msgspec's message.
 NOT_SUPPORTED = {
     "tools": _NO_TOOLS,

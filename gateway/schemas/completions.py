@@ -6,50 +6,20 @@ from typing import Literal
 
 import msgspec
 
-from gateway.schemas.common import (
-    ModelName,
-    Name,
-    NonNegativeInt,
-    OutputControls,
-    Penalty,
-    PositiveInt,
-    Seed,
-    Stop,
-    StreamOptions,
-    Temperature,
-    TokenId,
-    TopP,
-    Usage,
-    sampling_seed,
-)
+from gateway.schemas.common import GenerationRequest, NonNegativeInt, PositiveInt, TokenId, Usage
 
 # OpenAI accepts a string, strings, token ids, or lists of token ids; msgspec unions allow one array
 # type, so the list's elements are checked to be all of one kind in the route.
 Prompt = str | list[str | TokenId | list[TokenId]]
 
 
-class CompletionRequest(OutputControls, kw_only=True):
-    model: ModelName
+class CompletionRequest(GenerationRequest, kw_only=True):
     prompt: Prompt
     max_tokens: NonNegativeInt | None = 16
-    temperature: Temperature | None = 1.0
-    top_p: TopP | None = 1.0
-    n: PositiveInt | None = 1
     best_of: PositiveInt | None = None
-    stop: Stop | None = None
-    seed: Seed | None = None
     echo: bool | None = False
     logprobs: NonNegativeInt | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: Penalty | None = 0.0
-    frequency_penalty: Penalty | None = 0.0
-    logit_bias: dict[str, float] | None = None
     suffix: str | None = None
-    user: Name | None = None
-
-    def __post_init__(self) -> None:
-        self.seed = sampling_seed(self.seed)
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
