@@ -164,6 +164,23 @@ def http(gateway: GatewayProcess) -> Iterator[httpx.Client]:
 
 
 @pytest.fixture(scope="session")
+def tiny_gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    """The real gateway serving the tiny random model (`tiny_model_dir`) under the default model's
+    name, for tests of what the gateway makes of any model's output (a grammar holds it, the
+    protocol carries it) rather than of the real model's answers."""
+    gateway = start_real_gateway(tiny_model_dir, tmp_path_factory.mktemp("tiny-gateway"))
+    yield gateway
+    gateway.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_client(tiny_gateway: GatewayProcess) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=tiny_gateway.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     server.start()

@@ -1,4 +1,6 @@
-"""Soak: bench/load.py's mix for 60 s against a real gateway serving the real default model.
+"""Soak: bench/load.py's mix for 30 s against a real gateway serving the tiny random model (the
+default model's tokenizer and vocabulary, so rows and texts have their real sizes; a token costs a
+few ms, so 30 s carry some 2,300 dense requests where a minute of the real model carried ~300).
 
 Nothing unexpected (no 5xx, no transport error, every bad request its 4xx, every body well
 formed), nothing stuck, the server drained afterwards (no request in flight, no dense request
@@ -19,21 +21,21 @@ from bench import load
 from bench.launcher import start_gateway
 from tests.conftest import MODEL
 
-SOAK_S = 60.0
+SOAK_S = 30.0
 WARMUP_S = 10.0
-# Warmed up, this gateway sits at ~1.15 GB; over a 60-s run its 10-s RSS medians moved by at most
-# 35 MB in our runs (a 300-s run drifted ~20 MB after its first 20 s), and the output cache is
-# capped at 16 MiB below. 100 MB is about three times that; leaking one dense response body
-# (~1 MB) per four dense requests of the ~300 sent crosses it.
+# With the real model, warmed up, this gateway sat at ~1.15 GB; over a 60-s run its 10-s RSS
+# medians moved by at most 35 MB (a 300-s run drifted ~20 MB after its first 20 s), and the output
+# cache is capped at 16 MiB below. 100 MB is about three times that; leaking one dense response
+# body (~1 MB) per four dense requests of the ~300 sent then crossed it.
 RSS_GROWTH_MB = 100.0
 
 
 @pytest.fixture(scope="module")
-def soak_gateway(model_dir, tmp_path_factory):
+def soak_gateway(tiny_model_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("soak")
     config = workdir / "gateway.toml"
     config.write_text(
-        f'[[models]]\nname = "{MODEL}"\nmodel = "{model_dir}"\ndtype = "float32"\n'
+        f'[[models]]\nname = "{MODEL}"\nmodel = "{tiny_model_dir}"\ndtype = "float32"\n'
         # a small prefix K/V budget too: it fills and evicts early, so growth after that is a leak
         f"options = {{prefix_cache_bytes = {16 * 2**20}}}\n\n"
         f"[cache]\nmemory_bytes = {16 * 2**20}\n"  # small: evictions happen during the run
@@ -52,7 +54,7 @@ def assert_clean(report, min_each: int = 0) -> None:
 
 
 @pytest.mark.slow
-async def test_sixty_seconds_of_mixed_load_leave_no_error_stuck_request_or_growth(soak_gateway):
+async def test_thirty_seconds_of_mixed_load_leave_no_error_stuck_request_or_growth(soak_gateway):
     pid = soak_gateway.process.pid
     # Warm-up outside the measured window: first batches grow the allocator's pools once.
     assert_clean(await load.run_load(soak_gateway.base_url, MODEL, duration_s=WARMUP_S, workers=6, pid=pid))

@@ -25,9 +25,9 @@ def _schema_format(index: int) -> dict:
 
 
 @pytest.mark.parametrize("index", range(len(SCHEMAS)))
-def test_json_schemas_of_growing_size_validate_for_every_prompt(client, index):
+def test_json_schemas_of_growing_size_validate_for_every_prompt(tiny_client, index):
     def ask(prompt: str):
-        return client.chat.completions.create(
+        return tiny_client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": prompt}],
             max_tokens=400,
