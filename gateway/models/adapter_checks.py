@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import re
-import struct
 from pathlib import Path
 
 from gateway.errors import ForbiddenError, InvalidRequestError
@@ -119,15 +118,17 @@ def _check_adapter_files(path: Path, max_rank: int) -> dict:
 
 
 def adapter_fingerprint(path: Path) -> str:
-    """Identity of the adapter's weights for cache keys: its config and safetensors header."""
+    """Identity of the adapter's weights for cache keys: its config and every byte of its weights.
+    Two checkpoints of one LoRA config have the same safetensors header, and a name reused for
+    either must not find the other's rows (here, or through Redis on another replica); an
+    adapter's weights are small, and the engine reads them all at load anyway."""
     try:
         digest = hashlib.sha256((path / "adapter_config.json").read_bytes())
         with (path / WEIGHTS).open("rb") as f:
-            header = f.read(8)
-            if len(header) < 8:
+            if len(f.read(8)) < 8:
                 raise InvalidRequestError(f"{WEIGHTS} is not a safetensors file", param="lora_path")
-            (size,) = struct.unpack("<Q", header)
-            digest.update(f.read(min(size, 100_000_000)))
+            f.seek(0)
+            hashlib.file_digest(f, lambda: digest)
     except OSError as exc:
         raise _unusable_path(exc) from None
     return digest.hexdigest()

@@ -14,7 +14,9 @@ class TextPart(msgspec.Struct, kw_only=True):
     text: str
 
 
-FunctionName = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9_-]{1,64}$")]
+# `(?!\n)`: a pattern's `$` (Python's re.search) also matches before a final newline, and a name
+# the model cannot write back whole loses the call
+FunctionName = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9_-]{1,64}(?!\\n)$")]
 
 
 class FunctionCall(msgspec.Struct, kw_only=True):

@@ -55,7 +55,7 @@ class JsonObjectFormat(msgspec.Struct, kw_only=True, tag_field="type", tag="json
 
 
 class JsonSchemaSpec(msgspec.Struct, kw_only=True):
-    name: Annotated[str, msgspec.Meta(max_length=64, pattern="^[A-Za-z0-9_-]+$")]
+    name: Annotated[str, msgspec.Meta(max_length=64, pattern="^[A-Za-z0-9_-]+(?!\\n)$")]
     description: str | None = None
     # The output validates against it; keywords the grammar engine cannot enforce are refused
     # (a 400), whatever `strict` says.

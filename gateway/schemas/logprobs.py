@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from gateway.schemas.chat import ChatMessage
-from gateway.schemas.common import ModelName, PositiveInt, TokenId
+from gateway.schemas.common import ModelName, TokenId
 from logprob_gateway_client.encoding import Dtype
 
 # The MessagePack matrix answers and the fields they share are defined once, in the client's
@@ -25,13 +25,18 @@ from logprob_gateway_client.schemas import (
 Input = str | list[str | TokenId | list[TokenId]]
 
 
+# A row's length: an int32 count, as the ids are (a larger one could not index them, nor be summed
+# with the others in int64).
+RowLength = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+
+
 class PackedTokenIds(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Token-id rows packed: every row's ids one after another as little-endian int32 (raw bytes in
     MessagePack, base64 in JSON); row i is the next `lengths[i]` of them. What AsyncGatewayLM
     sends: the gateway reads and checks them in one pass of C, not one Python int per id."""
 
     ids: bytes
-    lengths: list[PositiveInt]
+    lengths: list[RowLength]
 
 
 class NextTokenLogprobsRequest(msgspec.Struct, kw_only=True):

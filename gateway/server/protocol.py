@@ -9,7 +9,9 @@ answer in the gateway's error shape; its own warning is still logged. Limits uvi
   opening or of the previous response's end, else a 408 and the connection closes: a client that
   trickles header bytes, or sends none, holds no connection for long;
 - a request head of more than `max_head_bytes` gets a 431 as soon as that many bytes are in, and the
-  connection closes (httptools has no bound of its own, and h11's answers in plain text);
+  connection closes (httptools has no bound of its own, and h11's answers in plain text); so do a
+  chunked body's trailers and chunk framing beyond a head's worth of bytes (httptools gathers a
+  trailer's value by concatenation, in time quadratic in its length; h11 caps trailers at 16 KiB);
 - a request body must be complete within `body_timeout_s` of its head, else a 408 (when nothing
   was answered yet) and the connection closes: a client trickling a body, or stopping short of its
   Content-Length, holds neither the connection nor the bytes it sent for longer;
@@ -69,6 +71,11 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
     _body_timer: asyncio.TimerHandle | None = None
     _head_bytes = 0  # bytes received since the head being read began
     _body_bytes = 0  # bytes of the current request's unfinished body counted in the server's budget
+    # Of those, the body's own bytes and its chunks (httptools' callbacks; h11 calls neither): the
+    # rest is the head's first read, chunk framing and trailers.
+    _payload_bytes = 0
+    _chunks = 0
+    chunk_framing_bytes = 32  # a chunk's size line and CRLFs, generously
     # After an error answer the connection is half-closed and what the client still sends is read
     # and dropped, for at most this long: closed with its bytes unread, the connection would be
     # reset and a client still sending its body could lose the answer.
@@ -97,6 +104,12 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
                 )
                 return
             self._body_bytes += len(data)
+            if self._chunks and self._body_bytes - self._payload_bytes > self._framing_allowance():
+                self._release_body_bytes()
+                message = f"the chunked body's trailers and chunk framing are larger than {self.max_head_bytes} bytes"
+                self._abandon_body(
+                    b"431 Request Header Fields Too Large", message, "request_header_fields_too_large"
+                )
             return
         self._release_body_bytes()
         self._head_bytes += len(data)
@@ -105,6 +118,17 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
             self._send_error_and_close(
                 b"431 Request Header Fields Too Large", message, code="request_header_fields_too_large"
             )
+
+    def on_body(self, body: bytes) -> None:
+        self._payload_bytes += len(body)
+        super().on_body(body)
+
+    def on_chunk_header(self) -> None:  # httptools calls it when the protocol has it
+        self._chunks += 1
+
+    def _framing_allowance(self) -> int:
+        # The first read's head (at most max_head_bytes), then a head's worth of trailers.
+        return 2 * self.max_head_bytes + self.chunk_framing_bytes * self._chunks
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -180,6 +204,7 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         if self._body_bytes:
             self.unfinished_body_bytes.give_back(self._body_bytes)
             self._body_bytes = 0
+        self._payload_bytes = self._chunks = 0
 
     def _write_stalled(self) -> None:
         self._stall_timer = None

@@ -368,6 +368,20 @@ CASES = {
         "tool_choice",
         "strin",
     ),
+    "chat-tools-name-with-a-final-newline": Case(
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f\n"}}], tool_choice="required"),
+        400,
+        "tools[0].function.name",
+        "matching regex",
+    ),
+    "chat-response_format-name-with-a-final-newline": Case(
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "n\n", "schema": {}}}),
+        400,
+        "response_format.json_schema.name",
+        "matching regex",
+    ),
     "completion-tools": Case(
         COMPLETIONS,
         completion(tools=[{"type": "function", "function": {"name": "f"}}]),

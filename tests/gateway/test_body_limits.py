@@ -76,6 +76,34 @@ def test_a_head_larger_than_the_limit_is_a_431_at_once(gateway):
     assert httpx.get(gateway.base_url + "/health", headers={"x-fine": "a" * 4000}).status_code == 200
 
 
+def _chunked_completion(chunk_bytes: int) -> bytes:
+    """A completion request whose body is chunked `chunk_bytes` at a time, up to its last chunk."""
+    body = json.dumps({"model": "mock", "prompt": "x" * 2000, "max_tokens": 1}).encode()
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+    )
+    pieces = [body[i : i + chunk_bytes] for i in range(0, len(body), chunk_bytes)]
+    return head + b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n"
+
+
+def test_chunked_trailers_larger_than_a_head_are_a_431_at_once(gateway):
+    host, port = _address(gateway)
+    # 128 MiB of one trailer line, if it were all read: its parse would take minutes of CPU
+    chunks = [_chunked_completion(512) + b"x-trailer: "] + [b"a" * 65536] * 2000
+    answer, took = asyncio.run(_exchange(host, port, chunks, 0.01))
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert msgspec.json.decode(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == (
+        "request_header_fields_too_large"
+    )
+    assert took < 2
+    # Chunks of 16 bytes (framing a third of the bytes) and a short trailer are served.
+    fine = _chunked_completion(16) + b"x-trailer: fine\r\n\r\n"
+    answer, _ = asyncio.run(_exchange(host, port, [fine], 10))
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    assert httpx.get(gateway.base_url + "/health").status_code == 200
+
+
 def test_a_body_that_trickles_is_a_408_within_the_body_timeout(gateway):
     host, port = _address(gateway)
     head = (

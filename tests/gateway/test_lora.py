@@ -137,6 +137,28 @@ def test_adapters_never_share_cache_entries(lora_gateway, reference):
     assert hits == 1
 
 
+def test_a_name_reloaded_from_other_weights_serves_their_rows_not_the_cached_ones(lora_gateway, reference):
+    # "a" and "b" share one LoRA config and its tensors' shapes: only their values differ.
+    rows = [reference.tokenizer("One name, two checkpoints").input_ids]
+    with_a, _ = dense(lora_gateway, f"{MODEL}:a", rows)
+    try:
+        assert (
+            admin(lora_gateway, "/v1/load_lora_adapter", {"lora_name": "e", "lora_path": "b"}).status_code
+            == 200
+        )
+        with_b, _ = dense(lora_gateway, f"{MODEL}:e", rows)  # cached under "e"
+        assert admin(lora_gateway, "/v1/unload_lora_adapter", {"lora_name": "e"}).status_code == 200
+        assert (
+            admin(lora_gateway, "/v1/load_lora_adapter", {"lora_name": "e", "lora_path": "a"}).status_code
+            == 200
+        )
+        again, _ = dense(lora_gateway, f"{MODEL}:e", rows)
+    finally:
+        admin(lora_gateway, "/v1/unload_lora_adapter", {"lora_name": "e"})
+    assert np.max(np.abs(with_b - with_a)) > 0.1
+    assert np.max(np.abs(again - with_a)) <= 1e-4, "b's row, cached under the same name, came back"
+
+
 @pytest.mark.parametrize(
     ("body", "headers", "status", "needle"),
     [

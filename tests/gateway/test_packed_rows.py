@@ -103,6 +103,8 @@ BAD = {
     "more rows than max_rows": (_bad(pack([[1]] * 1025)), "at most 1024"),
     "an unknown field": (_bad({**pack([[1]]), "offsets": [0]}), "offsets"),
     "lengths that are no integers": (_bad({**pack([[1]]), "lengths": ["1"]}), "lengths"),
+    "a length past int32": (_bad({**pack([[1]]), "lengths": [1, 2**63]}), "lengths"),
+    "lengths whose sum passes int32": (_bad({**pack([[1]]), "lengths": [2**31 - 1] * 3}), "lengths ask for"),
 }
 
 
@@ -114,6 +116,16 @@ def test_a_malformed_packing_is_a_400_naming_what_is_wrong(http, case):
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert says in error["message"], error["message"]
+
+
+def test_a_length_past_any_integer_in_json_is_a_400(http):
+    body = (
+        b'{"model": "%s", "input": {"ids": "+AEAAL8NAAA=", "lengths": [1, 18446744073709551616]}}'
+        % MODEL.encode()
+    )
+    response = http.post(ENDPOINT, content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert "lengths" in response.json()["error"]["message"]
 
 
 def test_ids_that_are_not_base64_in_json_are_a_400(http):
