@@ -31,6 +31,14 @@ class GenerationAborted(Exception):
     """A generated choice ended by `/pause_generation` in abort mode."""
 
 
+class ReadersOutlasted(Exception):
+    """An update's wait for the weights' readers passed its bound; nothing changed."""
+
+    def __init__(self, running: int, wait_s: float) -> None:
+        super().__init__(f"{running} requests still read the weights after {wait_s:g} s")
+        self.running, self.wait_s = running, wait_s
+
+
 class WeightsLock:
     """Many readers or one writer; a waiting writer holds new readers back, so steady traffic
     cannot keep an update waiting for ever. A task that reads already reads on (one request's
@@ -120,11 +128,16 @@ class WeightsLock:
             raise GenerationAborted
 
     @asynccontextmanager
-    async def writing(self) -> AsyncIterator[None]:
+    async def writing(self, wait_s: float | None = None) -> AsyncIterator[None]:
+        """Held once no request reads (`wait_s`: for at most that long, else ReadersOutlasted, and
+        the requests held back meanwhile go on)."""
         await self._until(lambda: not self._update)  # one update at a time
         self._update = True
         try:
-            await self.until_idle()
+            try:
+                await asyncio.wait_for(self.until_idle(), wait_s)
+            except TimeoutError:
+                raise ReadersOutlasted(self.running, wait_s or 0.0) from None
             yield
         finally:
             self._update = False

@@ -8,16 +8,17 @@ import asyncio
 import hashlib
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 from backends.engine import Collective, Engine, Weights
 from backends.errors import WeightsError, WeightsGroupError
 from backends.types import AnnouncedTensor, WeightsGroup
-from gateway.errors import GatewayError, InvalidRequestError, NotSupportedError
+from gateway.errors import GatewayError, InvalidRequestError, NotSupportedError, RateLimitError
 from gateway.models.fingerprint import weight_files_stat, weights_fingerprint
 from gateway.models.served import ServedModel
+from gateway.models.weights_lock import ReadersOutlasted
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +50,13 @@ def _collective(engine: Engine) -> Collective:
     return collective
 
 
-async def update_weights(served: ServedModel, path: Path, version: str | None = None) -> None:
+async def update_weights(
+    served: ServedModel, path: Path, version: str | None = None, wait_s: float | None = None
+) -> None:
     """New weights of the same architecture from the directory `path`, once the requests
     reading the old ones have finished; the fingerprint (every output-cache key) changes with
-    them. Weights that do not fit change nothing (400); an engine that cannot, 501."""
+    them. Weights that do not fit change nothing (400); an engine that cannot, 501; requests still
+    reading after `wait_s`, 429 and nothing changed."""
     engine = served.require_engine()
     weights = _weights(engine)
 
@@ -64,7 +68,7 @@ async def update_weights(served: ServedModel, path: Path, version: str | None = 
             return hashlib.sha256(f"{served.fingerprint}:disk:{uuid.uuid4().hex}".encode()).hexdigest()
 
     await _replace_weights(
-        served, lambda: weights.load(str(path)), fingerprint, version, "model_path", "disk"
+        served, lambda: weights.load(str(path)), fingerprint, version, "model_path", "disk", wait_s
     )
     log.info("model %r: new weights loaded from a directory", served.name)
 
@@ -99,6 +103,20 @@ async def update_weights_from_group(
     log.info("model %r: new weights received over a collective", served.name)
 
 
+@asynccontextmanager
+async def _writing(served: ServedModel, wait_s: float | None) -> AsyncIterator[None]:
+    try:
+        async with served.weights.writing(wait_s) as held:
+            yield held
+    except ReadersOutlasted as exc:
+        raise RateLimitError(
+            f"{exc.running} requests still read the current weights after {exc.wait_s:g} s "
+            "(limits.weights_update_wait_s); nothing changed. Pause generation first "
+            "(/pause_generation with mode retract or in_place), or retry",
+            retry_after=exc.wait_s,
+        ) from None
+
+
 async def _replace_weights(
     served: ServedModel,
     load: Callable[[], Awaitable[None]],
@@ -106,12 +124,13 @@ async def _replace_weights(
     version: str | None,
     param: str,
     source: str,
+    wait_s: float | None = None,
 ) -> None:
     """`load` new weights into the engine once no request reads the old ones, then change the
     fingerprint and the version. WeightsError: nothing changed (400, `param` named); an engine
     that cannot, 501; any other failure may have left weights half written, so rows computed
     from then on match no earlier key (an unreadable file, OSError, is then a 400)."""
-    async with served.weights.writing():
+    async with _writing(served, wait_s):
         try:
             await load()
         except WeightsError as exc:

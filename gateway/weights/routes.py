@@ -103,7 +103,7 @@ async def unload_lora_adapter(request: Request) -> Response:
         OPENAPI: Operation(
             request=UpdateWeightsFromDiskRequest,
             content={"application/json": UpdateWeightsFromDiskResponse},
-            errors=("400", "401", "403", "404", "501", "503"),
+            errors=("400", "401", "403", "404", "429", "501", "503"),
         )
     },
 )
@@ -129,7 +129,9 @@ async def update_weights_from_disk(request: Request) -> Response:
                 param="abort_all_requests",
             )
         path = await asyncio.to_thread(weights_dir, served.settings.weights_root, body.model_path)
-        await update_weights(served, path, body.weight_version)
+        await update_weights(
+            served, path, body.weight_version, settings(request).limits.weights_update_wait_s
+        )
     except GatewayError as exc:
         return json_response(
             UpdateWeightsFromDiskResponse(success=False, message=exc.message, error=exc.error_object()),

@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from bench.launcher import start_gateway
 from gateway.app import serving_app
-from gateway.settings import ModelSettings, Settings
+from gateway.settings import Limits, ModelSettings, Settings
 from tests.conftest import MODEL, dense_rows
 
 pytestmark = pytest.mark.slow
@@ -241,3 +241,68 @@ def test_requests_in_flight_finish_on_the_weights_they_began_with(model_dir, tmp
         assert not np.array_equal(results["after"], old_row)
         info = app.state.registry.models["mock"]
         assert info.weight_version == "1" and info.weight_updates == 1
+
+
+def test_an_update_waits_for_a_long_stream_no_longer_than_its_bound(model_dir, tmp_path):
+    """The mock engine: a stream of 400 steps of 20 ms holds the weights; an update from disk
+    waits `weights_update_wait_s` for it, is refused (429, nothing changed), and a dense request
+    held back behind it goes on at once; once the stream is done, the update goes through."""
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    save_file({"w": np.ones(2, np.float32)}, weights / "model.safetensors")
+    model = ModelSettings(
+        name="mock",
+        model=str(model_dir),
+        backend="mock",
+        options={"delay_s": 0.02},
+        weights_root=str(tmp_path),
+    )
+    settings = Settings(admin_key="admin-secret", models=[model], limits=Limits(weights_update_wait_s=1.0))
+    app, served = serving_app(settings)
+    with TestClient(served) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        done: dict[str, tuple[int, float]] = {}
+
+        def stream() -> None:
+            body = {"model": "mock", "prompt": "hi", "max_tokens": 400, "stream": True}
+            response = client.post("/v1/completions", json=body)
+            done["stream"] = (response.status_code, time.monotonic())
+
+        def change() -> None:
+            answer = client.post(
+                "/update_weights_from_disk", json={"model_path": str(weights)}, headers=ADMIN
+            )
+            done["update"] = (answer.status_code, time.monotonic())
+            done["update message"] = answer.json()["message"]
+
+        def dense() -> None:
+            answer = client.post("/v1/next_token_logprobs", json={"model": "mock", "input": [[5, 6]]})
+            done["dense"] = (answer.status_code, time.monotonic())
+
+        streaming = threading.Thread(target=stream)
+        streaming.start()
+        time.sleep(0.5)  # the stream is under way
+        began = time.monotonic()
+        updating = threading.Thread(target=change)
+        updating.start()
+        time.sleep(0.2)  # the update waits, holding new requests back
+        asking = threading.Thread(target=dense)
+        asking.start()
+        updating.join()
+        asking.join()
+        assert done["update"][0] == 429, done
+        assert 1.0 <= done["update"][1] - began < 4.0, done
+        assert "weights_update_wait_s" in done["update message"]
+        assert done["dense"][0] == 200 and done["dense"][1] - began < 5.0, done
+        assert "stream" not in done  # still running: 400 steps take 8 s
+        info = app.state.registry.models["mock"]
+        assert info.weight_updates == 0
+        streaming.join()
+        assert done["stream"][0] == 200
+        change()
+        assert done["update"][0] == 200, done
+        assert info.weight_updates == 1
