@@ -44,28 +44,39 @@ async def decode_json(request: Request, body_type: type[T]) -> T:
             f"Content-Type {media_type[:100]!r} is not supported: send the body as application/json "
             f"(or {MSGPACK_TYPES[0]})"
         )
-    dense = body_type is NextTokenLogprobsRequest
-    if not dense:
-        check_non_dense_size(request, request.headers.get("content-length"))
-    body = await request.body()
-    if not dense:
-        check_non_dense_size(request, len(body))
+    if body_type is NextTokenLogprobsRequest:
+        body = await request.body()
+    else:
+        body = await read_non_dense_body(request)
     decoder = body_decoder(request)
     if decoder.inline(body):
         return decode_body(body, binary, body_type)
     return await decoder.decode(body, binary, body_type)
 
 
-def check_non_dense_size(request: Request, size: int | str | None) -> None:
-    """A 413 for a body of another route than the dense one past `max_non_dense_body_bytes`
-    (by its Content-Length before it is read, by its bytes after): such a body, once valid, is
-    decoded on the event loop, so its size bounds how long the loop is held."""
+async def read_non_dense_body(request: Request) -> bytes:
+    """The body of another route than the dense one, within `max_non_dense_body_bytes`: a 413 by
+    its Content-Length before it is read, or once that many bytes are in (a chunked body declares
+    no length), the rest unread. Such a body, once valid, is decoded on the event loop, so its
+    size bounds how long the loop is held."""
     limit = settings(request).limits.max_non_dense_body_bytes
-    if size is not None and str(size).isdigit() and int(size) > limit:
-        raise PayloadTooLargeError(
-            f"the request body is {int(size)} bytes; this route takes at most {limit} "
-            "(max_non_dense_body_bytes; only /v1/next_token_logprobs takes up to max_body_bytes)"
-        )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"{int(declared)} bytes", limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(f"more than {limit} bytes", limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: str, limit: int) -> PayloadTooLargeError:
+    return PayloadTooLargeError(
+        f"the request body is {size}; this route takes at most {limit} "
+        "(max_non_dense_body_bytes; only /v1/next_token_logprobs takes up to max_body_bytes)"
+    )
 
 
 def body_decoder(request: Request) -> BodyDecoder:

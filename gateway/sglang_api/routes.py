@@ -17,7 +17,14 @@ from gateway.dense.service import DenseService
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
 from gateway.models.served import ServedModel
-from gateway.requests import decode_json, registry, reserve_stream, resolve_model, settings
+from gateway.requests import (
+    decode_json,
+    read_non_dense_body,
+    registry,
+    reserve_stream,
+    resolve_model,
+    settings,
+)
 from gateway.responses import json_response, sse_event, sse_response
 from gateway.schemas.sglang import GenerateRequest, GenerateResponse, ModelInfo, ServerInfo
 from gateway.sglang_api import generate as native
@@ -220,11 +227,11 @@ async def flush_cache(request: Request) -> Response:
     scope: in Redis the old entries stay until they expire, unreachable). The admin key's: one key
     would otherwise empty every key's shared cache; `open_flush_cache` opens it, and so does
     `trusted_weight_sync` (TorchRL flushes after each update, without a key). A body is read (413
-    beyond the limit) and ignored, as SGLang ignores it."""
+    beyond max_non_dense_body_bytes) and ignored, as SGLang ignores it."""
     config = settings(request)
     if not (config.open_flush_cache or config.trusted_weight_sync):
         require_admin(request)
-    await request.body()
+    await read_non_dense_body(request)
     for served in registry(request).models.values():
         if served.engine is not None and served.engine.prefix_cache is not None:
             await served.engine.prefix_cache.flush()

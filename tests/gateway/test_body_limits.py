@@ -7,6 +7,7 @@ stays quick)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -101,6 +102,44 @@ def test_chunked_trailers_larger_than_a_head_are_a_431_at_once(gateway):
     fine = _chunked_completion(16) + b"x-trailer: fine\r\n\r\n"
     answer, _ = asyncio.run(_exchange(host, port, [fine], 10))
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    assert httpx.get(gateway.base_url + "/health").status_code == 200
+
+
+def test_a_chunked_body_past_its_routes_limit_is_a_413_before_the_rest_is_read(gateway):
+    """Another route than the dense one takes 4 MiB (max_non_dense_body_bytes as it ships): a
+    chunked body says no length up front, so the 413 comes once 4 MiB are in, not at its end."""
+    host, port = _address(gateway)
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: chunked\r\n\r\n"
+    )
+    piece = b"%x\r\n%s\r\n" % (2**20, b" " * 2**20)
+    chunks = [head] + [piece] * 60 + [b"0\r\n\r\n"]  # 60 MiB of a body, if it were all read
+
+    async def send() -> tuple[bytes, int]:
+        reader, writer = await asyncio.open_connection(host, port)
+        sent, answer = 0, b""
+        try:
+            for chunk in chunks:
+                writer.write(chunk)
+                await writer.drain()
+                sent += len(chunk)
+                with contextlib.suppress(TimeoutError):
+                    answer = await asyncio.wait_for(reader.read(65536), 0.01)
+                    break
+            answer += await asyncio.wait_for(reader.read(65536), 10)
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+        return answer, sent
+
+    answer, sent = asyncio.run(send())
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    assert (
+        "max_non_dense_body_bytes" in msgspec.json.decode(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+    )
+    assert sent < 16 * 2**20, sent
     assert httpx.get(gateway.base_url + "/health").status_code == 200
 
 
