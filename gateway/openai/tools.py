@@ -65,9 +65,16 @@ def requested_calls(body: ChatCompletionRequest, served: ServedModel) -> ToolCal
             "tool_choice asks for a call, but the request has no tools", param="tool_choice"
         )
     functions: dict[str, FunctionSpec] = {}
-    for tool in tools:
+    for index, tool in enumerate(tools):
         if tool.function.name in functions:
             raise InvalidRequestError(f"two tools are named {tool.function.name!r}", param="tools")
+        if isinstance(tool.function.parameters, dict) and "x-guidance" in tool.function.parameters:
+            # its separators and leniency would let arguments through that are no JSON or miss keys
+            raise InvalidRequestError(
+                "x-guidance is not taken in a tool's parameters: the gateway holds a call's arguments "
+                "to valid JSON of the schema",
+                param=f"tools[{index}].function.parameters",
+            )
         functions[tool.function.name] = tool.function
     template = getattr(served.require_engine().info.tokenizer, "chat_template", None) or ""
     if isinstance(template, dict):  # named templates ("default", "tool_use"): any may show calls

@@ -382,6 +382,24 @@ CASES = {
         "response_format.json_schema.name",
         "matching regex",
     ),
+    "chat-tools-x-guidance": Case(
+        CHAT,
+        chat(
+            tools=[
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "x-guidance": {"item_separator": "}"}},
+                    },
+                }
+            ],
+            tool_choice="required",
+        ),
+        400,
+        "tools[0].function.parameters",
+        "x-guidance",
+    ),
     "completion-tools": Case(
         COMPLETIONS,
         completion(tools=[{"type": "function", "function": {"name": "f"}}]),
