@@ -82,6 +82,7 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
     linger_s: float = 2.0
     _lingering = False
     _linger_timer: asyncio.TimerHandle | None = None
+    _deferred_400: str | None = None  # malformed bytes after a request still being answered
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:
@@ -149,6 +150,9 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        if self._deferred_400 is not None and not self._answering():
+            self._send_error_and_close(b"400 Bad Request", self._deferred_400)
+            return
         self._release_body_bytes()
         if self._body_timer is not None:
             self._body_timer.cancel()
@@ -218,7 +222,16 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         self.transport.abort()  # drops the buffer now; close() would keep it until it is sent
 
     def send_400_response(self, msg: str) -> None:
+        if self._answering():  # bytes pipelined after a whole request: its answer goes out first
+            self._deferred_400 = self._deferred_400 or msg
+            return
         self._send_error_and_close(b"400 Bad Request", msg)
+
+    def _answering(self) -> bool:
+        """A request read whole is still being answered, or waits in uvicorn's pipeline (httptools)."""
+        return bool(getattr(self, "pipeline", None)) or (
+            self.cycle is not None and not self.cycle.response_complete and not self.cycle.more_body
+        )
 
     def _send_error_and_close(self, status: bytes, message: str, code: str | None = None) -> None:
         busy = status.startswith(b"429")

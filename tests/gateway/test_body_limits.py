@@ -143,6 +143,21 @@ def test_a_chunked_body_past_its_routes_limit_is_a_413_before_the_rest_is_read(g
     assert httpx.get(gateway.base_url + "/health").status_code == 200
 
 
+def test_garbage_pipelined_after_a_request_is_a_400_after_that_requests_answer(gateway):
+    host, port = _address(gateway)
+    body = json.dumps({"model": "slow", "prompt": "hi", "max_tokens": 3}).encode()
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    answer, _ = asyncio.run(_exchange(host, port, [request + b"NOT HTTP AT ALL\r\n\r\n"], 5))
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    first, rest = answer.split(b"HTTP/1.1 400 ", 1)
+    assert msgspec.json.decode(first.split(b"\r\n\r\n", 1)[1])["choices"][0]["text"]
+    assert msgspec.json.decode(rest.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "invalid_request_error"
+    assert "Exception in ASGI application" not in gateway.log_path.read_text()
+
+
 def test_a_body_that_trickles_is_a_408_within_the_body_timeout(gateway):
     host, port = _address(gateway)
     head = (
