@@ -143,11 +143,16 @@ def gateway(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     process.stop()
 
 
-@pytest.fixture(scope="session")
-def client(gateway: GatewayProcess) -> Any:
+def sdk_client(gateway: GatewayProcess) -> Any:
+    """The `openai` SDK's client of `gateway`, which never retries."""
     import openai  # here, not at the top: the GPU-only tests run where the SDK is not installed
 
     return openai.OpenAI(base_url=gateway.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def client(gateway: GatewayProcess) -> Any:
+    return sdk_client(gateway)
 
 
 @pytest.fixture(scope="session")
@@ -175,9 +180,7 @@ def tiny_gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 @pytest.fixture(scope="session")
 def tiny_client(tiny_gateway: GatewayProcess) -> Any:
-    import openai
-
-    return openai.OpenAI(base_url=tiny_gateway.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return sdk_client(tiny_gateway)
 
 
 @pytest.fixture(scope="session")

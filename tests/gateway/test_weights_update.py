@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -16,7 +17,7 @@ from safetensors.numpy import save_file
 from bench.launcher import start_gateway
 from gateway.app import serving_app
 from gateway.settings import Limits, ModelSettings, Settings
-from tests.conftest import MODEL, dense_rows
+from tests.conftest import MODEL, dense_rows, mock_app_client
 
 pytestmark = pytest.mark.slow
 ADMIN = {"Authorization": "Bearer admin-secret"}
@@ -183,27 +184,32 @@ def test_without_a_weights_root_updates_are_off(model_dir, tmp_path):
         assert adapter.status_code == 403 and "no adapters_root" in adapter.text
 
 
-def test_requests_in_flight_finish_on_the_weights_they_began_with(model_dir, tmp_path):
-    """The mock engine, slow: a dense request under way when an update arrives gets the old rows;
-    the update waits for it, and a request after the update gets the new ones."""
+def _new_weights(tmp_path) -> Path:
+    """A weights directory under `tmp_path` that the mock engine loads as new weights."""
     weights = tmp_path / "weights"
     weights.mkdir()
     (weights / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     save_file({"w": np.ones(2, np.float32)}, weights / "model.safetensors")
+    return weights
+
+
+def _slow_mock(model_dir, tmp_path, delay_s: float, **settings) -> Settings:
+    """The mock engine as "mock", each step taking `delay_s`, new weights from under `tmp_path`."""
     model = ModelSettings(
         name="mock",
         model=str(model_dir),
         backend="mock",
-        options={"delay_s": 0.5},
+        options={"delay_s": delay_s},
         weights_root=str(tmp_path),
     )
-    settings = Settings(admin_key="admin-secret", models=[model])
-    app, served = serving_app(settings)
-    with TestClient(served) as client:
-        deadline = time.monotonic() + 120
-        while client.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+    return Settings(admin_key="admin-secret", models=[model], **settings)
+
+
+def test_requests_in_flight_finish_on_the_weights_they_began_with(model_dir, tmp_path):
+    """The mock engine, slow: a dense request under way when an update arrives gets the old rows;
+    the update waits for it, and a request after the update gets the new ones."""
+    weights = _new_weights(tmp_path)
+    with mock_app_client(settings=_slow_mock(model_dir, tmp_path, 0.5)) as (app, client):
         engine = app.state.registry.models["mock"].engine
         old_row = engine.logits([5, 6, 7])
         finished: dict[str, float] = {}
@@ -247,24 +253,9 @@ def test_an_update_waits_for_a_long_stream_no_longer_than_its_bound(model_dir, t
     """The mock engine: a stream of 400 steps of 20 ms holds the weights; an update from disk
     waits `weights_update_wait_s` for it, is refused (429, nothing changed), and a dense request
     held back behind it goes on at once; once the stream is done, the update goes through."""
-    weights = tmp_path / "weights"
-    weights.mkdir()
-    (weights / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
-    save_file({"w": np.ones(2, np.float32)}, weights / "model.safetensors")
-    model = ModelSettings(
-        name="mock",
-        model=str(model_dir),
-        backend="mock",
-        options={"delay_s": 0.02},
-        weights_root=str(tmp_path),
-    )
-    settings = Settings(admin_key="admin-secret", models=[model], limits=Limits(weights_update_wait_s=1.0))
-    app, served = serving_app(settings)
-    with TestClient(served) as client:
-        deadline = time.monotonic() + 120
-        while client.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+    weights = _new_weights(tmp_path)
+    settings = _slow_mock(model_dir, tmp_path, 0.02, limits=Limits(weights_update_wait_s=1.0))
+    with mock_app_client(settings=settings) as (app, client):
         done: dict[str, tuple[int, float]] = {}
 
         def stream() -> None:
