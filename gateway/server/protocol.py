@@ -157,8 +157,14 @@ class GatewayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
-        if not self.transport.is_closing():  # the next request's head starts now
-            self._arm_head_timer()
+        if self.transport.is_closing():
+            return
+        if self.cycle.response_complete and self.cycle.more_body:
+            # Answered before its body was whole (a 413, a 401): what the client still sends is the
+            # rest of that body, not a next request's head, so it is dropped and the connection ends.
+            self._linger()
+            return
+        self._arm_head_timer()  # the next request's head starts now
 
     def pause_writing(self) -> None:
         super().pause_writing()
