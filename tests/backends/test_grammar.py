@@ -150,7 +150,7 @@ async def test_generation_uses_what_the_check_compiled(engine, monkeypatch):
     checked = await grammars.check(
         Grammar("json_schema", json.dumps({**schema, "title": str(uuid.uuid4())})), 10.0
     )
-    grammars._compiled.clear()
+    grammars._kept.clear()
 
     def compile_again(*_):
         raise AssertionError("compiled a second time")
@@ -160,6 +160,48 @@ async def test_generation_uses_what_the_check_compiled(engine, monkeypatch):
     steps = await generate(engine, ids, checked, max_tokens=96)
     assert steps[-1].finish_reason == "stop"
     jsonschema.validate(json.loads(text_of(engine, steps)), schema)
+
+
+async def test_one_streams_tokens_do_not_spend_anothers_lexer_budget(engine):
+    """Under `(a|b)*a(a|b){40}` every new a/b token can make a lexer state. Alice's stream runs
+    hers out; Bob's, under the same kept grammar, starts with a budget of its own."""
+    grammar = await engine.structured_outputs.check(
+        Grammar("regex", f"(a|b)*a(a|b){{40}}(x{uuid.uuid4().hex[:4]})?"), 10.0
+    )
+    vocab = engine.info.tokenizer.get_vocab()
+    ab = [i for token, i in vocab.items() if token and set(token) <= {"a", "b"}]
+    rng = np.random.default_rng(0)
+    alice = await engine.structured_outputs.constraint(grammar)
+    with pytest.raises(GrammarError, match="lexer error: too many"):
+        for token in rng.choice(ab, 200_000):
+            alice.accept(int(token))
+    bob = await engine.structured_outputs.constraint(grammar)
+    for token in rng.choice(ab, 100):
+        assert (await bob.next_mask())[token]
+        bob.accept(int(token))
+
+
+async def test_kept_verdicts_hold_at_most_their_bytes(engine, monkeypatch):
+    """Kept grammars are bounded by the bytes of their text, not only by their count; one larger
+    than the bound is not kept, and is compiled again (within its bound) when asked again."""
+    from backends.grammar import constraint
+
+    monkeypatch.setattr(constraint, "MAX_KEPT_BYTES", 400_000)
+    grammars = engine.structured_outputs
+    tag = uuid.uuid4().hex[:6]
+
+    def words(n: int, i: int) -> Grammar:
+        return Grammar("regex", "|".join(f"{tag}{i}w{k}" for k in range(n)))
+
+    for i in range(4):
+        await grammars.check(words(8_000, i), 30.0)  # about 100 kB of source, and of text
+        assert grammars._kept_bytes <= 400_000
+    assert words(8_000, 0) not in grammars._kept and words(8_000, 3) in grammars._kept
+    huge = words(40_000, 9)
+    checked = await grammars.check(huge, 30.0)
+    assert huge not in grammars._kept
+    steps = await generate(engine, chat_ids(engine.info.tokenizer, "Say a word."), checked, max_tokens=32)
+    assert re.fullmatch(f"{tag}9w[0-9]+", text_of(engine, steps))
 
 
 async def test_a_grammar_that_crashes_the_grammar_engine_costs_a_worker(engine):
