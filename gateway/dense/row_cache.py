@@ -308,14 +308,16 @@ def frame_many(rows: np.ndarray) -> list[memoryview]:
 
 
 def unframe(value: bytes | memoryview, width: int) -> np.ndarray | None:
-    """The row in a Redis value; None when its header, length or checksum is off."""
+    """The row in a Redis value; None when its header, length or checksum is off, or it holds
+    NaN or +inf, which no log-probability row does (a checksum is no proof of who wrote it)."""
     if len(value) != _HEADER.size + 4 * width:
         return None
     magic, count, check = _HEADER.unpack_from(value)
     payload = memoryview(value)[_HEADER.size :]
     if magic != _MAGIC or count != width or zlib.crc32(payload) != check:
         return None
-    return np.frombuffer(payload, dtype="<f4")
+    row = np.frombuffer(payload, dtype="<f4")
+    return row if bool(np.all(row < np.inf)) else None
 
 
 class RedisRowCache(RowCache):

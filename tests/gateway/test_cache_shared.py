@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bench.launcher import start_gateway
-from gateway.dense.row_cache import FORMAT
+from gateway.dense.row_cache import FORMAT, frame
 from tests.conftest import MODEL
 
 pytestmark = pytest.mark.slow
@@ -17,14 +17,33 @@ MSGPACK = {"Accept": "application/msgpack"}
 
 
 @pytest.fixture(scope="module")
-def replicas(redis_server, model_dir, tmp_path_factory):
+def replicas(redis_server, model_dir, lora_adapters, tmp_path_factory):
+    """Two replicas of one model and a mock, sharing Redis. Each serves an adapter named "e" from
+    another checkpoint of one LoRA config (a fleet midway through a rollout)."""
     workdir = tmp_path_factory.mktemp("replicas")
-    config = workdir / "gateway.toml"
+    _, checkpoints, _ = lora_adapters
+    gateways = [
+        start_gateway(
+            [
+                "--config",
+                str(_config(workdir / f"gateway{i}.toml", model_dir, checkpoints[name], redis_server)),
+            ],
+            workdir / f"replica{i}.log",
+        )
+        for i, name in enumerate("ba")
+    ]
+    yield gateways
+    for gateway in gateways:
+        gateway.stop()
+
+
+def _config(config, model_dir, adapter, redis_server):
     config.write_text(f"""
 [[models]]
 name = "{MODEL}"
 model = "{model_dir}"
 dtype = "float32"
+adapters = {{e = "{adapter}"}}
 
 [[models]]
 name = "mock"
@@ -36,10 +55,7 @@ redis_url = "{redis_server.url}"
 retry_after_s = 0.5
 timeout_s = 0.2
 """)
-    gateways = [start_gateway(["--config", str(config)], workdir / f"replica{i}.log") for i in range(2)]
-    yield gateways
-    for gateway in gateways:
-        gateway.stop()
+    return config
 
 
 def dense(gateway, rows, model=MODEL):
@@ -127,3 +143,35 @@ def test_corrupted_values_are_recomputed_and_replaced(replicas, redis_server, re
     stored(second, rows)
     _, hits = dense(first, rows)
     assert hits == 1  # the fresh value replaced the corrupted one
+
+
+def test_a_forged_value_of_nan_is_a_corrupt_miss(replicas, redis_server, reference):
+    """A value whose frame and checksum are right but whose row is no log-probabilities (NaN)
+    is dropped as corrupt, not served: SGLang's prompt-only /generate samples from that row."""
+    first, second = replicas
+    ids = reference.tokenizer("Forge me").input_ids
+    computed, _ = dense(first, [ids])
+    stored(first, [ids])
+    client = redis_server.client()
+    width = reference.logprobs(ids).shape[-1]
+    for key in client.scan_iter(f"lpg:v{FORMAT}:row:*"):
+        client.set(key, frame(np.full(width, np.nan, dtype=np.float32)))
+    answer = httpx.post(
+        second.base_url + "/generate",
+        json={"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    again, hits = dense(second, [ids])
+    assert hits == 1 and again == computed
+
+
+def test_one_adapter_name_on_two_checkpoints_never_shares_rows(replicas, reference):
+    """Replica 0 serves "e" from checkpoint b and replica 1 from a: the rows each computes are its
+    own checkpoint's, whichever replica stored its rows in Redis first."""
+    first, second = replicas
+    rows = [reference.tokenizer("One name across replicas").input_ids]
+    with_b, _ = dense(first, rows, f"{MODEL}:e")
+    stored(first, rows, f"{MODEL}:e")
+    with_a, hits = dense(second, rows, f"{MODEL}:e")
+    assert hits == 0 and np.max(np.abs(as_array(with_a) - as_array(with_b))) > 0.1

@@ -45,6 +45,9 @@ def test_values_read_back_bit_identical_and_corruption_is_detected():
     assert unframe(value[:-4], 1000) is None  # length
     assert unframe(value, 999) is None  # another vocabulary
     assert unframe(b"garbage", 1000) is None
+    for poison in (np.nan, np.inf):
+        assert unframe(frame(np.where(np.arange(1000) == 7, poison, row).astype(np.float32)), 1000) is None
+    assert unframe(frame(np.full(1000, -np.inf, np.float32)), 1000) is not None  # masked, not poison
 
 
 def test_keys_separate_models_adapters_and_prefixes():
