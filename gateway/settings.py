@@ -52,7 +52,7 @@
     decode_worker_bytes = 262144   # bodies this large or larger are decoded in a worker process; 0: never
     decode_workers = 1             # such worker processes; bodies wait for a free one
     decode_queue = 4               # bodies waiting for a decode worker; 429 beyond
-    weights_update_wait_s = 30     # an update from disk waits this long for requests on the old weights; 429 beyond
+    weights_update_wait_s = 30     # an update from disk (an adapter unload) waits this long for its requests; 429 beyond
 
 Environment: LOGPROB_GATEWAY_CONFIG, _HOST, _PORT, _MODEL, _BACKEND, _SERVED_MODEL_NAME, _DTYPE,
 _DEVICE, _MAX_MODEL_LEN, _LOG_LEVEL, _REDIS_URL, _CACHE (false: no cache), _ADMIN_KEY,
@@ -193,7 +193,8 @@ class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     decode_queue: Annotated[int, msgspec.Meta(ge=0)] = 4  # such bodies waiting for a worker (429 beyond)
     # An update from disk waits this long for the requests reading the old weights, holding new
     # ones back meanwhile; then it is refused (429) and they go on. Pause generation first
-    # (/pause_generation, retract or in_place) to update under long streams.
+    # (/pause_generation, retract or in_place) to update under long streams. An adapter unload
+    # waits as long for the requests using the adapter.
     weights_update_wait_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
 
 

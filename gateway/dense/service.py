@@ -148,7 +148,7 @@ class DenseService:
         started = time.perf_counter()
         times = EngineTimes()
         try:
-            async with served.weights.reading():  # keys and rows of the same weights
+            async with served.reading(adapter):  # keys and rows of the same weights
                 placed, hits = await self.logprobs(served, adapter, rows, into, times)
         except GatewayError:
             raise
@@ -222,7 +222,7 @@ class DenseService:
         for every route. With `into` (float32 [len(rows), vocab], memory the engine may write into
         from its device), they are there, once landed (`Placed.landed`). `times`: when the
         engine's call for them began and ended. The caller holds the model's weights for reading
-        (`served.weights.reading()`)."""
+        (`served.reading(adapter)`)."""
         compute = partial(self.calls(served).logprobs, rows, adapter, into, times=times)
         cache = self.cache
         if cache is None:

@@ -64,7 +64,7 @@ async def run_choice(
     it before its next engine step, or ends it there (finish reason "abort"):
     gateway/models/weights_lock.py."""
     engine = served.require_engine()
-    async with served.weights.reading():  # a choice is generated with one set of weights
+    async with served.reading(adapter):  # a choice is generated with one set of weights
         hidden = served.special_ids - frozenset(shown_ids) if shown_ids else served.special_ids
         pieces = _pieces(engine.generate(prompt_ids, params, adapter), served, stops, stop_ids, hidden)
         try:

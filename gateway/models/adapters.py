@@ -9,9 +9,10 @@ from pathlib import Path
 
 from backends.engine import Adapters, Engine
 from backends.errors import AdapterError
-from gateway.errors import InvalidRequestError, ModelNotFoundError
+from gateway.errors import InvalidRequestError, ModelNotFoundError, RateLimitError
 from gateway.models.adapter_checks import adapter_fingerprint, check_adapter_dir, check_adapter_name
 from gateway.models.served import AdapterInfo, ServedModel
+from gateway.models.weights_lock import ReadersOutlasted
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +54,22 @@ async def add_adapter(
     return info
 
 
-async def remove_adapter(served: ServedModel, name: str) -> None:
+async def remove_adapter(served: ServedModel, name: str, wait_s: float) -> None:
+    """Unload an adapter once the requests that use it have finished, waiting `wait_s` at most
+    (RateLimitError then, the adapter still served); requests that name it meanwhile get a 404."""
     engine = served.require_engine()
     async with served.adapter_lock:
-        if name not in served.adapters:
+        info = served.adapters.pop(name, None)  # new requests stop seeing it before the weights go
+        if info is None:
             raise ModelNotFoundError(served.no_adapter_message(name), param="lora_name")
-        del served.adapters[name]  # new requests stop seeing it before the weights go
+        try:
+            await served.weights.until_unread(name, wait_s)
+        except ReadersOutlasted as exc:
+            served.adapters[name] = info
+            raise RateLimitError(
+                f"{exc.running} requests still use the adapter after {exc.wait_s:g} s "
+                "(limits.weights_update_wait_s); it is still loaded. Retry once they end",
+                retry_after=exc.wait_s,
+            ) from None
         await _adapters(engine).unload(name)
     log.info("model %r: an adapter unloaded (%d served)", served.name, len(served.adapters))

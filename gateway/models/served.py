@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from backends.engine import Engine
-from gateway.errors import ModelNotReadyError
+from gateway.errors import ModelNotFoundError, ModelNotReadyError
 from gateway.metrics import Metrics
 from gateway.models.weights_lock import WeightsLock
 from gateway.settings import ModelSettings
@@ -67,6 +69,15 @@ class ServedModel:
             reason = f"failed to load: {self.error}" if self.error else "is still loading"
             raise ModelNotReadyError(f"model {self.name!r} {reason}")
         return self.engine
+
+    @asynccontextmanager
+    async def reading(self, adapter: str | None = None) -> AsyncIterator[None]:
+        """The model's weights, and `adapter`'s, read until the block ends (see WeightsLock);
+        ModelNotFoundError where the adapter was unloaded since the request named it."""
+        async with self.weights.reading(adapter):
+            if adapter is not None and adapter not in self.adapters:
+                raise ModelNotFoundError(self.no_adapter_message(adapter), param="model")
+            yield
 
     def no_adapter_message(self, adapter: str) -> str:
         available = ", ".join(f"{self.name}:{a}" for a in self.adapters) or "none"

@@ -49,6 +49,7 @@ class WeightsLock:
         # False for an engine whose streams run ahead of their consumer: nothing to hold them at
         self.hold_at_steps = hold_at_steps
         self._readers: dict[asyncio.Task | None, int] = {}  # reading tasks, and how often each
+        self._adapter_readers: dict[str, int] = {}  # readings that use each adapter
         self._held: set[asyncio.Task | None] = set()  # readers held at a step while paused
         self._entering = 0  # requests waiting at the door
         self._update = False  # an update is under way, or waits for readers
@@ -90,7 +91,8 @@ class WeightsLock:
         self._notify()
 
     @asynccontextmanager
-    async def reading(self) -> AsyncIterator[None]:
+    async def reading(self, adapter: str | None = None) -> AsyncIterator[None]:
+        """The weights read, the `adapter`'s among them, until the block ends."""
         task = asyncio.current_task()
         if task not in self._readers:
             self._entering += 1
@@ -99,6 +101,8 @@ class WeightsLock:
             finally:
                 self._entering -= 1
         self._readers[task] = self._readers.get(task, 0) + 1
+        if adapter is not None:
+            self._adapter_readers[adapter] = self._adapter_readers.get(adapter, 0) + 1
         try:
             yield
         finally:
@@ -106,6 +110,18 @@ class WeightsLock:
             if not self._readers[task]:
                 del self._readers[task]
                 self._notify()
+            if adapter is not None:
+                self._adapter_readers[adapter] -= 1
+                if not self._adapter_readers[adapter]:
+                    del self._adapter_readers[adapter]
+                    self._notify()
+
+    async def until_unread(self, adapter: str, wait_s: float) -> None:
+        """Until no request reads `adapter`; ReadersOutlasted past `wait_s`."""
+        try:
+            await asyncio.wait_for(self._until(lambda: adapter not in self._adapter_readers), wait_s)
+        except TimeoutError:
+            raise ReadersOutlasted(self._adapter_readers.get(adapter, 0), wait_s) from None
 
     async def step(self) -> None:
         """Before an engine step of a generated choice (a reader): GenerationAborted while paused

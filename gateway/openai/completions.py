@@ -176,7 +176,7 @@ class _Run:
         """The prompt's text and, with logprobs, its tokens scored (the first one has no score)."""
         if not self.want_logprobs:
             return prompt.text, None
-        async with self.served.weights.reading():
+        async with self.served.reading(self.adapter):
             scores = await self.served.require_engine().prompt_logprobs(
                 prompt.ids, self.params.top_logprobs, self.adapter
             )

@@ -123,7 +123,7 @@ class ItemRun:
     async def results(self, final_only: bool = False) -> AsyncIterator[GenerateResponse]:
         """Cumulative results, the last one finished; `final_only`: that one alone. Every number
         of a result comes from one set of weights."""
-        async with self.item.served.weights.reading():
+        async with self.item.served.reading(self.item.adapter):
             results = self._results(final_only)
             try:
                 async for result in results:

@@ -77,7 +77,9 @@ async def load_lora_adapter(request: Request) -> Response:
     tags=["Admin"],
     opt={
         OPENAPI: Operation(
-            request=UnloadLoraAdapterRequest, content={"application/json": AdapterStatus}, errors=ADMIN_ERRORS
+            request=UnloadLoraAdapterRequest,
+            content={"application/json": AdapterStatus},
+            errors=(*ADMIN_ERRORS, "429"),
         )
     },
 )
@@ -85,7 +87,7 @@ async def unload_lora_adapter(request: Request) -> Response:
     require_admin(request)
     body = await decode_json(request, UnloadLoraAdapterRequest)
     served = base_model(request, body.model)
-    await remove_adapter(served, body.lora_name)
+    await remove_adapter(served, body.lora_name, settings(request).limits.weights_update_wait_s)
     return json_response(AdapterStatus(id=f"{served.name}:{body.lora_name}", status="unloaded"))
 
 

@@ -4,6 +4,9 @@ direct transformers + PEFT forward pass of the same adapter."""
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
+import time
 
 import httpx
 import numpy as np
@@ -207,3 +210,81 @@ def test_admin_endpoints_are_off_without_an_admin_key(http):
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "a"})
     assert r.status_code == 403 and "disabled" in r.json()["error"]["message"]
     assert http.post("/v1/completions", json={"model": f"{MODEL}:nope", "prompt": "x"}).status_code == 404
+
+
+def test_an_unload_waits_for_the_stream_that_uses_the_adapter(lora_gateway, lora_adapters):
+    """A stream on "u" under way when "u" is unloaded runs to its end; the unload answers after
+    it, and a request that names "u" meanwhile is a 404."""
+    assert (
+        admin(lora_gateway, "/v1/load_lora_adapter", {"lora_name": "u", "lora_path": "b"}).status_code == 200
+    )
+    body = {
+        "model": f"{MODEL}:u",
+        "prompt": "1, 2, 3, 4,",
+        "max_tokens": 48,
+        "temperature": 0,
+        "stream": True,
+    }
+    unloaded: dict[str, object] = {}
+
+    def unload() -> None:
+        answer = admin(lora_gateway, "/v1/unload_lora_adapter", {"lora_name": "u"})
+        unloaded.update(status=answer.status_code, at=time.monotonic())
+
+    events = []
+    with httpx.stream("POST", lora_gateway.base_url + "/v1/completions", json=body, timeout=120) as stream:
+        lines = stream.iter_lines()
+        events.append(next(line for line in lines if line.startswith("data: ")))
+        unloading = threading.Thread(target=unload)
+        unloading.start()
+        time.sleep(0.3)
+        meanwhile = httpx.post(
+            lora_gateway.base_url + "/v1/completions", json={**body, "stream": False}, timeout=60
+        )
+        events.extend(line for line in lines if line.startswith("data: "))
+        ended = time.monotonic()
+    unloading.join()
+    assert meanwhile.status_code == 404, meanwhile.text
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(event[6:]) for event in events[:-1]]
+    assert not any("error" in chunk for chunk in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert unloaded["status"] == 200 and unloaded["at"] >= ended - 0.05
+    assert "non-existing adapter" not in lora_gateway.log_path.read_text()
+
+
+def test_an_unload_outlasted_by_its_streams_is_refused_and_keeps_the_adapter(model_dir, lora_adapters):
+    """The mock engine, slow: a 400-step stream outlasts the unload's bound (429, still served)."""
+    from gateway.settings import Limits, ModelSettings, Settings
+    from tests.conftest import mock_app_client
+
+    model = ModelSettings(
+        name="mock",
+        model=str(model_dir),
+        backend="mock",
+        options={"delay_s": 0.02},
+        adapters={"u": str(lora_adapters[1]["a"])},
+    )
+    settings = Settings(admin_key="admin-secret", models=[model], limits=Limits(weights_update_wait_s=0.5))
+    with mock_app_client(settings=settings) as (_, client):
+        done: dict[str, int] = {}
+
+        def stream() -> None:
+            body = {"model": "mock:u", "prompt": "hi", "max_tokens": 400, "stream": True}
+            done["stream"] = client.post("/v1/completions", json=body).status_code
+
+        streaming = threading.Thread(target=stream)
+        streaming.start()
+        time.sleep(0.5)
+        answer = client.post("/v1/unload_lora_adapter", json={"lora_name": "u"}, headers=ADMIN)
+        assert answer.status_code == 429 and "weights_update_wait_s" in answer.json()["error"]["message"]
+        assert answer.headers["retry-after"]
+        assert (
+            client.post("/v1/next_token_logprobs", json={"model": "mock:u", "input": [[5]]}).status_code
+            == 200
+        )
+        streaming.join()
+        assert done["stream"] == 200
+        assert (
+            client.post("/v1/unload_lora_adapter", json={"lora_name": "u"}, headers=ADMIN).status_code == 200
+        )
