@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -147,10 +148,12 @@ class MockWeights(engine_contract.Weights):
         for file in sorted(directory.iterdir()):
             if file.is_file():
                 digest.update(file.name.encode() + b"\0" + file.read_bytes())
-        await asyncio.sleep(self.engine.delay_s)
-        self.engine._base = _base_row(
-            int.from_bytes(digest.digest()[:8], "little"), self.engine.info.vocab_size
-        )
+        # On a thread, as the real engines load: a caller cancelled meanwhile does not stop it.
+        await asyncio.to_thread(self._swap, int.from_bytes(digest.digest()[:8], "little"), path)
+
+    def _swap(self, seed: int, path: str) -> None:
+        time.sleep(self.engine.delay_s)
+        self.engine._base = _base_row(seed, self.engine.info.vocab_size)
         self.engine.info = replace(self.engine.info, path=str(path))
 
 

@@ -367,14 +367,14 @@ def mlx_gateway(
     gateway.stop()
 
 
-def dense_rows(base_url: str, rows) -> tuple[Any, int]:
-    """The served default model's rows (float32 numpy [rows, vocab]) and the answer's cache hits."""
+def dense_rows(base_url: str, rows, model: str = MODEL) -> tuple[Any, int]:
+    """A served model's rows (float32 numpy [rows, vocab]) and the answer's cache hits."""
     import msgspec
     import numpy as np
 
     response = httpx.post(
         base_url + "/v1/next_token_logprobs",
-        json={"model": MODEL, "input": rows, "layout": "matrix"},
+        json={"model": model, "input": rows, "layout": "matrix"},
         headers={"Accept": "application/msgpack"},
         timeout=120,
     )

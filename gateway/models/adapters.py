@@ -12,6 +12,7 @@ from backends.errors import AdapterError
 from gateway.errors import InvalidRequestError, ModelNotFoundError, RateLimitError
 from gateway.models.adapter_checks import adapter_fingerprint, check_adapter_dir, check_adapter_name
 from gateway.models.served import AdapterInfo, ServedModel
+from gateway.models.to_the_end import to_the_end
 from gateway.models.weights_lock import ReadersOutlasted
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,13 @@ async def add_adapter(
 
 async def remove_adapter(served: ServedModel, name: str, wait_s: float) -> None:
     """Unload an adapter once the requests that use it have finished, waiting `wait_s` at most
-    (RateLimitError then, the adapter still served); requests that name it meanwhile get a 404."""
+    (RateLimitError then, the adapter still served); requests that name it meanwhile get a 404.
+    It runs to its end whatever happens to the request that asked for it."""
+    await to_the_end(_remove_adapter(served, name, wait_s))
+    log.info("model %r: an adapter unloaded (%d served)", served.name, len(served.adapters))
+
+
+async def _remove_adapter(served: ServedModel, name: str, wait_s: float) -> None:
     engine = served.require_engine()
     async with served.adapter_lock:
         info = served.adapters.pop(name, None)  # new requests stop seeing it before the weights go
@@ -72,4 +79,3 @@ async def remove_adapter(served: ServedModel, name: str, wait_s: float) -> None:
                 retry_after=exc.wait_s,
             ) from None
         await _adapters(engine).unload(name)
-    log.info("model %r: an adapter unloaded (%d served)", served.name, len(served.adapters))

@@ -18,6 +18,7 @@ from backends.types import AnnouncedTensor, WeightsGroup
 from gateway.errors import GatewayError, InvalidRequestError, NotSupportedError, RateLimitError
 from gateway.models.fingerprint import weight_files_stat, weights_fingerprint
 from gateway.models.served import ServedModel
+from gateway.models.to_the_end import to_the_end
 from gateway.models.weights_lock import ReadersOutlasted
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,20 @@ async def _replace_weights(
     """`load` new weights into the engine once no request reads the old ones, then change the
     fingerprint and the version. WeightsError: nothing changed (400, `param` named); an engine
     that cannot, 501; any other failure may have left weights half written, so rows computed
-    from then on match no earlier key (an unreadable file, OSError, is then a 400)."""
+    from then on match no earlier key (an unreadable file, OSError, is then a 400). It runs to
+    its end whatever happens to the request that asked for it."""
+    await to_the_end(_replace(served, load, fingerprint, version, param, source, wait_s))
+
+
+async def _replace(
+    served: ServedModel,
+    load: Callable[[], Awaitable[None]],
+    fingerprint: Callable[[], str],
+    version: str | None,
+    param: str,
+    source: str,
+    wait_s: float | None,
+) -> None:
     async with _writing(served, wait_s):
         try:
             await load()

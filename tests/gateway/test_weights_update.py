@@ -3,6 +3,7 @@ sharing one real Redis, and the lock that keeps requests in flight on the weight
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
@@ -297,3 +298,47 @@ def test_an_update_waits_for_a_long_stream_no_longer_than_its_bound(model_dir, t
         change()
         assert done["update"][0] == 200, done
         assert info.weight_updates == 1
+
+
+def test_the_version_follows_the_weights_when_the_admin_client_goes_away(model_dir, tmp_path):
+    """A gateway process on the mock engine whose loads take 1 s: the admin client sends an
+    update and disconnects 0.3 s in. The update still ends as a whole: the new weights are
+    served under the version the update named, never the new weights under the old version."""
+    weights = _new_weights(tmp_path)
+    config = tmp_path / "gateway.toml"
+    config.write_text(f"""
+admin_key = "admin-secret"
+
+[[models]]
+name = "mock"
+model = "{model_dir}"
+backend = "mock"
+weights_root = "{tmp_path}"
+options = {{delay_s = 1.0}}
+""")
+    gateway = start_gateway(["--config", str(config)], tmp_path / "gateway.log")
+    try:
+        before, _ = dense_rows(gateway.base_url, [[5, 6, 7]], model="mock")
+        body = msgspec.json.encode({"model_path": str(weights), "weight_version": "step-7"})
+        address = httpx.URL(gateway.base_url)
+        with socket.create_connection((address.host, address.port)) as admin:
+            admin.sendall(
+                b"POST /update_weights_from_disk HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + b"Authorization: Bearer admin-secret\r\nContent-Length: %d\r\n\r\n" % len(body)
+                + body
+            )
+            time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while True:
+            version = httpx.get(gateway.base_url + "/server_info", timeout=10).json()["weight_version"]
+            after, _ = dense_rows(gateway.base_url, [[5, 6, 7]], model="mock")
+            changed = not np.array_equal(after, before)
+            then = httpx.get(gateway.base_url + "/server_info", timeout=10).json()["weight_version"]
+            if version == then:  # else the update ended between the two reads
+                assert changed == (version == "step-7"), (version, changed)
+            if changed or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert then == "step-7"
+    finally:
+        gateway.stop()
