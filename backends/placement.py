@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -195,11 +196,11 @@ async def place_rows(
     for call_rows, call_adapters in calls:
         with watch(len(call_rows)):
             parts.append(await engine.next_token_logprobs(call_rows, call_adapters))
-    computed = None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)
+    computed = None if not parts else parts[0] if len(parts) == 1 else await _off_loop(np.concatenate, parts)
     kept = None if computed is None else Computed(computed, distinct.firsts)
     if out is None and distinct.known is None:
         assert computed is not None
-        return Placed(distinct.spread(computed), computed=kept)
+        return Placed(await _off_loop(distinct.spread, computed), computed=kept)
     if out is None:
         assert known is not None
         width = computed.shape[1] if computed is not None else next(r for r in known if r is not None).size
@@ -207,6 +208,16 @@ async def place_rows(
     arrays = outputs(out)
     await asyncio.to_thread(distinct.place, computed, arrays)
     return Placed(arrays[0], computed=kept)
+
+
+INLINE_COPY_BYTES = 4 * 2**20  # copies smaller than this cost less than a thread's hand-off
+
+
+async def _off_loop(copy: Callable[[Any], np.ndarray], rows: Any) -> np.ndarray:
+    """`copy(rows)`, on a worker thread where `rows` hold megabytes, so the event loop never
+    stalls on a copy of a large answer."""
+    size = sum(part.nbytes for part in rows) if isinstance(rows, list) else rows.nbytes
+    return copy(rows) if size < INLINE_COPY_BYTES else await asyncio.to_thread(copy, rows)
 
 
 def copy_rows_into(

@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -35,15 +35,19 @@ def msgpack_response(body: Any, status_code: int = 200) -> Response:
 SEND_CHUNK_BYTES = 2**20  # a body goes to the server in pieces this large at most
 
 
-def _chunks(parts: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
-    pieces: list[bytes | memoryview] = []
-    for part in parts:
+def _chunks(parts: list[bytes | memoryview]) -> Iterator[bytes | memoryview]:
+    """The parts in pieces, each part let go of once its pieces are out: a gigabyte of answer is
+    freed as it is sent, not all at once on the event loop at its end."""
+    parts.reverse()
+    while parts:
+        part = parts.pop()
         if len(part) <= SEND_CHUNK_BYTES:
-            pieces.append(part)
+            yield part
             continue
         view = memoryview(part).cast("B")
-        pieces.extend(view[i : i + SEND_CHUNK_BYTES] for i in range(0, len(view), SEND_CHUNK_BYTES))
-    return pieces
+        del part
+        for i in range(0, len(view), SEND_CHUNK_BYTES):
+            yield view[i : i + SEND_CHUNK_BYTES]
 
 
 class _ASGIPartsResponse(ASGIResponse):
@@ -51,15 +55,16 @@ class _ASGIPartsResponse(ASGIResponse):
 
     def __init__(self, *, parts: Sequence[bytes | memoryview], **kwargs: Any) -> None:
         super().__init__(content_length=sum(memoryview(part).nbytes for part in parts), **kwargs)
-        self.parts = parts
+        self.parts = list(parts)
 
     async def send_body(self, send: Send, receive: Receive) -> None:
         # In pieces: uvicorn waits for the client to read before taking the next, so the request
         # (and its reserved answer bytes, gateway.guard) ends when the client has read, not before.
-        pieces = _chunks(self.parts)
-        last = len(pieces) - 1
-        for i, piece in enumerate(pieces):
-            await send({"type": "http.response.body", "body": piece, "more_body": i < last})  # type: ignore[typeddict-item]
+        parts, self.parts = self.parts, []
+        for piece in _chunks(parts):
+            await send({"type": "http.response.body", "body": piece, "more_body": True})  # type: ignore[typeddict-item]
+            del piece
+        await send({"type": "http.response.body", "body": b"", "more_body": False})  # type: ignore[typeddict-item]
 
 
 class PartsResponse(Response):
@@ -78,7 +83,8 @@ class PartsResponse(Response):
         self.parts = parts
 
     def to_asgi_response(self, request: Request, **kwargs: Any) -> ASGIResponse:  # type: ignore[override]
-        return _ASGIPartsResponse(parts=self.parts, **_asgi_fields(self, kwargs))
+        parts, self.parts = self.parts, []  # the ASGI response alone holds them, to let them go
+        return _ASGIPartsResponse(parts=parts, **_asgi_fields(self, kwargs))
 
 
 def _asgi_fields(response: Response, kwargs: dict[str, Any]) -> dict[str, Any]:
