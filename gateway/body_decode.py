@@ -20,6 +20,7 @@ import contextlib
 import os
 import struct
 import sys
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,10 +31,10 @@ from gateway.schemas.logprobs import NextTokenLogprobsRequest
 
 T = TypeVar("T")
 
-# worker protocol: a job is (type name length, binary, body length), the type name, the body;
-# an answer is (ok, length), then MessagePack: a dense request, or nil (another valid request),
-# or [error class, message]
-JOB_HEADER = struct.Struct("<I?Q")
+# worker protocol: a job is (type name length, binary, max rows, body length), the type name, the
+# body; an answer is (ok, length), then MessagePack: a dense request, or nil (another valid
+# request), or [error class, message, param]
+JOB_HEADER = struct.Struct("<I?IQ")
 ANSWER_HEADER = struct.Struct("<?Q")
 _WRITE_CHUNK = 2**20
 _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -115,11 +116,11 @@ class _Worker:
     def __init__(self, process: asyncio.subprocess.Process) -> None:
         self.process = process
 
-    async def decode(self, body: bytes, binary: bool, body_type: type) -> tuple[bool, bytes]:
+    async def decode(self, body: bytes, binary: bool, body_type: type, max_rows: int) -> tuple[bool, bytes]:
         name = f"{body_type.__module__}:{body_type.__qualname__}".encode()
         stdin, stdout = self.process.stdin, self.process.stdout
         assert stdin is not None and stdout is not None
-        stdin.write(JOB_HEADER.pack(len(name), binary, len(body)) + name)
+        stdin.write(JOB_HEADER.pack(len(name), binary, max_rows, len(body)) + name)
         view = memoryview(body)
         for start in range(0, len(body), _WRITE_CHUNK):  # the transport copies what the pipe does not take
             stdin.write(view[start : start + _WRITE_CHUNK])
@@ -137,37 +138,38 @@ class BodyDecoder:
     first needed, kept for the next body); up to `max_waiting` more wait their turn, and beyond
     that a body is a 429 (RateLimitError) at once. Smaller bodies inline, where that is quicker
     than a trip. A worker's peak memory is what decoding its body takes: for token ids, about five
-    times the body."""
+    times the body.
+
+    Workers are shared fairly between clients (API keys; None, every client without one, is not
+    capped): a client may have at most half the waiting places, and a freed worker goes to the first waiting body of the
+    clients with the fewest bodies decoding, not the client it just served where another waits, so
+    one client sending body after body delays another's by one body at most."""
 
     def __init__(self, worker_bytes: int, workers: int = 1, max_waiting: int = 4) -> None:
         self.worker_bytes, self.max_waiting = worker_bytes, max_waiting
         self.loop: asyncio.AbstractEventLoop | None = None  # its workers' pipes are this loop's
         self._free: list[_Worker] = []
-        self._slots = asyncio.Semaphore(workers)
-        self._waiting = 0  # bodies waiting for a worker, each held in memory meanwhile
+        self._slots = workers  # workers not decoding
+        self._decoding: dict[Hashable, int] = {}  # bodies being decoded, per client
+        self._waiting: list[tuple[Hashable, asyncio.Future[None]]] = []  # in arrival order
 
     def inline(self, body: bytes) -> bool:
         """Whether `body` is decoded here (decode_body), small enough not to need a worker."""
         return self.worker_bytes == 0 or len(body) < self.worker_bytes
 
-    async def decode(self, body: bytes, binary: bool, body_type: type[T]) -> T:
+    async def decode(
+        self, body: bytes, binary: bool, body_type: type[T], *, client: Hashable = None, max_rows: int = 0
+    ) -> T:
+        """`body` as `body_type`; a dense request of more than `max_rows` inputs (0: any number) is
+        refused before its rows are packed."""
         if self.inline(body):
             return decode_body(body, binary, body_type)
-        if self._slots.locked() and self._waiting >= self.max_waiting:
-            raise RateLimitError(
-                f"{self._waiting} large request bodies are waiting to be decoded; send it again shortly",
-                retry_after=1,
-            )
         self.loop = asyncio.get_running_loop()
-        self._waiting += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self._waiting -= 1
+        await self._turn(client)
         try:
             worker = self._free.pop() if self._free else await self._start()
             try:
-                ok, answer = await worker.decode(body, binary, body_type)
+                ok, answer = await worker.decode(body, binary, body_type, max_rows)
             except (asyncio.IncompleteReadError, ConnectionError):
                 worker.kill()
                 raise InvalidRequestError("the request body could not be decoded") from None
@@ -176,13 +178,57 @@ class BodyDecoder:
                 raise
             self._free.append(worker)
         finally:
-            self._slots.release()
+            self._done(client)
         if not ok:
-            error, message = msgspec.msgpack.decode(answer)
-            raise _ERRORS[error](message)
+            error, message, param = msgspec.msgpack.decode(answer)
+            raise (
+                InvalidRequestError(message, param=param)
+                if error == "InvalidRequestError"
+                else _ERRORS[error](message)
+            )
         if body_type is NextTokenLogprobsRequest:
             return msgspec.msgpack.decode(answer, type=body_type)
         return decode_body(body, binary, body_type)  # valid: its one decode here
+
+    async def _turn(self, client: Hashable) -> None:
+        """Until a worker is `client`'s; a 429 at once where no place is left for it to wait."""
+        if self._slots and not self._waiting:
+            self._take(client)
+            return
+        own = sum(1 for waiting, _ in self._waiting if waiting == client) if client is not None else 0
+        if len(self._waiting) >= self.max_waiting or own >= max(1, self.max_waiting // 2):
+            raise RateLimitError(
+                f"{len(self._waiting)} large request bodies are waiting to be decoded, {own} of them "
+                "this client's; send it again shortly",
+                retry_after=1,
+            )
+        entry = (client, asyncio.get_running_loop().create_future())
+        self._waiting.append(entry)
+        try:
+            await entry[1]
+        except BaseException:
+            if entry in self._waiting:
+                self._waiting.remove(entry)
+            elif not entry[1].cancelled():  # given a worker as it was cancelled: pass it on
+                self._done(client)
+            raise
+
+    def _take(self, client: Hashable) -> None:
+        self._slots -= 1
+        self._decoding[client] = self._decoding.get(client, 0) + 1
+
+    def _done(self, client: Hashable) -> None:
+        self._slots += 1
+        self._decoding[client] -= 1
+        if not self._decoding[client]:
+            del self._decoding[client]
+        if self._waiting:
+            # the first waiting body of the clients with the fewest decoding, another's than the
+            # client just served where there is one
+            entry = min(self._waiting, key=lambda e: (self._decoding.get(e[0], 0), e[0] == client))
+            self._waiting.remove(entry)
+            self._take(entry[0])
+            entry[1].set_result(None)
 
     async def _start(self) -> _Worker:
         path = os.pathsep.join(filter(None, [_PROJECT_ROOT, os.environ.get("PYTHONPATH")]))

@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 
 from gateway.body_decode import ANSWER_HEADER, JOB_HEADER, decode_body
-from gateway.errors import InvalidRequestError
+from gateway.errors import InvalidRequestError, too_many_inputs
 from gateway.schemas.logprobs import NextTokenLogprobsRequest, PackedTokenIds
 
 _INT32_MAX = 2**31 - 1
@@ -40,15 +40,27 @@ def packed_rows(value: Any) -> PackedTokenIds | None:
     return PackedTokenIds(ids=flat.astype("<i4").tobytes(), lengths=[len(row) for row in rows])
 
 
-def answer(body: bytes, binary: bool, type_name: str) -> tuple[bool, bytes]:
+def input_count(value: Any) -> int:
+    """How many inputs a dense `input` holds, as the route counts them (one string or one row of
+    ids is one)."""
+    if isinstance(value, list) and value and not all(isinstance(v, int) for v in value):
+        return len(value)
+    return 1
+
+
+def answer(body: bytes, binary: bool, type_name: str, max_rows: int) -> tuple[bool, bytes]:
     """(True, a dense request as MessagePack, or nil for another valid request) or (False,
-    MessagePack [error class name, message])."""
+    MessagePack [error class name, message, param]). A dense request of more than `max_rows`
+    inputs (0: no limit) is refused here, before its rows are packed."""
     module, _, qualname = type_name.partition(":")
     body_type = getattr(importlib.import_module(module), qualname)
     try:
         request = decode_body(body, binary, body_type)
+        if isinstance(request, NextTokenLogprobsRequest) and max_rows:
+            if not isinstance(request.input, PackedTokenIds) and input_count(request.input) > max_rows:
+                raise too_many_inputs(max_rows, "input")
     except (msgspec.DecodeError, InvalidRequestError) as exc:  # ValidationError is a DecodeError
-        return False, msgspec.msgpack.encode([type(exc).__name__, str(exc)])
+        return False, msgspec.msgpack.encode([type(exc).__name__, str(exc), getattr(exc, "param", None)])
     if not isinstance(request, NextTokenLogprobsRequest):
         return True, msgspec.msgpack.encode(None)
     packed = packed_rows(request.input)
@@ -68,12 +80,12 @@ def main() -> None:
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while True:
         try:
-            name_size, binary, body_size = JOB_HEADER.unpack(_read(stdin, JOB_HEADER.size))
+            name_size, binary, max_rows, body_size = JOB_HEADER.unpack(_read(stdin, JOB_HEADER.size))
             type_name = _read(stdin, name_size).decode()
             body = _read(stdin, body_size)
         except EOFError:
             return  # the serving process is gone, or closed us
-        ok, data = answer(body, binary, type_name)
+        ok, data = answer(body, binary, type_name, max_rows)
         del body
         stdout.write(ANSWER_HEADER.pack(ok, len(data)))
         stdout.write(data)

@@ -69,6 +69,10 @@ class InvalidRequestError(GatewayError):
     error_type = "invalid_request_error"
 
 
+def too_many_inputs(limit: int, param: str) -> InvalidRequestError:
+    return InvalidRequestError(f"at most {limit} inputs per request in {param}", param=param)
+
+
 class ContextLengthError(InvalidRequestError):
     code = "context_length_exceeded"
 

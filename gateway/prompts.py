@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.errors import InvalidRequestError
+from gateway.errors import InvalidRequestError, too_many_inputs
 from gateway.models.served import ServedModel
 from gateway.settings import Limits
 
@@ -100,7 +100,7 @@ def token_inputs(
             param=param,
         )
     if len(items) > max_items:
-        raise InvalidRequestError(f"at most {max_items} inputs per request in {param}", param=param)
+        raise too_many_inputs(max_items, param)
     if not isinstance(items[0], str):  # token-id lists (all of them, as checked above)
         return [TokenInput(ids, None) for ids in check_token_rows(served, items, param)]
     check_text_chars(served, limits, max(map(len, items)), param)

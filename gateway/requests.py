@@ -51,7 +51,14 @@ async def decode_json(request: Request, body_type: type[T]) -> T:
     decoder = body_decoder(request)
     if decoder.inline(body):
         return decode_body(body, binary, body_type)
-    return await decoder.decode(body, binary, body_type)
+    dense = body_type is NextTokenLogprobsRequest
+    return await decoder.decode(
+        body,
+        binary,
+        body_type,
+        client=request.scope.get(KEY_NAME),  # the decode workers are shared fairly between keys
+        max_rows=settings(request).limits.max_rows if dense else 0,
+    )
 
 
 async def read_non_dense_body(request: Request) -> bytes:

@@ -182,7 +182,9 @@ class LocalSocketServer:
                 if self.body_decoder.inline(payload):
                     body = requests.decode_body(payload, True, NextTokenLogprobsRequest)
                 else:
-                    body = await self.body_decoder.decode(payload, True, NextTokenLogprobsRequest)
+                    body = await self.body_decoder.decode(
+                        payload, True, NextTokenLogprobsRequest, client=key, max_rows=self.limits.max_rows
+                    )
                 if body.shared_memory is None:
                     raise InvalidRequestError(
                         "the local socket answers into shared memory only: name a segment in "

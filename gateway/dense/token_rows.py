@@ -11,7 +11,7 @@ from functools import partial
 import numpy as np
 
 from backends.rows import INT32, PackedRows
-from gateway.errors import InvalidRequestError
+from gateway.errors import InvalidRequestError, too_many_inputs
 from gateway.models.served import ServedModel
 from gateway.prompts import has_text, token_inputs
 from gateway.schemas.logprobs import NextTokenLogprobsRequest, PackedTokenIds
@@ -47,7 +47,7 @@ async def dense_inputs(served: ServedModel, body: NextTokenLogprobsRequest, limi
         if not value.lengths:
             raise InvalidRequestError("input.lengths must name at least one row", param="input")
         if len(value.lengths) > limits.max_rows:
-            raise InvalidRequestError(f"at most {limits.max_rows} inputs per request in input", param="input")
+            raise too_many_inputs(limits.max_rows, "input")
         return unpack_rows(value.ids, value.lengths, served.require_engine().info.vocab_size, "input")
     prepare = partial(
         token_inputs,

@@ -154,3 +154,53 @@ def test_bodies_beyond_the_workers_and_their_queue_are_a_429_at_once():
     decoded, waited, refused = asyncio.run(run())
     assert decoded.input.lengths == waited.input.lengths == [8] * 300_000
     assert isinstance(refused, RateLimitError) and refused.retry_after == 1
+
+
+def test_a_dense_body_of_too_many_inputs_is_refused_before_its_rows_are_packed():
+    body = b'{"model": "m", "input": [' + b",".join([b"[1,2,3,4,5,6,7,8]"] * 300_000) + b"]}"
+
+    async def run() -> None:
+        decoder = BodyDecoder(worker_bytes=1)
+        try:
+            with pytest.raises(
+                InvalidRequestError, match="at most 1024 inputs per request in input"
+            ) as refused:
+                await decoder.decode(body, False, NextTokenLogprobsRequest, max_rows=1024)
+            assert refused.value.param == "input"
+            packed = await decoder.decode(body, False, NextTokenLogprobsRequest, max_rows=300_000)
+            assert packed.input.lengths == [8] * 300_000
+        finally:
+            await decoder.aclose()
+
+    asyncio.run(run())
+
+
+def test_one_client_sending_body_after_body_delays_another_by_one_body_at_most():
+    """One worker, four waiting places: "mallory" sends five large bodies at once, "alice" one
+    just after. Mallory may hold two waiting places (the rest are 429s); alice's body is decoded
+    as soon as mallory's first is done, ahead of mallory's waiting ones."""
+    body = b'{"model": "m", "input": [' + b",".join([b"[1,2,3,4,5,6,7,8]"] * 200_000) + b"]}"
+
+    async def run() -> tuple[list, list[str]]:
+        decoder = BodyDecoder(worker_bytes=1, workers=1, max_waiting=4)
+        finished: list[str] = []
+
+        async def send(client: str) -> object:
+            decoded = await decoder.decode(body, False, NextTokenLogprobsRequest, client=client)
+            finished.append(client)
+            return decoded
+
+        try:
+            mallory = [asyncio.create_task(send("mallory")) for _ in range(5)]
+            await asyncio.sleep(0)
+            alice = asyncio.create_task(send("alice"))
+            results = await asyncio.gather(*mallory, alice, return_exceptions=True)
+            return results, finished
+        finally:
+            await decoder.aclose()
+
+    results, finished = asyncio.run(run())
+    refused = [r for r in results[:5] if isinstance(r, RateLimitError)]
+    assert len(refused) == 2 and "2 of them this client's" in str(refused[0])
+    assert not isinstance(results[5], Exception)
+    assert finished == ["mallory", "alice", "mallory", "mallory"]
