@@ -162,6 +162,7 @@ async def test_generation_uses_what_the_check_compiled(engine, monkeypatch):
     jsonschema.validate(json.loads(text_of(engine, steps)), schema)
 
 
+@pytest.mark.hostile
 async def test_one_streams_tokens_do_not_spend_anothers_lexer_budget(engine):
     """Under `(a|b)*a(a|b){40}` every new a/b token can make a lexer state. Alice's stream runs
     hers out; Bob's, under the same kept grammar, starts with a budget of its own."""
@@ -181,6 +182,7 @@ async def test_one_streams_tokens_do_not_spend_anothers_lexer_budget(engine):
         bob.accept(int(token))
 
 
+@pytest.mark.hostile
 async def test_kept_verdicts_hold_at_most_their_bytes(engine, monkeypatch):
     """Kept grammars are bounded by the bytes of their text, not only by their count; one larger
     than the bound is not kept, and is compiled again (within its bound) when asked again."""

@@ -156,6 +156,7 @@ def test_bodies_beyond_the_workers_and_their_queue_are_a_429_at_once():
     assert isinstance(refused, RateLimitError) and refused.retry_after == 1
 
 
+@pytest.mark.hostile
 def test_a_dense_body_of_too_many_inputs_is_refused_before_its_rows_are_packed():
     body = b'{"model": "m", "input": [' + b",".join([b"[1,2,3,4,5,6,7,8]"] * 300_000) + b"]}"
 
@@ -175,6 +176,7 @@ def test_a_dense_body_of_too_many_inputs_is_refused_before_its_rows_are_packed()
     asyncio.run(run())
 
 
+@pytest.mark.hostile
 def test_one_client_sending_body_after_body_delays_another_by_one_body_at_most():
     """One worker, four waiting places: "mallory" sends five large bodies at once, "alice" one
     just after. Mallory may hold two waiting places (the rest are 429s); alice's body is decoded

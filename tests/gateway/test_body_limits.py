@@ -88,6 +88,7 @@ def _chunked_completion(chunk_bytes: int) -> bytes:
     return head + b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n"
 
 
+@pytest.mark.hostile
 def test_chunked_trailers_larger_than_a_head_are_a_431_at_once(gateway):
     host, port = _address(gateway)
     # 128 MiB of one trailer line, if it were all read: its parse would take minutes of CPU
@@ -105,6 +106,7 @@ def test_chunked_trailers_larger_than_a_head_are_a_431_at_once(gateway):
     assert httpx.get(gateway.base_url + "/health").status_code == 200
 
 
+@pytest.mark.hostile
 def test_a_chunked_body_past_its_routes_limit_is_a_413_before_the_rest_is_read(gateway):
     """Another route than the dense one takes 4 MiB (max_non_dense_body_bytes as it ships): a
     chunked body says no length up front, so the 413 comes once 4 MiB are in, not at its end."""
@@ -143,6 +145,7 @@ def test_a_chunked_body_past_its_routes_limit_is_a_413_before_the_rest_is_read(g
     assert httpx.get(gateway.base_url + "/health").status_code == 200
 
 
+@pytest.mark.hostile
 def test_garbage_pipelined_after_a_request_is_a_400_after_that_requests_answer(gateway):
     host, port = _address(gateway)
     body = json.dumps({"model": "slow", "prompt": "hi", "max_tokens": 3}).encode()

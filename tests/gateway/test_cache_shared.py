@@ -145,6 +145,7 @@ def test_corrupted_values_are_recomputed_and_replaced(replicas, redis_server, re
     assert hits == 1  # the fresh value replaced the corrupted one
 
 
+@pytest.mark.hostile
 def test_a_forged_value_of_nan_is_a_corrupt_miss(replicas, redis_server, reference):
     """A value whose frame and checksum are right but whose row is no log-probabilities (NaN)
     is dropped as corrupt, not served: SGLang's prompt-only /generate samples from that row."""
@@ -166,6 +167,7 @@ def test_a_forged_value_of_nan_is_a_corrupt_miss(replicas, redis_server, referen
     assert hits == 1 and again == computed
 
 
+@pytest.mark.hostile
 def test_one_adapter_name_on_two_checkpoints_never_shares_rows(replicas, reference):
     """Replica 0 serves "e" from checkpoint b and replica 1 from a: the rows each computes are its
     own checkpoint's, whichever replica stored its rows in Redis first."""

@@ -140,6 +140,7 @@ def test_adapters_never_share_cache_entries(lora_gateway, reference):
     assert hits == 1
 
 
+@pytest.mark.hostile
 def test_a_name_reloaded_from_other_weights_serves_their_rows_not_the_cached_ones(lora_gateway, reference):
     # "a" and "b" share one LoRA config and its tensors' shapes: only their values differ.
     rows = [reference.tokenizer("One name, two checkpoints").input_ids]
@@ -212,6 +213,7 @@ def test_admin_endpoints_are_off_without_an_admin_key(http):
     assert http.post("/v1/completions", json={"model": f"{MODEL}:nope", "prompt": "x"}).status_code == 404
 
 
+@pytest.mark.hostile
 def test_an_unload_waits_for_the_stream_that_uses_the_adapter(lora_gateway, lora_adapters):
     """A stream on "u" under way when "u" is unloaded runs to its end; the unload answers after
     it, and a request that names "u" meanwhile is a 404."""
@@ -253,6 +255,7 @@ def test_an_unload_waits_for_the_stream_that_uses_the_adapter(lora_gateway, lora
     assert "non-existing adapter" not in lora_gateway.log_path.read_text()
 
 
+@pytest.mark.hostile
 def test_an_unload_outlasted_by_its_streams_is_refused_and_keeps_the_adapter(model_dir, lora_adapters):
     """The mock engine, slow: a 400-step stream outlasts the unload's bound (429, still served)."""
     from gateway.settings import Limits, ModelSettings, Settings

@@ -118,6 +118,7 @@ def test_a_malformed_packing_is_a_400_naming_what_is_wrong(http, case):
     assert says in error["message"], error["message"]
 
 
+@pytest.mark.hostile
 def test_a_length_past_any_integer_in_json_is_a_400(http):
     body = (
         b'{"model": "%s", "input": {"ids": "+AEAAL8NAAA=", "lengths": [1, 18446744073709551616]}}'

@@ -250,6 +250,7 @@ def test_requests_in_flight_finish_on_the_weights_they_began_with(model_dir, tmp
         assert info.weight_version == "1" and info.weight_updates == 1
 
 
+@pytest.mark.hostile
 def test_an_update_waits_for_a_long_stream_no_longer_than_its_bound(model_dir, tmp_path):
     """The mock engine: a stream of 400 steps of 20 ms holds the weights; an update from disk
     waits `weights_update_wait_s` for it, is refused (429, nothing changed), and a dense request
@@ -300,6 +301,7 @@ def test_an_update_waits_for_a_long_stream_no_longer_than_its_bound(model_dir, t
         assert info.weight_updates == 1
 
 
+@pytest.mark.hostile
 def test_the_version_follows_the_weights_when_the_admin_client_goes_away(model_dir, tmp_path):
     """A gateway process on the mock engine whose loads take 1 s: the admin client sends an
     update and disconnects 0.3 s in. The update still ends as a whole: the new weights are
