@@ -80,7 +80,7 @@ def create_app(
     access = Access(KeyRing.from_settings(settings), settings.limits)
     shared_memory = SharedMemoryWriter() if settings.shared_memory and sys.platform == "linux" else None
     dense = DenseService(metrics, shared_memory)
-    metrics.registry.register(StateCollector(registry, dense))
+    metrics.registry.register(StateCollector(registry, dense, settings.limits.max_streams))
     state = State(
         {
             "settings": settings,

@@ -1,4 +1,5 @@
-"""The `logprob-gateway` command line: `serve` (checks, then uvicorn), `hash-key`, `openapi`."""
+"""The `logprob-gateway` command line: `serve` (checks, then uvicorn), `fleet` (replicas behind a
+router: gateway/fleet.py), `hash-key`, `openapi`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from backends.registry import BACKEND_NAMES, DENSE_BACKEND_NAMES
+from gateway import fleet
 from gateway.server.preflight import check_before_loading
 from gateway.settings import CacheSettings, ConfigError, ModelSettings, Settings, load_settings
 
@@ -40,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="logprob-gateway", description=DESCRIPTION)
     version = f"logprob-gateway {distribution_version()}"
     parser.add_argument("--version", action="version", version=version)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,hash-key,openapi}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,fleet,hash-key,openapi}")
     serve = commands.add_parser(
         "serve", help="serve the configured models over HTTP", description=SERVE_DESCRIPTION
     )
@@ -119,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         const=True,
         help="a gateway dedicated to one RL trainer: its weight-sync calls need no admin key",
     )
+    fleet.add_parser(commands)
     hashed = commands.add_parser(
         "hash-key", help="print the api_keys entry for a key read from standard input (never from argv)"
     )
@@ -216,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "openapi":
         write_openapi(args.output)
         return 0
+    if args.command == "fleet":
+        return fleet.run(args)
     if args.command == "hash-key":
         from gateway.access import hash_key
 

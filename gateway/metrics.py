@@ -128,11 +128,13 @@ class Metrics:
 
 
 class StateCollector(Collector):
-    """Read at scrape time: model readiness and the models' dense engine calls."""
+    """Read at scrape time: model readiness, the models' dense engine calls, and the server's load
+    under the names SGLang gives it, which SGLang's model gateway reads to balance its workers."""
 
-    def __init__(self, models: Any, dense: Any) -> None:
+    def __init__(self, models: Any, dense: Any, max_streams: int) -> None:
         self.models = models  # the ModelRegistry
         self.dense = dense  # the DenseService, whose engine calls these are
+        self.max_streams = max_streams
 
     def collect(self) -> Iterable[Any]:
         ready = GaugeMetricFamily(
@@ -154,6 +156,25 @@ class StateCollector(Collector):
                 in_progress.add_metric([served.name], calls.stats.in_progress)
                 engine_rows.add_metric([served.name], calls.stats.engine_rows)
         yield from (ready, in_progress, engine_rows)
+        yield from self._router_load()
+
+    def _router_load(self) -> Iterable[Any]:
+        """SGLang's `sglang:num_running_reqs`, `sglang:num_queue_reqs` and `sglang:token_usage`:
+        requests reading weights, those of them waiting (a pause, an update), and the share of
+        the server's stream slots they fill, the nearest this gateway has to SGLang's share of its
+        KV cache in use."""
+        running = waiting = 0
+        for served in self.models.models.values():
+            running += served.weights.running
+            waiting += served.weights.waiting
+        for name, value, about in (
+            ("num_running_reqs", running, "Requests reading a model's weights, not waiting."),
+            ("num_queue_reqs", waiting, "Requests waiting (held by a pause, or behind an update)."),
+            ("token_usage", min(1.0, (running + waiting) / self.max_streams), "Share of stream slots in use."),
+        ):
+            gauge = GaugeMetricFamily(f"sglang:{name}", about)
+            gauge.add_metric([], value)
+            yield gauge
 
 
 def set_labels(scope: Scope, model: str, adapter: str | None) -> None:

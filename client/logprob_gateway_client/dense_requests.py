@@ -4,11 +4,17 @@ URLs, which reads each body off the socket into one buffer) or the sync one, the
 socket once an answer names it (local_socket.py), and the answer as one matrix, written by a
 gateway on the same host into this process's shared memory (shared_memory.py) or decoded from
 the body. A mixin of `logprob_gateway_client.AsyncGatewayLM`, which batches and caches the rows.
+
+Behind a router that forwards SGLang's and OpenAI's generation routes only (SGLang's model
+gateway answers 404 `unknown_url` to /v1/next_token_logprobs), the same rows are asked of
+SGLang's `/generate` with `next_token_logprobs`, as JSON (the router reads it), from that answer
+on: docs/fleet.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
@@ -33,6 +39,18 @@ from logprob_gateway_client.wire import (
 )
 
 log = logging.getLogger(__name__)
+DENSE_PATH = "/v1/next_token_logprobs"
+ROUTED_PATH = "/generate"  # the same rows through a router that forwards generation routes only
+
+
+def _router_refused(status: int, content: bytes | bytearray | memoryview) -> bool:
+    """Whether an answer to DENSE_PATH is a router's "no such route" (SGLang's model gateway's
+    404 `unknown_url`), not the gateway's."""
+    return status == 404 and b'"unknown_url"' in bytes(content[:2048])
+
+
+class RoutedElsewhere(Exception):
+    """A router answered that it has no dense route: the call is asked again, routed."""
 
 
 class DenseRequests:
@@ -78,6 +96,7 @@ class DenseRequests:
         self._local: LocalSocket | None = None
         self.local_socket_answers = 0  # dense answers that came over the local socket
         self.shared_memory_answers = 0  # dense answers the gateway wrote into shared memory
+        self.routed = False  # behind a router: rows asked of ROUTED_PATH
 
     def _chunks(self, rows: list[bytes]) -> list[list[bytes]]:
         step = self.max_rows_per_request
@@ -89,6 +108,9 @@ class DenseRequests:
     def _request(self, model: str, rows: list[bytes]) -> tuple[bytes, Segment | None]:
         """The request's body for rows of packed ids (`pack_ids`), and the segment it asks the
         gateway to write the answer into."""
+        if self.routed:  # JSON lists, which the router reads; a router hides the host, so no segment
+            self.requests_sent += 1
+            return self._routed_request(model, rows), None
         body: dict[str, Any] = {
             "model": model,
             "input": packed_rows(rows),
@@ -102,6 +124,24 @@ class DenseRequests:
                 body["shared_memory"] = segment.target()
         self.requests_sent += 1
         return encode_request(body), segment
+
+    def _routed_request(self, model: str, rows: list[bytes]) -> bytes:
+        options = {"layout": "matrix", "dtype": self.dtype, "msgpack": True}
+        ids = [np.frombuffer(row, dtype="<i4").tolist() for row in rows]
+        return json.dumps({"model": model, "input_ids": ids, "next_token_logprobs": options}).encode()
+
+    def _post_args(self, body: bytes) -> dict[str, Any]:
+        if self.routed:
+            return {"url": ROUTED_PATH, "content": body, "headers": {"Content-Type": "application/json"}}
+        return {"url": DENSE_PATH, "content": body}
+
+    def _route_through_router(self) -> None:
+        log.info(
+            "the server answers 404 unknown_url to %s: a router; asking %s instead", DENSE_PATH, ROUTED_PATH
+        )
+        self.routed = True
+        self._ask_shared_memory = False
+        self._use_local_socket = self._local_allowed = False
 
     def _matrix(
         self, content: bytes | bytearray | memoryview, count: int, segment: Segment | None
@@ -136,7 +176,12 @@ class DenseRequests:
         for chunk in self._chunks(rows):
             body, segment = self._request(model, chunk)
             try:
-                response = self._sync.post("/v1/next_token_logprobs", content=body)
+                response = self._sync.post(**self._post_args(body))
+                if not self.routed and _router_refused(response.status_code, response.content):
+                    self._retire(segment)
+                    self._route_through_router()
+                    body, segment = self._request(model, chunk)
+                    response = self._sync.post(**self._post_args(body))
                 self.server_timing = response.headers.get("server-timing")
                 raise_for_error(response)
                 parts.append(self._matrix(response.content, len(chunk), segment))
@@ -152,7 +197,7 @@ class DenseRequests:
             try:
                 try:
                     content = await self._post_dense(body, segment is not None)
-                except LocalSocketLost:  # the gateway restarted, say: this call goes over HTTP
+                except (LocalSocketLost, RoutedElsewhere):  # the call goes again, over HTTP or routed
                     self._retire(segment)
                     body, segment = self._request(model, chunk)
                     content = await self._post_dense(body, segment is not None)
@@ -177,10 +222,13 @@ class DenseRequests:
             self.local_socket_answers += 1
             return content
         client = self._async_client()
-        async with client.stream("POST", "/v1/next_token_logprobs", content=body) as response:
+        async with client.stream("POST", **self._post_args(body)) as response:
             self.server_timing = response.headers.get("server-timing")
             if response.status_code >= 400:
                 await response.aread()
+                if not self.routed and _router_refused(response.status_code, response.content):
+                    self._route_through_router()
+                    raise RoutedElsewhere
                 raise_for_error(response)
             content = await read_into_buffer(response)
             path = response.headers.get(LOCAL_SOCKET_HEADER)

@@ -128,13 +128,36 @@ class AsyncGatewayLM(DenseRequests, LoraManagement, Sampling):
     # -- vocabulary and tokenizer --------------------------------------------------------------
 
     def _get(self, path: str) -> Any:
+        """A model's facts (vocabulary, tokenizer files) from the gateway; behind a router that does
+        not forward them (SGLang's model gateway), from the first worker that its `/workers` lists
+        for the model, whose facts every replica shares."""
         response = self._sync.get(path)
+        if response.status_code == 404 and not path.startswith("/workers"):
+            worker = self._worker_url()
+            if worker is not None:
+                response = self._sync.get(worker + path)
         raise_for_error(response)
         return (
             msgspec.msgpack.decode(response.content)
             if MSGPACK in response.headers.get("content-type", "")
             else response.json()
         )
+
+    def _worker_url(self) -> str | None:
+        """A worker of the router at `base_url` serving this model, None where `base_url` is no
+        router (its /workers is not SGLang's model gateway's)."""
+        response = self._sync.get("/workers")
+        if response.status_code != 200:
+            return None
+        try:
+            workers = response.json()["workers"]
+        except (ValueError, KeyError, TypeError):
+            return None
+        for worker in workers:
+            if worker.get("model_id") == self._base_model and worker.get("url"):
+                self._route_through_router()  # dense rows through the router's /generate
+                return str(worker["url"]).rstrip("/")
+        return None
 
     @cached_property
     def tokenizer(self) -> Any:

@@ -74,8 +74,13 @@ def _dense(request: Request) -> DenseService:
 )
 async def next_token_logprobs(request: Request) -> Response:
     body = await requests.decode_json(request, NextTokenLogprobsRequest)
+    return await dense_response(request, body, requests.wants_msgpack(request))
+
+
+async def dense_response(request: Request, body: NextTokenLogprobsRequest, binary: bool) -> Response:
+    """The dense answer to `body` (MessagePack when `binary`), as this route and SGLang's
+    `/generate` with `next_token_logprobs` give it."""
     served, adapter = requests.resolve_model(request, body.model)
-    binary = requests.wants_msgpack(request)
     limits = requests.settings(request).limits
     answer = await _dense(request).serve(served, adapter, body, binary, limits, requests.Admission(request))
     media_type = requests.MSGPACK_TYPES[0] if binary else "application/json"

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from gateway.schemas.common import ModelName, Name, NonNegativeInt, Penalty, PositiveInt, Seed, Stop, TopP
+from logprob_gateway_client.encoding import Dtype
 
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]
 UnitInterval = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
@@ -48,6 +49,18 @@ class SglangSamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     custom_params: dict[str, Any] | None = None
 
 
+class DenseRowsOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`/generate`'s way to dense rows, for clients behind a router that forwards SGLang's and
+    OpenAI's generation routes only: each prompt's next-token log-probabilities over the whole
+    vocabulary, answered as `/v1/next_token_logprobs` answers `input` (its options, same names)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dtype: Dtype = "float32"
+    layout: Literal["rows", "matrix"] = "rows"
+    # the answer as MessagePack: a router may not pass the client's Accept header on
+    msgpack: bool = False
+
+
 class GenerateRequest(msgspec.Struct, kw_only=True):
     """`text` or `input_ids`: one prompt (a string, a token-id list) or a batch (a list of them)."""
 
@@ -64,6 +77,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     lora_path: Name | list[Name | None] | None = None
     model: ModelName | None = None  # this gateway's: a served model or `base:adapter` (default: the first)
     image_data: Any = None
+    # this gateway's: dense rows of the prompts instead of generation (no sampling, no stream)
+    next_token_logprobs: DenseRowsOptions | None = None
 
 
 # [logprob (null: none), token id, token text (null unless return_text_in_logprobs)]

@@ -13,6 +13,7 @@ from litestar import Request, Response, get, route
 
 from backends.types import SamplingParams
 from gateway.contract.operation import EMPTY_TEXT, OPENAPI, SSE, TEXT, Operation, Reply
+from gateway.dense.routes import dense_response
 from gateway.dense.service import DenseService
 from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
@@ -24,10 +25,12 @@ from gateway.requests import (
     reserve_stream,
     resolve_model,
     settings,
+    wants_msgpack,
 )
 from gateway.responses import json_response, sse_event, sse_response
 from gateway.schemas.sglang import GenerateRequest, GenerateResponse, ModelInfo, ServerInfo
 from gateway.sglang_api import generate as native
+from gateway.sglang_api.dense_rows import dense_request
 from gateway.sglang_api.items import plan
 from gateway.weights.routes import require_admin
 
@@ -38,11 +41,13 @@ FLUSHED = (
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
 _STARTED = time.time()
+# what SGLang's model gateway (SMG) puts in `model` of a /generate body that names none
+ROUTER_UNNAMED_MODEL = "unknown"
 
 
 def _model(request: Request, name: str | None) -> tuple[ServedModel, str | None]:
     """A request's model (`base` or `base:adapter`); without one, the first configured model."""
-    if name is None:
+    if name is None or name == ROUTER_UNNAMED_MODEL:
         name = next(iter(registry(request).models))
     return resolve_model(request, name)
 
@@ -92,6 +97,8 @@ def _served_for(request: Request, body: GenerateRequest):  # noqa: ANN202 (a clo
 )
 async def sglang_generate(request: Request) -> Response:
     body = await decode_json(request, GenerateRequest)
+    if body.next_token_logprobs is not None:
+        return await _dense_rows(request, body)
     items, as_list = await plan(body, _served_for(request, body), settings(request).limits)
     dense: DenseService = request.app.state.dense  # rows for token_ids_logprob and rescoring
     runs = [native.ItemRun(item, dense) for item in items]
@@ -101,6 +108,19 @@ async def sglang_generate(request: Request) -> Response:
     results = await asyncio.gather(*(_last(run) for run in runs))
     _count(runs)
     return Response(content=native.encode(results if as_list else results[0]), media_type="application/json")
+
+
+async def _dense_rows(request: Request, body: GenerateRequest) -> Response:
+    """The prompts' dense rows (gateway/sglang_api/dense_rows.py)."""
+    if isinstance(body.lora_path, list) and len(set(body.lora_path)) > 1:
+        raise InvalidRequestError(
+            "next_token_logprobs takes one lora_path for every prompt", param="lora_path"
+        )
+    lora_path = body.lora_path[0] if isinstance(body.lora_path, list) else body.lora_path
+    served, adapter = _served_for(request, body)(lora_path)
+    model = served.name if adapter is None else f"{served.name}:{adapter}"
+    binary = body.next_token_logprobs.msgpack or wants_msgpack(request)  # type: ignore[union-attr]
+    return await dense_response(request, dense_request(body, model), binary)
 
 
 async def _last(run: native.ItemRun) -> GenerateResponse:
