@@ -154,6 +154,9 @@ class EngineStatus:
     # a copy of its own scheduler's counters, where it merges concurrent calls into shared passes
     # itself; None where its library's scheduler does, or nothing does
     pass_stats: PassStats | None = None
+    # prompt tokens of dense rows: (whose keys/values came from its prefix cache, run through the
+    # model), where it keeps prefixes itself; None otherwise
+    prefill_tokens: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -148,17 +148,29 @@ class StateCollector(Collector):
         engine_rows = CounterMetricFamily(
             f"{PREFIX}_engine_rows", "Distinct dense rows of the engine calls answered.", labels=["model"]
         )
+        prefill = CounterMetricFamily(
+            f"{PREFIX}_prefill_tokens",
+            "Prompt tokens of dense rows: from the engine's prefix cache, or computed.",
+            labels=["model", "source"],
+        )
+        reused = computed = 0
         for served in self.models.models.values():
-            healthy = served.ready and served.engine is not None and served.engine.status().healthy
+            status = served.engine.status() if served.engine is not None else None
+            healthy = served.ready and status is not None and status.healthy
             ready.add_metric([served.name], 1.0 if healthy else 0.0)
+            if status is not None and status.prefill_tokens is not None:
+                prefill.add_metric([served.name, "cached"], status.prefill_tokens[0])
+                prefill.add_metric([served.name, "computed"], status.prefill_tokens[1])
+                reused += status.prefill_tokens[0]
+                computed += status.prefill_tokens[1]
             calls = self.dense.engine_calls.get(served.name)
             if calls is not None:
                 in_progress.add_metric([served.name], calls.stats.in_progress)
                 engine_rows.add_metric([served.name], calls.stats.engine_rows)
-        yield from (ready, in_progress, engine_rows)
-        yield from self._router_load()
+        yield from (ready, in_progress, engine_rows, prefill)
+        yield from self._router_load(reused / (reused + computed) if reused + computed else 0.0)
 
-    def _router_load(self) -> Iterable[Any]:
+    def _router_load(self, cache_hit_rate: float) -> Iterable[Any]:
         """SGLang's `sglang:num_running_reqs`, `sglang:num_queue_reqs` and `sglang:token_usage`:
         requests reading weights, those of them waiting (a pause, an update), and the share of
         the server's stream slots they fill, the nearest this gateway has to SGLang's share of its
@@ -170,7 +182,12 @@ class StateCollector(Collector):
         for name, value, about in (
             ("num_running_reqs", running, "Requests reading a model's weights, not waiting."),
             ("num_queue_reqs", waiting, "Requests waiting (held by a pause, or behind an update)."),
-            ("token_usage", min(1.0, (running + waiting) / self.max_streams), "Share of stream slots in use."),
+            (
+                "token_usage",
+                min(1.0, (running + waiting) / self.max_streams),
+                "Share of stream slots in use.",
+            ),
+            ("cache_hit_rate", cache_hit_rate, "Share of dense rows' prompt tokens from the prefix cache."),
         ):
             gauge = GaugeMetricFamily(f"sglang:{name}", about)
             gauge.add_metric([], value)

@@ -147,7 +147,7 @@ class ComposedEngine(Engine):
     def status(self) -> EngineStatus:
         generation, dense = self.generation.status(), self.dense.status()
         healthy = self.unusable is None and generation.healthy and dense.healthy
-        return EngineStatus(healthy=healthy, pass_stats=dense.pass_stats)
+        return EngineStatus(healthy=healthy, pass_stats=dense.pass_stats, prefill_tokens=dense.prefill_tokens)
 
     async def aclose(self) -> None:
         try:

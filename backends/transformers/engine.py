@@ -376,7 +376,9 @@ class TransformersEngine(Engine):
         return out.logits[0, -1].float().cpu().numpy()
 
     def status(self) -> EngineStatus:
-        return EngineStatus(pass_stats=replace(self.steps.stats))
+        kv = self.prefix_kv
+        prefill = None if kv is None else (kv.stats.reused_tokens, kv.stats.computed_tokens)
+        return EngineStatus(pass_stats=replace(self.steps.stats), prefill_tokens=prefill)
 
     async def aclose(self) -> None:
         await self.groups.aclose()

@@ -140,7 +140,13 @@ def test_promtool_accepts_the_exposition(http, client):
         pytest.skip("promtool not installed (apt-get install prometheus)")
     text = httpx.get(str(http.base_url) + "/metrics").text
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
+    # SGLang's load gauges keep SGLang's names, colon and all: SGLang's model gateway reads them so
+    problems = [
+        line
+        for line in (result.stdout + result.stderr).splitlines()
+        if line and not (line.startswith("sglang:") and line.endswith("metric names should not contain ':'"))
+    ]
+    assert not problems and result.returncode in (0, 3), result.stdout + result.stderr
 
 
 def test_dashboard_queries_only_existing_metrics(http):
