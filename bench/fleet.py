@@ -12,6 +12,7 @@ more token. Prints a Markdown table per policy: prompt tokens computed (each rep
 `logprob_gateway_prefill_tokens`), the prefix cache's share, rows/s, p50/p95 of a call, and each
 replica's share of the rows. Then the router's own cost for one client: p50 of the same dense
 call (64 rows) and of a 16-token completion, through the router and straight to a replica.
+`--fault`: a replica SIGKILLed under load instead (a mock fleet), and how soon it is back.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from gateway.fleet import free_port
 MODEL = "smollm2-135m"
 
 
-def start_fleet(replicas: int, policy: str, workdir: Path) -> tuple[subprocess.Popen, str]:
+def start_fleet(
+    replicas: int, policy: str, workdir: Path, router_args: list[str] | None = None
+) -> tuple[subprocess.Popen, str]:
     config = workdir / "gateway.toml"
     config.write_text(
         f'[[models]]\nname = "{MODEL}"\nmodel = "{MODEL}"\ndtype = "float32"\n\n[cache]\nenabled = false\n'
@@ -52,6 +55,7 @@ def start_fleet(replicas: int, policy: str, workdir: Path) -> tuple[subprocess.P
             str(port),
             "--policy",
             policy,
+            *(f"--router-arg={arg}" for arg in router_args or []),
             "--",
             "--config",
             str(config),
@@ -61,15 +65,10 @@ def start_fleet(replicas: int, policy: str, workdir: Path) -> tuple[subprocess.P
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
-    while True:
+    while not _ready(base, replicas):
         assert process.poll() is None and time.monotonic() < deadline, "the fleet did not start"
-        try:
-            workers = httpx.get(base + "/workers", timeout=2).json()["workers"]
-            if len(workers) == replicas and httpx.get(base + "/readiness", timeout=2).status_code == 200:
-                return process, base
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass
         time.sleep(0.5)
+    return process, base
 
 
 def replica_counters(base: str) -> dict[str, dict[str, float]]:
@@ -145,6 +144,87 @@ def overhead(base: str, calls: int) -> list[tuple[str, float, float]]:
     return out
 
 
+def fault(workdir: Path) -> str:
+    """A mock fleet of 2 under round_robin; one replica SIGKILLed under sequential completions:
+    the failures, when the fleet's new replica answers /health, when the router uses it again."""
+    import os
+    import signal
+
+    config = workdir / "mock.toml"
+    config.write_text(f'[[models]]\nname = "{MODEL}"\nmodel = "{MODEL}"\nbackend = "mock"\n')
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "fleet",
+            "--replicas",
+            "2",
+            "--port",
+            str(port),
+            "--policy",
+            "round_robin",
+            "--",
+            "--config",
+            str(config),
+        ],
+        stdout=(workdir / "fault.log").open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while not _ready(base, 2):
+            assert process.poll() is None, "the fleet did not start"
+            time.sleep(0.3)
+        victim_url = sorted(w["url"] for w in httpx.get(base + "/workers").json()["workers"])[0]
+        victim = next(
+            int(pid)
+            for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+            if victim_url.rsplit(":", 1)[1].encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+        )
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        sent, failed, healthy, used = 0, 0, None, None
+        with httpx.Client(timeout=30) as client:
+            while used is None and time.monotonic() - killed < 300:
+                try:
+                    failed += client.post(base + "/v1/completions", json=body).status_code != 200
+                except httpx.HTTPError:
+                    failed += 1
+                sent += 1
+                if healthy is None and _served(victim_url) is not None:
+                    healthy, before = time.monotonic() - killed, _served(victim_url)
+                elif healthy is not None and (_served(victim_url) or 0) > before:
+                    used = time.monotonic() - killed
+        return (
+            f"{sent} requests after the kill, {failed} failed; the replica answered /health again "
+            f"after {healthy:.1f} s, and the router sent it a request after {used:.1f} s"
+        )
+    finally:
+        process.terminate()
+        process.wait(timeout=120)
+
+
+def _ready(base: str, replicas: int) -> bool:
+    try:
+        workers = httpx.get(base + "/workers", timeout=2).json()["workers"]
+        return len(workers) == replicas and httpx.get(base + "/readiness", timeout=2).status_code == 200
+    except (httpx.HTTPError, ValueError, KeyError):
+        return False
+
+
+def _served(url: str) -> float | None:
+    """Completions a replica has answered; None while it is down."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return None
+    pattern = r'logprob_gateway_requests_total\{[^}]*route="/v1/completions"[^}]*\} ([0-9.e+]+)'
+    return sum(float(v) for v in re.findall(pattern, text))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=3)
@@ -155,14 +235,20 @@ def main() -> None:
     parser.add_argument("--particles", type=int, default=16)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--overhead-calls", type=int, default=30)
+    parser.add_argument("--router-arg", action="append", default=[], help="one more `smg launch` argument")
+    parser.add_argument("--fault", action="store_true", help="only the SIGKILLed replica, on the mock engine")
     args = parser.parse_args()
+    if args.fault:
+        with tempfile.TemporaryDirectory() as workdir:
+            print(fault(Path(workdir)))
+        return
     print(
         "| policy | prompt tokens computed | from prefix cache | rows/s | p50 (ms) | p95 (ms) | replicas' shares of rows |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     with tempfile.TemporaryDirectory() as workdir:
         for i, policy in enumerate(args.policies):
-            process, base = start_fleet(args.replicas, policy, Path(workdir))
+            process, base = start_fleet(args.replicas, policy, Path(workdir), args.router_arg)
             try:
                 latencies, rows, seconds = asyncio.run(
                     smc(base, args.jobs, args.particles, args.steps, seed=7)
