@@ -68,8 +68,10 @@ async def update_weights(
         except OSError:  # the files changed since they were loaded: a key no other replica shares
             return hashlib.sha256(f"{served.fingerprint}:disk:{uuid.uuid4().hex}".encode()).hexdigest()
 
-    await _replace_weights(
-        served, lambda: weights.load(str(path)), fingerprint, version, "model_path", "disk", wait_s
+    await to_the_end(
+        _replace_weights(
+            served, lambda: weights.load(str(path)), fingerprint, version, "model_path", "disk", wait_s
+        )
     )
     log.info("model %r: new weights loaded from a directory", served.name)
 
@@ -98,8 +100,10 @@ async def update_weights_from_group(
     def fingerprint() -> str:
         return hashlib.sha256(f"{served.fingerprint}:received:{uuid.uuid4().hex}".encode()).hexdigest()
 
-    await _replace_weights(
-        served, lambda: collective.receive(group, tensors), fingerprint, version, "names", "distributed"
+    await to_the_end(
+        _replace_weights(
+            served, lambda: collective.receive(group, tensors), fingerprint, version, "names", "distributed"
+        )
     )
     log.info("model %r: new weights received over a collective", served.name)
 
@@ -130,20 +134,8 @@ async def _replace_weights(
     """`load` new weights into the engine once no request reads the old ones, then change the
     fingerprint and the version. WeightsError: nothing changed (400, `param` named); an engine
     that cannot, 501; any other failure may have left weights half written, so rows computed
-    from then on match no earlier key (an unreadable file, OSError, is then a 400). It runs to
-    its end whatever happens to the request that asked for it."""
-    await to_the_end(_replace(served, load, fingerprint, version, param, source, wait_s))
-
-
-async def _replace(
-    served: ServedModel,
-    load: Callable[[], Awaitable[None]],
-    fingerprint: Callable[[], str],
-    version: str | None,
-    param: str,
-    source: str,
-    wait_s: float | None,
-) -> None:
+    from then on match no earlier key (an unreadable file, OSError, is then a 400). Callers run
+    it `to_the_end`, whatever happens to the request that asked for it."""
     async with _writing(served, wait_s):
         try:
             await load()

@@ -10,8 +10,8 @@ engine); the model's `WeightsLock` keeps requests and the update apart
 (gateway/models/weights_lock.py); the update changes the model's fingerprint and version as a
 load from disk does (gateway/models/weights_update.py).
 
-Operations that talk to the trainer run to their end even if the HTTP client goes away: the
-trainer is broadcasting into them.
+Operations that talk to the trainer run to their end even if the HTTP client goes away
+(gateway/models/to_the_end.py): the trainer is broadcasting into them.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Iterable
-from typing import TypeVar
+from collections.abc import Iterable
 
 from backends.types import AnnouncedTensor, WeightsGroup
 from gateway.errors import InvalidRequestError
@@ -34,28 +33,6 @@ from gateway.schemas.weight_sync import (
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-_UNFINISHED: set[asyncio.Task] = set()  # operations whose client has gone, kept until they end
-
-
-async def to_the_end(operation: Awaitable[T]) -> T:
-    """`operation`'s result; cancelling the caller leaves it running to its end, then logged."""
-    task = asyncio.ensure_future(operation)
-    _UNFINISHED.add(task)
-    task.add_done_callback(_UNFINISHED.discard)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        task.add_done_callback(_log_outcome)
-        raise
-
-
-def _log_outcome(task: asyncio.Future) -> None:
-    failure = None if task.cancelled() else task.exception()
-    if failure is None:
-        log.info("a weight-sync operation whose client had gone away finished")
-    else:
-        log.warning("a weight-sync operation whose client had gone away failed: %s", type(failure).__name__)
 
 
 def weights_group(

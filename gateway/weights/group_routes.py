@@ -12,6 +12,7 @@ from msgspec import Meta
 
 from gateway.contract.operation import OPENAPI, Operation
 from gateway.errors import GatewayError
+from gateway.models.to_the_end import to_the_end
 from gateway.models.weights_update import join_weights_group, leave_weights_group, update_weights_from_group
 from gateway.requests import decode_json, registry, settings
 from gateway.responses import json_response
@@ -82,7 +83,7 @@ async def init_weights_update_group(request: Request) -> Response:
         group = weight_sync.weights_group(
             body, config.weight_sync_timeout_s, config.weight_sync_max_pending_joins
         )
-        await weight_sync.to_the_end(join_weights_group(served, group))
+        await to_the_end(join_weights_group(served, group))
     except GatewayError as exc:
         return _failure(exc)
     return json_response(
@@ -123,9 +124,7 @@ async def update_weights_from_distributed(request: Request) -> Response:
     try:
         served = base_model(request, body.model)
         tensors = weight_sync.announced_tensors(body)
-        await weight_sync.to_the_end(
-            update_weights_from_group(served, body.group_name, tensors, body.weight_version)
-        )
+        await to_the_end(update_weights_from_group(served, body.group_name, tensors, body.weight_version))
     except GatewayError as exc:
         return _failure(exc)
     message = "Succeeded to update parameter online."
@@ -151,7 +150,7 @@ async def destroy_weights_update_group(request: Request) -> Response:
     body = await decode_json(request, DestroyWeightsUpdateGroupRequest)
     try:
         served = base_model(request, body.model)
-        await weight_sync.to_the_end(leave_weights_group(served, body.group_name))
+        await to_the_end(leave_weights_group(served, body.group_name))
     except GatewayError as exc:
         return _failure(exc)
     return json_response(
