@@ -121,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         const=True,
         help="a gateway dedicated to one RL trainer: its weight-sync calls need no admin key",
     )
+    serve.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="threads of the engines' math on the CPU (default: OMP_NUM_THREADS if set, else half "
+        "the CPUs this process may use)",
+    )
     fleet.add_parser(commands)
     hashed = commands.add_parser(
         "hash-key", help="print the api_keys entry for a key read from standard input (never from argv)"
@@ -156,6 +163,7 @@ def serve(settings: Settings) -> int:
     """Serve until SIGTERM or Ctrl-C (0); a model that fails to load at start stops the server (1):
     it cannot serve what it was configured for, so it exits for the orchestrator to see; one whose
     configuration is found wrong only once loaded (composed engines that do not match) exits 2."""
+    from backends.cpu_threads import use_compute_threads
     from gateway.app import serving_app
     from gateway.server.console import announce_ready, explain_interrupts
     from gateway.server.log_config import uvicorn_log_config
@@ -163,6 +171,9 @@ def serve(settings: Settings) -> int:
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger(__name__).info(
+        "%d threads for the engines' math", use_compute_threads(settings.threads)
     )
     failed: dict[str, str] = {}
 

@@ -238,6 +238,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     weight_sync_max_pending_joins: Annotated[int, msgspec.Meta(gt=0)] = 8
     # /flush_cache empties a shared service's caches: the admin key's unless this opens it to every key
     open_flush_cache: bool = False
+    # threads of the engines' math on the CPU (backends/cpu_threads.py); 0: OMP_NUM_THREADS if
+    # set, else half the CPUs this process may run on, the other half left to its clients
+    threads: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
     models: list[ModelSettings] = msgspec.field(default_factory=lambda: [ModelSettings()])
     limits: Limits = msgspec.field(default_factory=Limits)
     cache: CacheSettings = msgspec.field(default_factory=CacheSettings)
@@ -287,6 +290,7 @@ _ENV_KEYS = {
     "TRUSTED_WEIGHT_SYNC": "trusted_weight_sync",
     "WEIGHT_SYNC_TIMEOUT_S": "weight_sync_timeout_s",
     "OPEN_FLUSH_CACHE": "open_flush_cache",
+    "THREADS": "threads",
 }
 _CACHE_KEYS = {"redis_url": "redis_url", "cache_enabled": "enabled"}
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from backends.cpu_threads import compute_threads, cpus_available
 from backends.registry import BACKEND_NAMES
 from bench.launcher import free_port
 from gateway import cli
@@ -449,6 +450,25 @@ def test_module_entry_point_exits_2_on_missing_config():
     assert result.returncode == 2
     assert result.stderr == "logprob-gateway: config file not found: /nonexistent.toml\n"
     assert result.stdout == ""
+
+
+def test_the_engines_threads_are_the_setting_else_omp_num_threads_else_half_the_cpus():
+    half = max(1, cpus_available() // 2)
+    assert compute_threads(3, {"OMP_NUM_THREADS": "8"}) == 3
+    assert compute_threads(0, {"OMP_NUM_THREADS": "5"}) == 5
+    assert compute_threads(0, {}) == compute_threads(0, {"OMP_NUM_THREADS": "junk"}) == half
+    assert cli.settings_from_args(cli.build_parser().parse_args(["serve", "--threads", "3"])).threads == 3
+    assert load_settings(environ={"LOGPROB_GATEWAY_THREADS": "2"}).threads == 2
+    assert Settings().threads == 0
+    # what `serve` does before loading, in a process of its own: torch's pool, and the variable
+    # that engine processes started later read
+    code = (
+        "import os, torch; from backends.cpu_threads import use_compute_threads; "
+        "print(use_compute_threads(0), torch.get_num_threads(), os.environ['OMP_NUM_THREADS'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(half)] * 3
 
 
 def test_a_serving_process_freezes_what_loading_made_and_collects_less_often_an_embedded_app_does_neither():
