@@ -1,13 +1,15 @@
-"""Child processes for benchmarks and tests: `logprob-gateway serve`, and a Redis server."""
+"""Child processes for benchmarks and tests: `logprob-gateway serve`, `logprob-gateway fleet`, and a
+Redis server."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +108,92 @@ def start_gateway(
         time.sleep(0.1)  # often: the suite starts ~45 gateways, each waits here
     gateway.stop()
     raise RuntimeError(f"gateway not healthy after {timeout} s:\n{gateway.log_tail()}")
+
+
+@dataclass
+class FleetProcess:
+    """`logprob-gateway fleet`: replicas behind SGLang's model gateway (SMG) on `base_url`."""
+
+    base_url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def workers(self) -> list[str]:
+        """The replicas' base URLs as the router lists them, sorted."""
+        answer = httpx.get(self.base_url + "/workers", timeout=10).json()["workers"]
+        return sorted(worker["url"] for worker in answer)
+
+    def replica_pid(self, url: str) -> int | None:
+        """The process serving the replica `url` now (None while it is down)."""
+        port = url.rsplit(":", 1)[1].encode()
+        for pid in Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split():
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"serve" in command and port in command:
+                return int(pid)
+        return None
+
+    def ready(self, replicas: int) -> bool:
+        """The router lists `replicas` workers and answers /readiness."""
+        try:
+            workers = httpx.get(self.base_url + "/workers", timeout=2).json()["workers"]
+            ready = httpx.get(self.base_url + "/readiness", timeout=2).status_code == 200
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+        return len(workers) == replicas and ready
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def start_fleet(
+    serve_args: list[str],
+    log_path: Path,
+    replicas: int = 2,
+    policy: str = "cache_aware",
+    router_args: Sequence[str] = (),
+    timeout: float = 600.0,
+) -> FleetProcess:
+    """`logprob-gateway fleet` on a free loopback port, in a process group of its own; returns
+    once the router lists every replica and is ready, or fails with the log's tail."""
+    port = free_port()
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "fleet",
+                "--replicas",
+                str(replicas),
+                "--port",
+                str(port),
+                "--policy",
+                policy,
+                *(f"--router-arg={arg}" for arg in router_args),
+                "--",
+                *serve_args,
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**child_environment(None), "TQDM_DISABLE": "1"},
+            start_new_session=True,
+        )
+    fleet = FleetProcess(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + timeout
+    while not fleet.ready(replicas):
+        tail = log_path.read_text(errors="replace")[-3000:]
+        if process.poll() is not None:
+            raise RuntimeError(f"the fleet exited with {process.returncode}:\n{tail}")
+        if time.monotonic() > deadline:
+            fleet.stop()
+            raise RuntimeError(f"the fleet was not ready after {timeout} s:\n{tail}")
+        time.sleep(0.5)
+    return fleet
 
 
 class RedisServer:

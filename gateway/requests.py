@@ -11,7 +11,7 @@ from litestar import Request
 
 from gateway.access import Access
 from gateway.body_decode import BodyDecoder, decode_body
-from gateway.errors import PayloadTooLargeError, UnsupportedMediaTypeError
+from gateway.errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
 from gateway.guard import ANSWER_BYTES_KEY, KEY_NAME, STREAM_KEY
 from gateway.metrics import set_labels
 from gateway.models.registry import ModelRegistry
@@ -132,6 +132,22 @@ def resolve_model(request: Request, name: str) -> tuple[ServedModel, str | None]
     served, adapter = registry(request).resolve(name)
     set_labels(request.scope, served.name, adapter)
     return served, adapter
+
+
+def with_lora_path(
+    request: Request, named: tuple[ServedModel, str | None], model: str, lora_path: str | None
+) -> tuple[ServedModel, str | None]:
+    """The model and adapter a request names in `model` (resolved: `named`), under SGLang's
+    `lora_path` field if it gives one: a router that knows only base model names forwards the
+    field unchanged. A `lora_path` naming another adapter than `model` does is a 400."""
+    served, adapter = named
+    if lora_path is None or lora_path == adapter:
+        return named
+    if adapter is not None:
+        raise InvalidRequestError(
+            f"lora_path {lora_path!r} contradicts the adapter in model {model!r}", param="lora_path"
+        )
+    return resolve_model(request, f"{served.name}:{lora_path}")
 
 
 def settings(request: Request) -> Settings:

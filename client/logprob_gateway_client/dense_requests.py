@@ -7,8 +7,11 @@ the body. A mixin of `logprob_gateway_client.AsyncGatewayLM`, which batches and 
 
 Behind a router that forwards SGLang's and OpenAI's generation routes only (SGLang's model
 gateway answers 404 `unknown_url` to /v1/next_token_logprobs), the same rows are asked of
-SGLang's `/generate` with `next_token_logprobs`, as JSON (the router reads it), from that answer
-on: docs/fleet.md.
+SGLang's `/generate` with `next_token_logprobs`, as JSON (the router reads it). Where the router's
+answer names the replica it chose (SMG's `x-smg-routed-worker-id`), later calls go to that
+replica's own dense route, as to one gateway: the router placed them (by the client's routing
+key), and the rows no longer pass through it. A replica that cannot be reached sends the calls
+back through the router. docs/fleet.md.
 """
 
 from __future__ import annotations
@@ -41,6 +44,13 @@ from logprob_gateway_client.wire import (
 log = logging.getLogger(__name__)
 DENSE_PATH = "/v1/next_token_logprobs"
 ROUTED_PATH = "/generate"  # the same rows through a router that forwards generation routes only
+PLACED_HEADER = "x-smg-routed-worker-id"  # the replica SGLang's model gateway sent a request to
+CONNECT_TIMEOUT_S = 10.0  # a replica the router named but this host cannot reach fails this soon
+
+
+def http_timeout(seconds: float) -> httpx.Timeout:
+    """`seconds` for a call, at most CONNECT_TIMEOUT_S of it to connect."""
+    return httpx.Timeout(seconds, connect=min(seconds, CONNECT_TIMEOUT_S))
 
 
 def _router_refused(status: int, content: bytes | bytearray | memoryview) -> bool:
@@ -56,10 +66,11 @@ class RoutedElsewhere(Exception):
 class DenseRequests:
     """Dense requests for rows of packed ids (`pack_ids`), each answered by one float32 (or the
     client's `dtype`) matrix. Uses the client's `base_url`, `dtype`, `vocab_size`,
-    `max_rows_per_request`, `_headers` and `_sync` (its httpx client); `_open_connections` sets
+    `max_rows_per_request`, `server_cache`, `_headers` and `_sync` (its httpx client); `_open_connections` sets
     up the rest."""
 
     base_url: str
+    server_cache: bool
     dtype: Dtype
     vocab_size: int
     max_rows_per_request: int
@@ -91,12 +102,14 @@ class DenseRequests:
         self._segments = SharedSegments(evict=cache.drop_owner) if use else None
         self._ask_shared_memory = self._segments is not None  # until the gateway answers in the body
         # The gateway's Unix socket, once an answer in this process's memory names it (local_socket.py)
+        self._local_wanted = local_socket
         self._local_allowed = local_socket and self._segments is not None
         self._use_local_socket = self._local_allowed
         self._local: LocalSocket | None = None
         self.local_socket_answers = 0  # dense answers that came over the local socket
         self.shared_memory_answers = 0  # dense answers the gateway wrote into shared memory
-        self.routed = False  # behind a router: rows asked of ROUTED_PATH
+        self.routed = False  # behind a router: rows asked of ROUTED_PATH, or of `replica_url`
+        self.replica_url: str | None = None  # the replica the router placed this client's calls on
 
     def _chunks(self, rows: list[bytes]) -> list[list[bytes]]:
         step = self.max_rows_per_request
@@ -108,7 +121,7 @@ class DenseRequests:
     def _request(self, model: str, rows: list[bytes]) -> tuple[bytes, Segment | None]:
         """The request's body for rows of packed ids (`pack_ids`), and the segment it asks the
         gateway to write the answer into."""
-        if self.routed:  # JSON lists, which the router reads; a router hides the host, so no segment
+        if self.routed and self.replica_url is None:  # JSON lists, which the router reads; no segment
             self.requests_sent += 1
             return self._routed_request(model, rows), None
         body: dict[str, Any] = {
@@ -117,6 +130,8 @@ class DenseRequests:
             "dtype": self.dtype,
             "layout": "matrix",
         }
+        if not self.server_cache:
+            body["cache"] = False
         segment = None
         if self._segments is not None and self._ask_shared_memory:
             segment = self._segments.lease(self._answer_bytes(len(rows)))
@@ -126,11 +141,13 @@ class DenseRequests:
         return encode_request(body), segment
 
     def _routed_request(self, model: str, rows: list[bytes]) -> bytes:
-        options = {"layout": "matrix", "dtype": self.dtype, "msgpack": True}
+        options = {"layout": "matrix", "dtype": self.dtype, "msgpack": True, "cache": self.server_cache}
         ids = [np.frombuffer(row, dtype="<i4").tolist() for row in rows]
         return json.dumps({"model": model, "input_ids": ids, "next_token_logprobs": options}).encode()
 
     def _post_args(self, body: bytes) -> dict[str, Any]:
+        if self.replica_url is not None:
+            return {"url": self.replica_url + DENSE_PATH, "content": body}
         if self.routed:
             return {"url": ROUTED_PATH, "content": body, "headers": {"Content-Type": "application/json"}}
         return {"url": DENSE_PATH, "content": body}
@@ -142,6 +159,23 @@ class DenseRequests:
         self.routed = True
         self._ask_shared_memory = False
         self._use_local_socket = self._local_allowed = False
+
+    def _follow_placement(self, headers: httpx.Headers) -> None:
+        """After a routed answer: the replica the router chose, asked directly from now on (its
+        shared memory and local socket too, where it runs on this host)."""
+        url = headers.get(PLACED_HEADER, "")
+        if self.replica_url is None and url.startswith(("http://", "https://")):
+            log.info("the router placed this client's calls on %s: asking it directly", url)
+            self.replica_url = url.rstrip("/")
+            self._ask_shared_memory = self._segments is not None
+            self._local_allowed = self._use_local_socket = self._local_wanted and self._segments is not None
+
+    def _placement_lost(self) -> None:
+        """The replica the router placed the calls on is out of reach: back through the router,
+        which knows where its replicas are."""
+        log.info("replica %s is out of reach: asking through the router again", self.replica_url)
+        self.replica_url = None
+        self._route_through_router()
 
     def _matrix(
         self, content: bytes | bytearray | memoryview, count: int, segment: Segment | None
@@ -176,7 +210,15 @@ class DenseRequests:
         for chunk in self._chunks(rows):
             body, segment = self._request(model, chunk)
             try:
-                response = self._sync.post(**self._post_args(body))
+                try:
+                    response = self._sync.post(**self._post_args(body))
+                except httpx.TransportError:
+                    if self.replica_url is None:
+                        raise
+                    self._retire(segment)
+                    self._placement_lost()
+                    body, segment = self._request(model, chunk)
+                    response = self._sync.post(**self._post_args(body))
                 if not self.routed and _router_refused(response.status_code, response.content):
                     self._retire(segment)
                     self._route_through_router()
@@ -184,6 +226,8 @@ class DenseRequests:
                     response = self._sync.post(**self._post_args(body))
                 self.server_timing = response.headers.get("server-timing")
                 raise_for_error(response)
+                if self.routed:
+                    self._follow_placement(response.headers)
                 parts.append(self._matrix(response.content, len(chunk), segment))
             except BaseException:
                 self._retire(segment)
@@ -195,12 +239,17 @@ class DenseRequests:
         for chunk in self._chunks(rows):
             body, segment = self._request(model, chunk)
             try:
-                try:
-                    content = await self._post_dense(body, segment is not None)
-                except (LocalSocketLost, RoutedElsewhere):  # the call goes again, over HTTP or routed
-                    self._retire(segment)
-                    body, segment = self._request(model, chunk)
-                    content = await self._post_dense(body, segment is not None)
+                # The call goes again over HTTP (the local socket lost), then through the router
+                # (its replica out of reach, or no dense route there).
+                for attempt in range(3):
+                    try:
+                        content = await self._post_dense(body, segment is not None)
+                        break
+                    except (LocalSocketLost, RoutedElsewhere):
+                        if attempt == 2:
+                            raise
+                        self._retire(segment)
+                        body, segment = self._request(model, chunk)
                 parts.append(self._matrix(content, len(chunk), segment))
             except BaseException:
                 self._retire(segment)
@@ -222,16 +271,24 @@ class DenseRequests:
             self.local_socket_answers += 1
             return content
         client = self._async_client()
-        async with client.stream("POST", **self._post_args(body)) as response:
-            self.server_timing = response.headers.get("server-timing")
-            if response.status_code >= 400:
-                await response.aread()
-                if not self.routed and _router_refused(response.status_code, response.content):
-                    self._route_through_router()
-                    raise RoutedElsewhere
-                raise_for_error(response)
-            content = await read_into_buffer(response)
-            path = response.headers.get(LOCAL_SOCKET_HEADER)
+        try:
+            async with client.stream("POST", **self._post_args(body)) as response:
+                self.server_timing = response.headers.get("server-timing")
+                if response.status_code >= 400:
+                    await response.aread()
+                    if not self.routed and _router_refused(response.status_code, response.content):
+                        self._route_through_router()
+                        raise RoutedElsewhere
+                    raise_for_error(response)
+                content = await read_into_buffer(response)
+                path = response.headers.get(LOCAL_SOCKET_HEADER)
+                if self.routed:
+                    self._follow_placement(response.headers)
+        except httpx.TransportError:
+            if self.replica_url is None:
+                raise
+            self._placement_lost()
+            raise RoutedElsewhere from None
         if path and self._use_local_socket:
             await self._open_local(path)
         return content
@@ -271,7 +328,7 @@ class DenseRequests:
             self._async = httpx.AsyncClient(
                 base_url=self.base_url,
                 headers=self._headers,
-                timeout=self._timeout,
+                timeout=http_timeout(self._timeout),
                 transport=self._transport,
             )
         return self._async

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+import uuid
 from collections.abc import Sequence
 from functools import cache, cached_property
 from pathlib import Path
@@ -36,7 +37,7 @@ import msgspec
 import numpy as np
 
 from logprob_gateway_client.buffer_lru import BufferLRU
-from logprob_gateway_client.dense_requests import DenseRequests
+from logprob_gateway_client.dense_requests import DenseRequests, http_timeout
 from logprob_gateway_client.encoding import Dtype
 from logprob_gateway_client.lora import LoraManagement
 from logprob_gateway_client.sampling import HAS_TORCH, Sampling
@@ -45,6 +46,7 @@ from logprob_gateway_client.wire import GatewayClientError, RowKey, pack_ids, ra
 __all__ = ["AsyncGatewayLM", "GatewayClientError"]
 
 MSGPACK = "application/msgpack"
+ROUTING_KEY_HEADER = "x-smg-routing-key"  # SGLang's model gateway's
 GENLM_EXTRA = (
     'llm.tokenizer needs transformers, in the genlm extra: pip install "logprob-gateway-client[genlm]" '
     '(from a clone of the gateway: pip install "./client[genlm]")'
@@ -86,7 +88,14 @@ class AsyncGatewayLM(DenseRequests, LoraManagement, Sampling):
 
     `shared_memory`: None (default) asks the gateway to write large answers into this process's
     memory while it does so (it can when it runs on this host); False never; True also, and
-    fails where the platform has no memfd (Linux only)."""
+    fails where the platform has no memfd (Linux only).
+
+    `server_cache`: False asks the gateway to compute every row now, its output cache neither read
+    nor written (to measure the engine; `clear_cache` empties only this client's rows).
+
+    `routing_key`: what a router in front of several gateways keeps this instance's calls
+    together by (SGLang's model gateway reads it from `x-smg-routing-key`), so that the prefixes
+    of a job's calls are computed once, on one replica. Default: a key of this instance's own."""
 
     def __init__(
         self,
@@ -102,18 +111,25 @@ class AsyncGatewayLM(DenseRequests, LoraManagement, Sampling):
         shared_memory: bool | None = None,
         local_socket: bool = True,
         admin_key: str | None = None,
+        routing_key: str | None = None,
+        server_cache: bool = True,
     ) -> None:
         _register_with_genlm()
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.dtype: Dtype = dtype
         self.max_rows_per_request = max_rows_per_request
+        self.server_cache = server_cache
         # identity: a proxy that compressed answers would cost a decompression of every step
         self._headers = {"Accept": MSGPACK, "Content-Type": MSGPACK, "Accept-Encoding": "identity"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
+        self.routing_key = routing_key or uuid.uuid4().hex
+        self._headers[ROUTING_KEY_HEADER] = self.routing_key
         self._admin_key = admin_key
-        self._sync = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout)
+        self._sync = httpx.Client(
+            base_url=self.base_url, headers=self._headers, timeout=http_timeout(timeout)
+        )
         # Rows seen, by (model, ids); sized in rows and in the bytes of the matrices they keep alive.
         self._cache = BufferLRU(cache_size, cache_bytes)
         self._pending: dict[RowKey, asyncio.Future[np.ndarray]] = {}

@@ -149,7 +149,7 @@ class DenseService:
         times = EngineTimes()
         try:
             async with served.reading(adapter):  # keys and rows of the same weights
-                placed, hits = await self.logprobs(served, adapter, rows, into, times)
+                placed, hits = await self.logprobs(served, adapter, rows, into, times, use_cache=body.cache)
         except GatewayError:
             raise
         except EngineUnavailableError as exc:  # unusable until given weights again: 503
@@ -216,15 +216,18 @@ class DenseService:
         rows: PackedRows,
         into: np.ndarray | None = None,
         times: EngineTimes | None = None,
+        *,
+        use_cache: bool = True,
     ) -> tuple[Placed, int]:
         """The log-probabilities after each of `rows`, float32 [len(rows), vocab], and how many
         came from the output cache (bit-identical to computing them): the one way to dense rows,
         for every route. With `into` (float32 [len(rows), vocab], memory the engine may write into
         from its device), they are there, once landed (`Placed.landed`). `times`: when the
         engine's call for them began and ended. The caller holds the model's weights for reading
-        (`served.reading(adapter)`)."""
+        (`served.reading(adapter)`). Without `use_cache`, the output cache is neither read nor
+        written."""
         compute = partial(self.calls(served).logprobs, rows, adapter, into, times=times)
-        cache = self.cache
+        cache = self.cache if use_cache else None
         if cache is None:
             return await compute(None, False), 0
         adapter_id = None if adapter is None else f"{adapter}:{served.adapters[adapter].fingerprint}"

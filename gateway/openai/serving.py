@@ -17,7 +17,7 @@ from gateway.generation import choices as gen
 from gateway.generation import sampling
 from gateway.generation.structured import requested_grammar
 from gateway.models.served import ServedModel
-from gateway.requests import decode_json, reserve_stream, resolve_model, settings
+from gateway.requests import decode_json, reserve_stream, resolve_model, settings, with_lora_path
 from gateway.schemas.common import GenerationRequest
 from gateway.settings import Limits
 
@@ -111,7 +111,7 @@ async def admit(request: Request, body_type: type[Body]) -> Admitted[Body]:
     body = await decode_json(request, body_type)
     gen.check_stream_options(body.stream, body.stream_options)
     limits = settings(request).limits
-    served, adapter = resolve_model(request, body.model)
+    served, adapter = with_lora_path(request, resolve_model(request, body.model), body.model, body.lora_path)
     served.require_engine()
     n = sampling.check_choices(body.n or 1, limits)
     stops = sampling.check_stop(body.stop, limits)

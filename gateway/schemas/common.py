@@ -124,6 +124,9 @@ class GenerationRequest(OutputControls, kw_only=True):
     frequency_penalty: Penalty | None = 0.0
     logit_bias: dict[str, float] | None = None
     user: Name | None = None
+    # SGLang's: the adapter, as `model="base:adapter"` names it. Routers that route by base model
+    # name only (SGLang's model gateway) forward this field unchanged.
+    lora_path: Name | None = None
 
     def __post_init__(self) -> None:
         self.seed = sampling_seed(self.seed)

@@ -51,6 +51,9 @@ class NextTokenLogprobsRequest(msgspec.Struct, kw_only=True):
     # With layout "matrix": write the matrix into this segment, when the gateway can open it, and
     # answer where it lies (NextTokenLogprobsSharedMemoryResponse); else the body carries it.
     shared_memory: SharedMemoryTarget | None = None
+    # False: every row computed by the engine now, the output cache neither read nor written
+    # (to measure the engine; the rows are the same numbers either way).
+    cache: bool = True
 
 
 class NextTokenLogprobsRow(msgspec.Struct, kw_only=True):

@@ -59,6 +59,7 @@ class DenseRowsOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     layout: Literal["rows", "matrix"] = "rows"
     # the answer as MessagePack: a router may not pass the client's Accept header on
     msgpack: bool = False
+    cache: bool = True  # False: the output cache neither read nor written
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):

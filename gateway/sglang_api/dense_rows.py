@@ -42,4 +42,5 @@ def dense_request(body: GenerateRequest, model: str) -> NextTokenLogprobsRequest
         encoding_format=options.encoding_format,
         dtype=options.dtype,
         layout=options.layout,
+        cache=options.cache,
     )

@@ -26,6 +26,7 @@ from gateway.requests import (
     resolve_model,
     settings,
     wants_msgpack,
+    with_lora_path,
 )
 from gateway.responses import json_response, sse_event, sse_response
 from gateway.schemas.sglang import GenerateRequest, GenerateResponse, ModelInfo, ServerInfo
@@ -53,16 +54,10 @@ def _model(request: Request, name: str | None) -> tuple[ServedModel, str | None]
 
 
 def _served_for(request: Request, body: GenerateRequest):  # noqa: ANN202 (a closure for plan())
-    base, adapter = _model(request, body.model)
+    named = _model(request, body.model)
 
     def served_for(lora_path: str | None) -> tuple[ServedModel, str | None]:
-        if lora_path is None or lora_path == adapter:
-            return base, adapter
-        if adapter is not None:
-            raise InvalidRequestError(
-                f"lora_path {lora_path!r} contradicts the adapter in model {body.model!r}", param="lora_path"
-            )
-        return resolve_model(request, f"{base.name}:{lora_path}")
+        return with_lora_path(request, named, body.model or ROUTER_UNNAMED_MODEL, lora_path)
 
     return served_for
 

@@ -265,6 +265,10 @@ def test_the_fleet_example_puts_the_router_in_front_of_the_gateway_pods(render):
     assert container["command"] == ["smg", "launch"]
     args = container["args"]
     assert "--service-discovery" in args and "--policy=cache_aware" in args
+    assert "--routing-key-override" in args and "--assignment-mode=min_group" in args
+    unkeyed = render({**_example_values("fleet.yaml"), "router": {"enabled": True, "routingKeys": False}})
+    keyless = unkeyed.get("Deployment", f"{FULLNAME}-router")["spec"]["template"]["spec"]["containers"][0]
+    assert "--routing-key-override" not in keyless["args"]
     labels = m.gateway()["spec"]["template"]["metadata"]["labels"]
     selected = args[args.index("--selector") + 1 : args.index("--selector") + 4]
     assert {tuple(s.split("=")) for s in selected} <= set(labels.items())
@@ -277,4 +281,6 @@ def test_the_fleet_example_puts_the_router_in_front_of_the_gateway_pods(render):
     assert binding["subjects"][0]["name"] == router["spec"]["template"]["spec"]["serviceAccountName"]
     service = m.get("Service", f"{FULLNAME}-router")
     assert service["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
-    assert not [o for o in render().objects if o["metadata"]["name"] == f"{FULLNAME}-router"]  # off by default
+    assert not [
+        o for o in render().objects if o["metadata"]["name"] == f"{FULLNAME}-router"
+    ]  # off by default

@@ -3,6 +3,8 @@ outages invisible to clients, corrupted values recomputed, models never sharing 
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import msgspec
 import numpy as np
@@ -58,12 +60,12 @@ timeout_s = 0.2
     return config
 
 
-def dense(gateway, rows, model=MODEL):
+def dense(gateway, rows, model=MODEL, **options):
     response = httpx.post(
         gateway.base_url + "/v1/next_token_logprobs",
         headers=MSGPACK,
         timeout=60,
-        json={"model": model, "input": rows},
+        json={"model": model, "input": rows, **options},
     )
     assert response.status_code == 200, response.text
     doc = msgspec.msgpack.decode(response.content)
@@ -93,6 +95,44 @@ def test_second_replica_reads_rows_the_first_computed(replicas, reference):
     assert cached == computed  # bytes, bit for bit
     for row, ids in zip(as_array(cached), rows, strict=True):
         assert np.max(np.abs(row - reference.logprobs(ids)[-1])) <= 1e-4
+
+
+def test_a_request_without_the_cache_neither_reads_nor_writes_it(replicas, reference):
+    """`cache: false` computes rows that the cache holds, and stores none; the client's
+    `server_cache=False` sends it."""
+    from logprob_gateway_client import AsyncGatewayLM
+
+    first, second = replicas
+    held = [reference.tokenizer("Held in the cache").input_ids]
+    computed, _ = dense(first, held)
+    stored(first, held)
+    again, hits = dense(second, held, cache=False)
+    assert hits == 0 and again == computed
+    fresh = [reference.tokenizer("Never cached, asked without the cache").input_ids]
+    for gateway in (first, second, first):
+        _, hits = dense(gateway, fresh, cache=False)
+        assert hits == 0
+    assert dense(second, fresh)[1] == 0  # the uncached asks stored nothing
+
+    def lookups() -> float:
+        text = httpx.get(second.base_url + "/metrics").text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("logprob_gateway_cache_lookups_total")
+        )
+
+    async def ask() -> np.ndarray:
+        lm = AsyncGatewayLM(second.base_url, MODEL, server_cache=False)
+        try:
+            return np.asarray(await lm.batch_next_token_logprobs(held))
+        finally:
+            await lm.aclose()
+
+    before = lookups()
+    row = asyncio.run(ask())
+    # computed again, in its own pass: the same numbers, to rounding
+    assert lookups() == before and np.max(np.abs(row - as_array(computed))) <= 1e-4
 
 
 def test_models_never_share_entries(replicas, reference):

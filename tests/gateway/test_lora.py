@@ -85,6 +85,29 @@ def test_dense_rows_and_greedy_text_equal_peft_forward(lora_gateway, peft_refere
     assert complete(lora_gateway, MODEL, PROMPTS[0]) == reference.tokenizer.decode(reference.greedy(ids, 6))
 
 
+def test_lora_path_names_the_adapter_on_openai_routes(lora_gateway, peft_reference, reference):
+    """SGLang's `lora_path` beside the base's name, as a router that knows base names forwards it:
+    the adapter's greedy text, on completions and chat; one that contradicts the model's adapter
+    is a 400, an unknown one a 404."""
+    ids = reference.tokenizer(PROMPTS[0]).input_ids
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "lora_path": "a"}
+    r = httpx.post(lora_gateway.base_url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == reference.tokenizer.decode(
+        ref_greedy(peft_reference["a"], ids, 6)
+    )
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}
+    named, beside = (
+        httpx.post(lora_gateway.base_url + "/v1/chat/completions", json={**chat, **fields}, timeout=60)
+        for fields in ({"model": f"{MODEL}:a"}, {"model": MODEL, "lora_path": "a"})
+    )
+    assert named.json()["choices"][0]["message"] == beside.json()["choices"][0]["message"]
+    for fields, status in (({"model": f"{MODEL}:a", "lora_path": "b"}, 400), ({"lora_path": "nope"}, 404)):
+        r = httpx.post(lora_gateway.base_url + "/v1/completions", json={**body, **fields}, timeout=60)
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["param"] == ("lora_path" if status == 400 else "model")
+
+
 def test_runtime_load_mixed_concurrent_traffic_and_unload(lora_gateway, peft_reference, reference):
     r = admin(lora_gateway, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "b"})
     assert r.status_code == 200 and r.json()["id"] == f"{MODEL}:b"
