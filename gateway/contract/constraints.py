@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.openai.unhonoured import NEUTRAL as NEUTRAL_SAMPLING
 from gateway.schemas.common import StructuredOutputs
 from gateway.settings import Settings
 
@@ -56,6 +57,18 @@ CONTEXT_LIMIT = (
 )
 # Standard base64 (padded) of a whole number of little-endian int32 ids, as the route decodes it.
 PACKED_IDS_BASE64 = "^(?:[A-Za-z0-9+/]{16})*(?:[A-Za-z0-9+/]{6}==|[A-Za-z0-9+/]{11}=)?$"
+
+
+# vLLM's sampling fields the gateway refuses unless they change nothing (gateway/openai/unhonoured.py)
+UNHONOURED = "vLLM's; not supported: only the value that changes nothing (docs/api.md, Sampling fields)."
+
+
+def _only(value: Any) -> dict[str, Any]:
+    if value == []:
+        return {"type": "array", "maxItems": 0}
+    if isinstance(value, tuple):  # several values
+        return {"enum": list(value)}
+    return {"const": value}
 
 
 def _text() -> dict[str, Any]:
@@ -118,8 +131,18 @@ def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
         "description": "Not supported: empty or null only.",
     }
     completion["properties"]["best_of"]["description"] = "Equal to n when given."
-    # Exclusive options (each given best_of its own), as `oneOf`: schemathesis' canonical form gives
-    # up on an `anyOf` of max_n options beside the other rules, and then never generates a request.
+    chat["properties"]["best_of"]["description"] = "Equal to n when given."
+    for request in (completion, chat):
+        for field, values in NEUTRAL_SAMPLING.items():
+            neutral = [v for v in values if v is not None]
+            only = {"type": "null"} if not neutral else _null_or(_only(neutral[0]))
+            request["properties"][field] = {**only, "description": UNHONOURED}
+        request["properties"]["top_k"]["description"] = (
+            "vLLM's: 1 is greedy sampling; -1 and 0 change nothing."
+        )
+    # best_of equal to n (completions and chat). Exclusive options (each given best_of its own), as
+    # `oneOf`: schemathesis' canonical form gives up on an `anyOf` of max_n options beside the other
+    # rules, and then never generates a request.
     completion_rule = {
         "oneOf": [
             {"properties": {"best_of": {"type": "null"}}},
@@ -136,12 +159,12 @@ def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
             {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
         ]
     }
-    for request, rule in ((completion, completion_rule), (chat, chat_rule)):
+    for request, rules in ((completion, [completion_rule]), (chat, [chat_rule, completion_rule])):
         streamed_only = [  # stream_options only with stream: true, as OpenAI's
             {"properties": {"stream_options": {"type": "null"}}},
             {"properties": {"stream": {"const": True}}, "required": ["stream"]},
         ]
-        request["allOf"] = [rule, {"anyOf": streamed_only}]
+        request["allOf"] = [*rules, {"anyOf": streamed_only}]
     _apply_grammar_checks(schemas)
     schemas["NextTokenLogprobsRequest"]["anyOf"] = [
         {"properties": {"shared_memory": {"type": "null"}}},

@@ -135,8 +135,6 @@ _SMALLER = "ask fewer logprobs, prompts, n or max_tokens, or ask /v1/next_token_
 async def create_completion(request: Request) -> Response:
     admitted = await admit(request, CompletionRequest)
     body, served, limits = admitted.body, admitted.served, admitted.limits
-    if body.best_of is not None and body.best_of != admitted.n:
-        raise InvalidRequestError("best_of is not supported unless it equals n", param="best_of")
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
     prompts = await admitted.prompts(lambda: _prompts(served, body.prompt, limits))

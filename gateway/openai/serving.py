@@ -17,6 +17,7 @@ from gateway.generation import choices as gen
 from gateway.generation import sampling
 from gateway.generation.structured import requested_grammar
 from gateway.models.served import ServedModel
+from gateway.openai import unhonoured
 from gateway.requests import decode_json, reserve_stream, resolve_model, settings, with_lora_path
 from gateway.schemas.common import GenerationRequest
 from gateway.settings import Limits
@@ -75,7 +76,7 @@ class Admitted(Generic[Body]):
             self.served,
             self.limits,
             max_tokens=min(allowed),
-            temperature=body.temperature,
+            temperature=0.0 if unhonoured.greedy_by_top_k(body) else body.temperature,
             top_p=body.top_p,
             seed=body.seed,
             top_logprobs=top_logprobs,
@@ -113,6 +114,7 @@ async def admit(request: Request, body_type: type[Body]) -> Admitted[Body]:
     limits = settings(request).limits
     served, adapter = with_lora_path(request, resolve_model(request, body.model), body.model, body.lora_path)
     served.require_engine()
+    unhonoured.refuse_unhonoured(body)
     n = sampling.check_choices(body.n or 1, limits)
     stops = sampling.check_stop(body.stop, limits)
     return Admitted(request, body, served, adapter, limits, n, stops)

@@ -127,6 +127,24 @@ class GenerationRequest(OutputControls, kw_only=True):
     # SGLang's: the adapter, as `model="base:adapter"` names it. Routers that route by base model
     # name only (SGLang's model gateway) forward this field unchanged.
     lora_path: Name | None = None
+    # vLLM's sampling fields beyond OpenAI's: each refused (a 400 naming it) unless it holds a
+    # value that changes nothing (gateway/openai/unhonoured.py); never ignored.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    use_beam_search: bool | None = None
+    best_of: int | None = None
+    length_penalty: float | None = None
 
     def __post_init__(self) -> None:
         self.seed = sampling_seed(self.seed)

@@ -125,6 +125,10 @@ def _check_unsupported(sp: SglangSamplingParams, vocab_size: int) -> None:
         raise _unsupported("ignore_eos", "sampling_params.ignore_eos")
     if sp.skip_special_tokens is False:
         raise _unsupported("skip_special_tokens = false", "sampling_params.skip_special_tokens")
+    if sp.spaces_between_special_tokens is False:
+        raise _unsupported(
+            "spaces_between_special_tokens = false", "sampling_params.spaces_between_special_tokens"
+        )
     if sp.stop_regex:
         raise _unsupported("stop_regex", "sampling_params.stop_regex")
     constraints = [k for k in ("regex", "json_schema", "ebnf", "structural_tag") if getattr(sp, k)]

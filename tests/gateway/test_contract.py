@@ -214,9 +214,10 @@ def fewer_coverage_cases(document: dict[str, Any]) -> dict[str, Any]:
     (no value matches two options), from which schemathesis' coverage phase derives a quarter of
     the cases (it tries values matching two options of a `oneOf`); for the real model's run, where
     every generated completion runs the model."""
-    for rule in document["components"]["schemas"]["CompletionRequest"]["allOf"]:
-        if "oneOf" in rule:
-            rule["anyOf"] = rule.pop("oneOf")
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        for rule in document["components"]["schemas"][name]["allOf"]:
+            if "oneOf" in rule:
+                rule["anyOf"] = rule.pop("oneOf")
     return document
 
 
