@@ -10,8 +10,8 @@ gateway answers 404 `unknown_url` to /v1/next_token_logprobs), the same rows are
 SGLang's `/generate` with `next_token_logprobs`, as JSON (the router reads it). Where the router's
 answer names the replica it chose (SMG's `x-smg-routed-worker-id`), later calls go to that
 replica's own dense route, as to one gateway: the router placed them (by the client's routing
-key), and the rows no longer pass through it. A replica that cannot be reached sends the calls
-back through the router. docs/fleet.md.
+key), and the rows no longer pass through it. A replica that cannot be reached, or answers 503
+(loading, draining), sends the calls back through the router. docs/fleet.md.
 """
 
 from __future__ import annotations
@@ -212,9 +212,12 @@ class DenseRequests:
             try:
                 try:
                     response = self._sync.post(**self._post_args(body))
+                    lost = self.replica_url is not None and response.status_code == 503
                 except httpx.TransportError:
                     if self.replica_url is None:
                         raise
+                    lost = True
+                if lost:  # the replica is gone, loading or draining: the router knows another
                     self._retire(segment)
                     self._placement_lost()
                     body, segment = self._request(model, chunk)
@@ -278,6 +281,9 @@ class DenseRequests:
                     await response.aread()
                     if not self.routed and _router_refused(response.status_code, response.content):
                         self._route_through_router()
+                        raise RoutedElsewhere
+                    if self.replica_url is not None and response.status_code == 503:
+                        self._placement_lost()  # loading or draining: the router knows another
                         raise RoutedElsewhere
                     raise_for_error(response)
                 content = await read_into_buffer(response)

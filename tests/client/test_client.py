@@ -203,3 +203,57 @@ def test_the_tokenizer_without_transformers_says_which_extra_to_install(lm, monk
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     with pytest.raises(ModuleNotFoundError, match=re.escape('pip install "logprob-gateway-client[genlm]"')):
         _ = lm.tokenizer
+
+
+@pytest.fixture()
+def unavailable_replica():
+    """A server whose every answer is the gateway's 503 (a replica loading or draining)."""
+    import http.server
+    import threading
+
+    class Unavailable(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = b'{"error": {"message": "draining", "type": "service_unavailable", "param": null, "code": null}}'
+            self.send_response(503)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("replica", ["unavailable", "gone"])
+def test_a_placed_client_whose_replica_is_unavailable_or_gone_goes_back_through_the_router(
+    gateway, reference, unavailable_replica, replica
+):
+    """Behind a router, a client asks the replica the router chose; one that answers 503 or
+    cannot be reached sends the call back through the router (here the gateway itself, whose
+    `/generate` serves dense rows as a router forwards them), sync and async alike."""
+    from bench.launcher import free_port
+
+    gone = f"http://127.0.0.1:{free_port()}"
+    lm = AsyncGatewayLM(gateway.base_url, MODEL)
+    try:
+        rows = [reference.tokenizer(p).input_ids for p in PREFIXES[:2]]
+        for call in ("async", "sync"):
+            lm._route_through_router()
+            lm.replica_url = unavailable_replica if replica == "unavailable" else gone
+            lm.clear_cache()
+            if call == "async":
+                found = asyncio.run(lm.batch_next_token_logprobs(rows))
+            else:
+                found = lm.batch_next_token_logprobs_sync(rows)
+            assert lm.routed and lm.replica_url is None  # the gateway names no replica
+            for row, ids in zip(np.asarray(found), rows, strict=True):
+                assert np.max(np.abs(row - reference.logprobs(ids)[-1])) <= 1e-4
+    finally:
+        lm.close()
