@@ -173,9 +173,14 @@ async def test_one_streams_tokens_do_not_spend_anothers_lexer_budget(engine):
     ab = [i for token, i in vocab.items() if token and set(token) <= {"a", "b"}]
     rng = np.random.default_rng(0)
     alice = await engine.structured_outputs.constraint(grammar)
-    with pytest.raises(GrammarError, match="lexer error: too many"):
+    accepted = 0
+    # Every a/b text is a prefix the grammar allows: what stops Alice is her lexer's budget,
+    # which llguidance reports as "too many states" or, run out within a token, as a failed parse.
+    with pytest.raises(GrammarError, match="lexer error: too many|fails parse"):
         for token in rng.choice(ab, 200_000):
             alice.accept(int(token))
+            accepted += 1
+    assert accepted > 1_000
     bob = await engine.structured_outputs.constraint(grammar)
     for token in rng.choice(ab, 100):
         assert (await bob.next_mask())[token]
