@@ -8,8 +8,9 @@ the fleet is its job. Each replica is `logprob-gateway serve` with the arguments
 without a routing key (requests with one stay on the replica their key was given), and the fleet
 gives it the models' tokenizers. A replica that exits is started again on its port, as a
 Deployment would (at once, then after longer waits while it keeps exiting soon after its start);
-the router takes it back once its `/health` answers. SIGTERM or Ctrl-C stops the router, then the replicas (each drains as on its
-own); if the router exits, the replicas are stopped and the fleet exits with its status.
+the router takes it back once its `/health` answers. SIGTERM or Ctrl-C stops the router, then the
+replicas (each drains as on its own); if the router exits, the replicas are stopped and the fleet
+exits with its status.
 docs/fleet.md says what goes through the router and how.
 """
 
@@ -179,8 +180,16 @@ def register_tokenizers(router: str, replica: str, timeout_s: float = 60.0) -> l
     """Give the router each model's tokenizer, under the model's name, from the directory the
     replicas load it from: SMG answers `/v1/tokenize` and `/v1/detokenize` itself, with its own
     tokenizer. Returns the names registered (none for a model whose directory has no
-    tokenizer.json, or if the router is not ready within `timeout_s`)."""
-    deadline = time.monotonic() + timeout_s
+    tokenizer.json; none at all if the router is not ready within `timeout_s` or refuses them:
+    the fleet serves without)."""
+    try:
+        return _register_tokenizers(router, replica, time.monotonic() + timeout_s)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"logprob-gateway fleet: the router has no tokenizers ({exc!r})", file=sys.stderr)
+        return []
+
+
+def _register_tokenizers(router: str, replica: str, deadline: float) -> list[str]:
     while not _answers(router + "/readiness"):
         if time.monotonic() > deadline:
             return []
@@ -237,8 +246,8 @@ def run(args: argparse.Namespace) -> int:
                     replica.tend()
             time.sleep(0.2)
         return 0
-    except (ChildProcessError, TimeoutError, FileNotFoundError, OSError, ValueError, KeyError) as exc:
-        print(f"logprob-gateway fleet: {exc!r}", file=sys.stderr)
+    except (ChildProcessError, TimeoutError, FileNotFoundError) as exc:
+        print(f"logprob-gateway fleet: {exc}", file=sys.stderr)
         return 1
     finally:
         # the router first: no request reaches a replica that is stopping
