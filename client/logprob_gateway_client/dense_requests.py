@@ -66,8 +66,8 @@ class RoutedElsewhere(Exception):
 class DenseRequests:
     """Dense requests for rows of packed ids (`pack_ids`), each answered by one float32 (or the
     client's `dtype`) matrix. Uses the client's `base_url`, `dtype`, `vocab_size`,
-    `max_rows_per_request`, `server_cache`, `_headers` and `_sync` (its httpx client); `_open_connections` sets
-    up the rest."""
+    `max_rows_per_request`, `server_cache`, `_headers` and `_sync` (its httpx client);
+    `_open_connections` sets up the rest."""
 
     base_url: str
     server_cache: bool
@@ -100,11 +100,8 @@ class DenseRequests:
             raise ValueError("shared_memory needs Linux's memfd_create")
         use = shared_memory is not False and memfd_supported()
         self._segments = SharedSegments(evict=cache.drop_owner) if use else None
-        self._ask_shared_memory = self._segments is not None  # until the gateway answers in the body
-        # The gateway's Unix socket, once an answer in this process's memory names it (local_socket.py)
         self._local_wanted = local_socket
-        self._local_allowed = local_socket and self._segments is not None
-        self._use_local_socket = self._local_allowed
+        self._ask_directly()
         self._local: LocalSocket | None = None
         self.local_socket_answers = 0  # dense answers that came over the local socket
         self.shared_memory_answers = 0  # dense answers the gateway wrote into shared memory
@@ -160,6 +157,13 @@ class DenseRequests:
         self._ask_shared_memory = False
         self._use_local_socket = self._local_allowed = False
 
+    def _ask_directly(self) -> None:
+        """Talking to a gateway itself (not through a router): answers into this process's memory
+        until the gateway answers in the body, and the gateway's Unix socket once an answer in
+        this process's memory names it (local_socket.py)."""
+        self._ask_shared_memory = self._segments is not None
+        self._local_allowed = self._use_local_socket = self._local_wanted and self._segments is not None
+
     def _follow_placement(self, headers: httpx.Headers) -> None:
         """After a routed answer: the replica the router chose, asked directly from now on (its
         shared memory and local socket too, where it runs on this host)."""
@@ -167,8 +171,7 @@ class DenseRequests:
         if self.replica_url is None and url.startswith(("http://", "https://")):
             log.info("the router placed this client's calls on %s: asking it directly", url)
             self.replica_url = url.rstrip("/")
-            self._ask_shared_memory = self._segments is not None
-            self._local_allowed = self._use_local_socket = self._local_wanted and self._segments is not None
+            self._ask_directly()
 
     def _placement_lost(self) -> None:
         """The replica the router placed the calls on is out of reach: back through the router,
