@@ -63,12 +63,10 @@ PACKED_IDS_BASE64 = "^(?:[A-Za-z0-9+/]{16})*(?:[A-Za-z0-9+/]{6}==|[A-Za-z0-9+/]{
 UNHONOURED = "vLLM's; not supported: only the value that changes nothing (docs/api.md, Sampling fields)."
 
 
-def _only(value: Any) -> dict[str, Any]:
-    if value == []:
+def _only(values: list[Any]) -> dict[str, Any]:
+    if values == [[]]:
         return {"type": "array", "maxItems": 0}
-    if isinstance(value, tuple):  # several values
-        return {"enum": list(value)}
-    return {"const": value}
+    return {"const": values[0]} if len(values) == 1 else {"enum": values}
 
 
 def _text() -> dict[str, Any]:
@@ -135,7 +133,7 @@ def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
     for request in (completion, chat):
         for field, values in NEUTRAL_SAMPLING.items():
             neutral = [v for v in values if v is not None]
-            only = {"type": "null"} if not neutral else _null_or(_only(neutral[0]))
+            only = {"type": "null"} if not neutral else _null_or(_only(neutral))
             request["properties"][field] = {**only, "description": UNHONOURED}
         request["properties"]["top_k"]["description"] = (
             "vLLM's: 1 is greedy sampling; -1 and 0 change nothing."

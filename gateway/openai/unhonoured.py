@@ -16,7 +16,7 @@ from gateway.schemas.common import GenerationRequest
 
 # field -> the values that change nothing
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "top_k": (None, (-1, 0, 1)),
+    "top_k": (None, -1, 0, 1),
     "min_p": (None, 0.0),
     "repetition_penalty": (None, 1.0),
     "min_tokens": (None, 0),
@@ -36,11 +36,10 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 def refuse_unhonoured(body: GenerationRequest) -> None:
     """InvalidRequestError naming the first field of vLLM's that asks for what is not done."""
-    if body.top_k not in (None, -1, 0, 1):
-        raise _refused("top_k", "top_k other than -1, 0 or 1")
     for field, neutral in NEUTRAL.items():
-        if field != "top_k" and getattr(body, field) not in neutral:
-            raise _refused(field, field)
+        if getattr(body, field) not in neutral:
+            accepted = ", ".join(repr(v) for v in neutral if v is not None)
+            raise _refused(field, f"{field} other than {accepted}" if accepted else field)
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise InvalidRequestError("best_of is not supported unless it equals n", param="best_of")
 
