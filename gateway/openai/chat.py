@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -16,7 +17,7 @@ from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
 from gateway.generation import sampling
 from gateway.models.served import ServedModel
-from gateway.openai.serving import admit
+from gateway.openai.serving import Admitted, admit
 from gateway.openai.tool_reader import CallStarted, ContentDelta, Event
 from gateway.openai.tools import ToolCalls, requested_calls, template_tool_calls, template_tools
 from gateway.prompts import check_text_chars, tokenize
@@ -94,7 +95,7 @@ def chat_prompt_ids(
     return tokenize(served, text, add_special_tokens=False, param="messages")
 
 
-def _token_logprobs(served: ServedModel, steps: Sequence[TokenStep]) -> list[TokenLogprob]:
+def token_logprobs(served: ServedModel, steps: Sequence[TokenStep]) -> list[TokenLogprob]:
     def entry(token_id: int) -> tuple[str, list[int]]:
         raw = served.token_bytes[token_id]
         return token_display(raw), list(raw)
@@ -131,12 +132,47 @@ def _token_logprobs(served: ServedModel, steps: Sequence[TokenStep]) -> list[Tok
 )
 async def create_chat_completion(request: Request) -> Response:
     admitted = await admit(request, ChatCompletionRequest)
+    run = await start_chat(admitted)
+    served, body, usage, calls = run.served, run.body, run.usage, run.calls
+    if body.stream:
+        return sse_response(_stream(served, body, run.streams, usage, admitted.include_usage, calls))
+    pieces = await asyncio.gather(*(gen.collect(s) for s in run.streams))
+    choices = []
+    for index, piece in enumerate(pieces):
+        usage.add(piece.steps)
+        logprobs = ChoiceLogprobs(content=token_logprobs(served, piece.steps)) if body.logprobs else None
+        message, finish = finished_message(calls, piece.text, piece.finish_reason)
+        choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish))  # type: ignore[arg-type]
+    return json_response(
+        ChatCompletionResponse(
+            id=new_id("chatcmpl"), created=now(), model=body.model, choices=choices, usage=usage.usage()
+        )
+    )
+
+
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat request started: its choices' text pieces as they come, the calls they may make
+    (None: a text answer) and the usage they count."""
+
+    served: ServedModel
+    body: ChatCompletionRequest
+    streams: list[AsyncIterator[gen.Piece]]
+    usage: UsageCounter
+    calls: ToolCalls | None
+
+
+async def start_chat(admitted: Admitted[ChatCompletionRequest], endpoint: str = "chat") -> ChatRun:
+    """The chat generation of an admitted request (/v1/chat/completions, and /v1/responses turned
+    into one): its calls, its prompt templated, its SamplingParams checked, its choices started.
+    Raises the gateway's errors naming the chat request's fields; nothing refuses after it returns.
+    `endpoint` labels its token metrics."""
     body, served, limits = admitted.body, admitted.served, admitted.limits
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     calls = requested_calls(body, served)
     prompt_ids = await admitted.prompts(
-        lambda: chat_prompt_ids(served, body.messages, limits, tools=template_tools(body))
+        lambda: admitted.truncated(chat_prompt_ids(served, body.messages, limits, tools=template_tools(body)))
     )
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = await admitted.sampling_params(
@@ -154,24 +190,11 @@ async def create_chat_completion(request: Request) -> Response:
         )
     streams = admitted.choices(prompt_ids, params, calls.shown_ids if calls is not None else ())
     # counted once admitted: nothing refuses after
-    usage = _UsageCounter(served, admitted.adapter, len(prompt_ids))
-    if body.stream:
-        return sse_response(_stream(served, body, streams, usage, admitted.include_usage, calls))
-    pieces = await asyncio.gather(*(gen.collect(s) for s in streams))
-    choices = []
-    for index, piece in enumerate(pieces):
-        usage.add(piece.steps)
-        logprobs = ChoiceLogprobs(content=_token_logprobs(served, piece.steps)) if body.logprobs else None
-        message, finish = _message(calls, piece.text, piece.finish_reason)
-        choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish))  # type: ignore[arg-type]
-    return json_response(
-        ChatCompletionResponse(
-            id=new_id("chatcmpl"), created=now(), model=body.model, choices=choices, usage=usage.usage()
-        )
-    )
+    usage = UsageCounter(served, admitted.adapter, len(prompt_ids), endpoint)
+    return ChatRun(served, body, streams, usage, calls)
 
 
-def _message(
+def finished_message(
     calls: ToolCalls | None, text: str, finish_reason: str | None
 ) -> tuple[AssistantMessage, str | None]:
     """A finished choice's message and finish reason: its text, or the text before its calls
@@ -191,11 +214,11 @@ def _message(
     return AssistantMessage(content=reader.content or None, tool_calls=made), finish
 
 
-class _UsageCounter:
-    def __init__(self, served: ServedModel, adapter: str | None, prompt_tokens: int) -> None:
+class UsageCounter:
+    def __init__(self, served: ServedModel, adapter: str | None, prompt_tokens: int, endpoint: str) -> None:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
-        labels = (served.name, adapter or "", "chat")
+        labels = (served.name, adapter or "", endpoint)
         served.metrics.prompt_tokens.labels(*labels).inc(prompt_tokens)
         self._generated = served.metrics.generation_tokens.labels(*labels)
 
@@ -215,7 +238,7 @@ async def _stream(
     served: ServedModel,
     body: ChatCompletionRequest,
     streams: list[AsyncIterator[gen.Piece]],
-    usage: _UsageCounter,
+    usage: UsageCounter,
     include_usage: bool,
     calls: ToolCalls | None,
 ) -> AsyncIterator[bytes]:
@@ -235,7 +258,7 @@ async def _stream(
         yield chunk([ChatChunkChoice(index=index, delta=first)])
     async for index, piece in gen.merge(streams):
         usage.add(piece.steps)
-        logprobs = ChoiceLogprobs(content=_token_logprobs(served, piece.steps)) if body.logprobs else None
+        logprobs = ChoiceLogprobs(content=token_logprobs(served, piece.steps)) if body.logprobs else None
         reader = readers[index]
         if reader is None:
             deltas = [ChatDelta(content=piece.text)] if piece.text else []
