@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from backends.registry import BACKEND_NAMES, DENSE_BACKEND_NAMES
 from gateway import fleet
+from gateway.openai.tool_formats import TOOL_FORMATS
 from gateway.server.preflight import check_before_loading
 from gateway.settings import CacheSettings, ConfigError, ModelSettings, Settings, load_settings
 
@@ -82,6 +83,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights-root",
         metavar="DIR",
         help="/update_weights_from_disk reads only inside it (default: off, no run-time weight loads)",
+    )
+    serve.add_argument(
+        "--chat-template",
+        metavar="NAME_OR_FILE",
+        help="the chat template: a shipped one's name, tokenizer (the model's own), or a Jinja file "
+        "inside --chat-templates-root (default: smollm2-tools for smollm2-135m, else the model's own)",
+    )
+    serve.add_argument(
+        "--chat-templates-root",
+        metavar="DIR",
+        help="--chat-template files are read only inside it (default: none, shipped templates only)",
+    )
+    serve.add_argument(
+        "--tool-call-format",
+        choices=list(TOOL_FORMATS),
+        help="the model's tool-call syntax, for tool_choice auto (default: read off the chat template)",
     )
     serve.add_argument(
         "--log-level",

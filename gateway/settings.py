@@ -24,6 +24,9 @@
     adapters_root = "/adapters"    # run-time loads (admin endpoints) must lie inside it
     weights_root = "/checkpoints"  # /update_weights_from_disk must read inside it; unset: off
     max_batch_rows = 256           # distinct dense rows per engine call
+    chat_template = "smollm2-tools"  # a shipped template's name, "tokenizer", or a file inside:
+    chat_templates_root = "/templates"  # where template files may be read from; unset: none
+    tool_call_format = "hermes"    # or llama3_json, mistral; unset: read off the chat template
     options = {}                   # backend-specific (with dense_backend: the generation engine's)
     dense_backend = "self"         # or "transformers": it computes the dense rows, `backend` generates
     dense_options = {}             # the dense engine's own options
@@ -58,7 +61,7 @@ Environment: LOGPROB_GATEWAY_CONFIG, _HOST, _PORT, _MODEL, _BACKEND, _SERVED_MOD
 _DEVICE, _MAX_MODEL_LEN, _LOG_LEVEL, _REDIS_URL, _CACHE (false: no cache), _ADMIN_KEY,
 _API_KEYS (comma-separated entries), _API_KEYS_FILE, _METRICS_PUBLIC, _SHUTDOWN_GRACE_S,
 _SHARED_MEMORY, _TRUSTED_WEIGHT_SYNC, _WEIGHT_SYNC_TIMEOUT_S, _OPEN_FLUSH_CACHE,
-_WEIGHTS_ROOT.
+_WEIGHTS_ROOT, _CHAT_TEMPLATE, _CHAT_TEMPLATES_ROOT, _TOOL_CALL_FORMAT.
 A model given by flag or environment replaces the file's model list.
 """
 
@@ -75,6 +78,7 @@ import msgspec
 from backends.builtin_models import DEFAULT_MODEL
 from backends.registry import BACKEND_NAMES, DENSE_BACKEND_NAMES, SELF, composed_config
 from backends.types import EngineConfig
+from gateway.openai.tool_formats import TOOL_FORMATS
 
 ENV_PREFIX = "LOGPROB_GATEWAY_"
 
@@ -100,6 +104,12 @@ class ModelSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # engine, loaded from the same weights, computes dense rows and prompt scores (backends/composed/)
     dense_backend: str = SELF
     dense_options: dict[str, Any] = {}  # the dense engine's options
+    # the template chat requests are rendered with (gateway/models/chat_template.py): a shipped
+    # template's name, "tokenizer" (the model's own), or a Jinja file inside chat_templates_root;
+    # None: the built-in model's shipped template where it has one, else the model's own
+    chat_template: str | None = None
+    chat_templates_root: str | None = None  # template files must lie inside it; None: no files
+    tool_call_format: str | None = None  # a name of TOOL_FORMATS; None: read off the chat template
 
     @property
     def served_name(self) -> str:
@@ -142,6 +152,13 @@ class ModelSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"model {name!r}: dense_options without a dense_backend; put them in options")
         if ":" in name:
             raise ConfigError(f"model name {name!r} must not contain ':' (it selects adapters)")
+        if self.tool_call_format is not None and self.tool_call_format not in TOOL_FORMATS:
+            raise ConfigError(
+                f"model {name!r}: unknown tool_call_format {self.tool_call_format!r}; "
+                f"choose one of: {', '.join(TOOL_FORMATS)}"
+            )
+        if self.chat_template == "":
+            raise ConfigError(f"model {name!r}: chat_template is empty; leave it out for the default")
 
 
 class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -149,6 +166,8 @@ class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_prompts: Annotated[int, msgspec.Meta(gt=0)] = 64  # prompts in one completion request
     max_top_logprobs: Annotated[int, msgspec.Meta(ge=0)] = 20
     max_stop: Annotated[int, msgspec.Meta(ge=0)] = 4
+    # vLLM's `bad_words` per request: each word's token sequences are checked at every step
+    max_bad_words: Annotated[int, msgspec.Meta(ge=0)] = 128
     max_tokens: Annotated[int, msgspec.Meta(gt=0)] = 4096  # tokens generated per choice
     max_rows: Annotated[int, msgspec.Meta(gt=0)] = 1024  # rows in one next_token_logprobs request
     # characters of one text (a prompt, a conversation, a dense input), refused before tokenizing;
@@ -265,6 +284,9 @@ _MODEL_KEYS = (
     "device",
     "max_model_len",
     "weights_root",
+    "chat_template",
+    "chat_templates_root",
+    "tool_call_format",
 )
 _ENV_KEYS = {
     "HOST": "host",
@@ -278,6 +300,9 @@ _ENV_KEYS = {
     "DEVICE": "device",
     "MAX_MODEL_LEN": "max_model_len",
     "WEIGHTS_ROOT": "weights_root",
+    "CHAT_TEMPLATE": "chat_template",
+    "CHAT_TEMPLATES_ROOT": "chat_templates_root",
+    "TOOL_CALL_FORMAT": "tool_call_format",
     "REDIS_URL": "redis_url",
     "CACHE": "cache_enabled",
     "ADMIN_KEY": "admin_key",

@@ -1,5 +1,6 @@
-"""A served model loaded: its engine, what the routes read off its tokenizer (token bytes,
-special tokens, the tokenizer's files), the fingerprint of its weights, its configured adapters."""
+"""A served model loaded: its engine, its chat template and tool-call format, what the routes read
+off its tokenizer (token bytes, special tokens, the tokenizer's files), the fingerprint of its
+weights, its configured adapters."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from backends.registry import engine_class
 from backends.vocab import token_bytes_table
 from gateway.metrics import Metrics
 from gateway.models.adapters import add_adapter
+from gateway.models.chat_template import chat_template_text, served_tool_format
 from gateway.models.fingerprint import weights_fingerprint
 from gateway.models.served import ServedModel
+from gateway.settings import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +47,13 @@ async def load_model(served: ServedModel, metrics: Metrics) -> None:
     log.info("loading model %r (%s, backend %s)", served.name, settings.model, settings.engines)
     try:
         cls = engine_class(settings.backend, settings.dense_backend)
+        template = await asyncio.to_thread(chat_template_text, settings)
         engine = await asyncio.to_thread(cls.load, settings.engine_config())
+        if template is not None:  # on the tokenizer: every reader of its template sees this one
+            engine.info.tokenizer.chat_template = template
+        served.tool_format = served_tool_format(
+            settings, getattr(engine.info.tokenizer, "chat_template", None)
+        )
         served.token_bytes = await asyncio.to_thread(
             token_bytes_table, engine.info.tokenizer, engine.info.vocab_size
         )
@@ -65,7 +74,7 @@ async def load_model(served: ServedModel, metrics: Metrics) -> None:
     except Exception as exc:  # a model that cannot load must not take the others down
         served.engine = None
         served.error = f"{type(exc).__name__}: {exc}"
-        served.misconfigured = isinstance(exc, EngineMismatchError)
+        served.misconfigured = isinstance(exc, EngineMismatchError | ConfigError)
         log.error("model %r failed to load: %s", served.name, served.error)
         return
     elapsed = time.perf_counter() - started

@@ -16,6 +16,7 @@ from backends.engine import Engine
 from gateway.errors import ModelNotFoundError, ModelNotReadyError
 from gateway.metrics import Metrics
 from gateway.models.weights_lock import WeightsLock
+from gateway.openai.tool_formats import ToolFormat
 from gateway.settings import ModelSettings
 
 
@@ -34,6 +35,8 @@ class ServedModel:
     token_bytes: list[bytes] = field(default_factory=list)
     special_ids: frozenset[int] = frozenset()  # tokens that add no text to completions
     tokenizer_files: dict[str, str] = field(default_factory=dict)
+    # how its tool calls are written: its settings' format, else its chat template's; None: no calls
+    tool_format: ToolFormat | None = None
     fingerprint: str = ""  # identity of the weights, for cache keys
     weights: WeightsLock = field(default_factory=WeightsLock, repr=False)  # held by whoever reads them
     weight_version: str = "default"  # what the last weights update called its weights

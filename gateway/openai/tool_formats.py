@@ -83,6 +83,10 @@ GATEWAY_JSON = ToolFormat(
 )
 
 
+# The formats a model's settings may name (`tool_call_format`), as the template reading names them.
+TOOL_FORMATS = {fmt.name: fmt for fmt in (HERMES, LLAMA3_JSON, MISTRAL)}
+
+
 def template_format(template: str) -> ToolFormat | None:
     """The tool-call format a chat template's text declares; None where it shows no tool calls."""
     if "<tool_call>" in template:

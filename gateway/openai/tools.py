@@ -1,8 +1,8 @@
 """Function calls on /v1/chat/completions, held to the tools' schemas by the grammar.
 
 - "auto" (the default with tools): free text, or text then calls in the model's own format, as
-  its chat template shows it (gateway/openai/tool_formats.py); a model whose template shows no
-  calls is refused with a 400 naming it.
+  its chat template shows it (gateway/openai/tool_formats.py) or its settings name it
+  (gateway/models/chat_template.py); a model without one is refused with a 400 naming it.
 - "required", a named function: calls only (a named one: that function's, once). On a model whose
   template shows no calls, "required" is a JSON list of `{"name", "parameters"}` and a named call
   its arguments alone.
@@ -29,7 +29,6 @@ from gateway.openai.tool_formats import (
     ToolFormat,
     calls_grammar,
     function_parameters,
-    template_format,
 )
 from gateway.openai.tool_reader import CallReader
 from gateway.schemas.chat import ChatCompletionRequest, FunctionSpec, NamedToolChoice
@@ -76,16 +75,14 @@ def requested_calls(body: ChatCompletionRequest, served: ServedModel) -> ToolCal
                 param=f"tools[{index}].function.parameters",
             )
         functions[tool.function.name] = tool.function
-    template = getattr(served.require_engine().info.tokenizer, "chat_template", None) or ""
-    if isinstance(template, dict):  # named templates ("default", "tool_use"): any may show calls
-        template = "\n".join(str(text) for text in template.values())
-    fmt = template_format(template)
+    fmt = served.tool_format
     if choice == "auto":
         if fmt is None:
             raise InvalidRequestError(
                 f'tool_choice "auto" (the default with tools) needs a parser of the model\'s own call '
                 f"syntax, and the chat template of model {served.name!r} shows no tool-call format: "
-                'ask "required", a named function, or "none"',
+                'ask "required", a named function, or "none" (or serve the model with a '
+                "chat_template that shows one, or a tool_call_format)",
                 param="tool_choice",
             )
         if body.structured_outputs is not None or isinstance(

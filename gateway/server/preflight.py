@@ -1,5 +1,5 @@
 """What `logprob-gateway serve` checks before it loads anything: the address it listens on, each
-model's backend library and weights directory. The common mistakes then fail in milliseconds,
+model's backend library, weights directory and chat template. The common mistakes then fail in milliseconds,
 not after minutes of loading (or never, with a server answering 503)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import socket
 from backends.builtin_models import check_model_source
 from backends.errors import EngineUnavailableError
 from backends.registry import SELF, check_backend_installed
-from gateway.settings import Settings
+from gateway.models.chat_template import chat_template_text
+from gateway.settings import ConfigError, Settings
 
 
 def check_listen_address(host: str, port: int) -> str | None:
@@ -45,4 +46,8 @@ def check_before_loading(settings: Settings) -> list[str]:
                 check(subject)
             except EngineUnavailableError as exc:
                 problems.append(f"model {model.served_name!r}: {exc}")
+        try:
+            chat_template_text(model)
+        except ConfigError as exc:
+            problems.append(f"model {model.served_name!r}: {exc}")
     return problems

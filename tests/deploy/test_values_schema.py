@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from backends.registry import BACKEND_NAMES, DENSE_BACKEND_NAMES
+from gateway.openai.tool_formats import TOOL_FORMATS
 from gateway.settings import CacheSettings, Limits, ModelSettings, Settings
 from tests.deploy.conftest import CHART, EXAMPLES, HASH, require
 
@@ -112,3 +113,4 @@ def test_the_schema_follows_the_gateway_settings():
     model = SCHEMA["definitions"]["model"]["properties"]
     assert set(BACKEND_NAMES) <= set(model["backend"]["enum"])
     assert model["dense_backend"]["enum"] == list(DENSE_BACKEND_NAMES)
+    assert model["tool_call_format"]["enum"] == [*TOOL_FORMATS, None]

@@ -338,12 +338,15 @@ CASES = {
     "chat-response_format-bogus": Case(
         CHAT, chat(response_format={"type": "bogus"}), 400, "response_format.type", "'bogus'"
     ),
-    "chat-tools-auto": Case(
+    "chat-tools-auto-with-response_format": Case(
         CHAT,
-        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        chat(
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            response_format={"type": "json_object"},
+        ),
         400,
-        "tool_choice",
-        "needs a parser",
+        "response_format",
+        "cannot both constrain",
     ),
     "chat-tool_choice-required-no-tools": Case(
         CHAT, chat(tool_choice="required"), 400, "tool_choice", "no tools"

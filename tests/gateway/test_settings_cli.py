@@ -212,6 +212,34 @@ def test_weights_root_from_a_flag_or_the_environment_applies_to_every_model(tmp_
     assert [m.weights_root for m in cli.settings_from_args(args).models] == ["/ckpt", "/ckpt"]
 
 
+def test_chat_template_settings_from_a_flag_the_environment_or_the_file(tmp_path):
+    path = write(
+        tmp_path, TWO_MODELS.replace('backend = "mock"', 'backend = "mock"\ntool_call_format = "mistral"')
+    )
+    from_file = load_settings(path, environ={}).models
+    assert [(m.chat_template, m.chat_templates_root, m.tool_call_format) for m in from_file] == [
+        (None, None, None),
+        (None, None, "mistral"),
+    ]
+    environ = {
+        "LOGPROB_GATEWAY_CHAT_TEMPLATE": "family/chat.jinja",
+        "LOGPROB_GATEWAY_CHAT_TEMPLATES_ROOT": "/templates",
+        "LOGPROB_GATEWAY_TOOL_CALL_FORMAT": "hermes",
+    }
+    for model in load_settings(path, environ=environ).models:
+        assert (model.chat_template, model.chat_templates_root, model.tool_call_format) == (
+            "family/chat.jinja",
+            "/templates",
+            "hermes",
+        )
+    flags = ["--chat-template", "smollm2-tools", "--tool-call-format", "llama3_json"]
+    args = cli.build_parser().parse_args(["serve", "--model", "smollm2-135m", *flags])
+    (model,) = cli.settings_from_args(args).models
+    assert (model.chat_template, model.tool_call_format) == ("smollm2-tools", "llama3_json")
+    with pytest.raises(ConfigError, match="unknown tool_call_format 'json'; choose one of: hermes, "):
+        load_settings(environ={"LOGPROB_GATEWAY_TOOL_CALL_FORMAT": "json"})
+
+
 BAD_FILES = {
     "duplicate-names": (
         '[[models]]\nname = "a"\n\n[[models]]\nname = "a"\nmodel = "/x/y"\n',
@@ -238,6 +266,14 @@ BAD_FILES = {
     "removed-batch-window": (  # gone with the gateway's own batching: the engine's scheduler batches
         "[[models]]\nbatch_window_ms = 2.0\n",
         "Object contains unknown field `batch_window_ms` - at `$.models[0]`",
+    ),
+    "unknown-tool-call-format": (
+        '[[models]]\nname = "a"\ntool_call_format = "xml"\n',
+        "model 'a': unknown tool_call_format 'xml'; choose one of: hermes, llama3_json, mistral",
+    ),
+    "empty-chat-template": (
+        '[[models]]\nname = "a"\nchat_template = ""\n',
+        "model 'a': chat_template is empty; leave it out for the default",
     ),
     "port-out-of-range": ("port = 70000\n", "Expected `int` <= 65535 - at `$.port`"),
     "no-models": ("models = []\n", "at least one model must be configured"),
@@ -377,6 +413,7 @@ def test_flags_beat_environment_and_file(tmp_path, monkeypatch):
         ["serve", "--dtype", "float64"],
         ["serve", "--port", "http"],
         ["serve", "--log-level", "loud"],
+        ["serve", "--tool-call-format", "xml"],
         ["serve", "--max-model-len", "long"],
         [],
     ],
