@@ -26,7 +26,7 @@ from gateway.errors import EXCEPTION_HANDLERS
 from gateway.guard import guard
 from gateway.metrics import Metrics, StateCollector, instrument
 from gateway.models.registry import ModelRegistry
-from gateway.openai import chat, completions, models
+from gateway.openai import chat, completions, models, responses
 from gateway.server.shutdown import Shutdown
 from gateway.settings import Settings
 from gateway.sglang_api import routes as sglang_routes
@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 ROUTE_MODULES: tuple[ModuleType, ...] = (
     completions,
     chat,
+    responses,
     dense_routes,
     models,
     dense_vocabulary,

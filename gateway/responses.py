@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -135,26 +135,47 @@ def now() -> int:
     return int(time.time())
 
 
-def sse_event(body: Any) -> bytes:
-    return b"data: " + _encoder.encode(body) + b"\n\n"
+def sse_event(body: Any, event: str | None = None) -> bytes:
+    """One server-sent event: `data: <json>`, after `event: <event>` where it is named (OpenAI's
+    Responses stream names each event by its type)."""
+    head = b"event: " + event.encode() + b"\n" if event is not None else b""
+    return head + b"data: " + _encoder.encode(body) + b"\n\n"
 
 
-async def _sse(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The stream's events, then `data: [DONE]`; a failure mid-stream becomes an error event."""
+def _chat_error(error: ErrorDetail) -> bytes:
+    return sse_event(ErrorResponse(error=error))
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+async def _sse(
+    events: AsyncIterator[bytes], error_event: Callable[[ErrorDetail], bytes], ending: bytes
+) -> AsyncIterator[bytes]:
+    """The stream's events, then `ending`; a failure mid-stream becomes an error event."""
     try:
         async for event in events:
             yield event
     except GatewayError as exc:
-        yield sse_event(
-            ErrorResponse(error=ErrorDetail(message=exc.message, type=exc.error_type, code=exc.code))
+        yield error_event(
+            ErrorDetail(message=exc.message, type=exc.error_type, param=exc.param, code=exc.code)
         )
     except Exception:
         log.exception("stream failed")
-        yield sse_event(
-            ErrorResponse(error=ErrorDetail(message="internal server error", type="internal_error"))
-        )
-    yield b"data: [DONE]\n\n"
+        yield error_event(ErrorDetail(message="internal server error", type="internal_error"))
+    if ending:
+        yield ending
 
 
-def sse_response(events: AsyncIterator[bytes]) -> EventStreamResponse:
-    return EventStreamResponse(_sse(events), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+def sse_response(
+    events: AsyncIterator[bytes],
+    *,
+    error_event: Callable[[ErrorDetail], bytes] = _chat_error,
+    ending: bytes = DONE,
+) -> EventStreamResponse:
+    """`events` as server-sent events; a failure mid-stream is sent as `error_event` makes it (chat's
+    `data: {"error": {...}}` by default), and the stream ends with `ending` (`data: [DONE]`; empty:
+    nothing)."""
+    return EventStreamResponse(
+        _sse(events, error_event, ending), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )

@@ -25,6 +25,7 @@ from gateway.contract.constraints import constrain
 from gateway.contract.endpoint import Endpoint, endpoints
 from gateway.contract.links import links
 from gateway.contract.operation import Schema
+from gateway.contract.responses_checks import constrain_responses
 from gateway.contract.vocabulary import bound_by_vocabulary
 from gateway.errors import ErrorResponse
 from gateway.guard import DURING_SHUTDOWN, open_paths
@@ -161,6 +162,7 @@ def build_openapi(
     every = endpoints(handlers)
     schemas = _Schemas(_declared_types(e.operation for e in every))
     constrain(schemas.components, settings)
+    constrain_responses(schemas.components, settings)
     if vocab_size is not None:
         bound_by_vocabulary(schemas.components, vocab_size)
     unguarded = open_paths(metrics_public=settings.metrics_public)

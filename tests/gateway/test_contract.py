@@ -45,6 +45,7 @@ MODEL_REQUESTS = (
     "GenerateRequest",
     "CompletionRequest",
     "ChatCompletionRequest",
+    "ResponsesRequest",
     "NextTokenLogprobsRequest",
     "TokenizeRequest",
     "DetokenizeRequest",
@@ -197,6 +198,11 @@ def deployment_document(
         schema["allOf"] = [
             rule for rule in schema["allOf"] if not any(f in json.dumps(rule) for f in GRAMMAR_FIELDS)
         ]
+    # /v1/responses' grammar fields: its tools, tool_choice and text.format
+    responses = schemas["ResponsesRequest"]
+    for field in ("text", "tools", "tool_choice"):
+        responses["properties"].pop(field)
+    responses["allOf"] = [rule for rule in responses["allOf"] if "tool" not in json.dumps(rule)]
     # SGLang's /generate relates fields JSON Schema cannot (a list per prompt, logprob_start_len
     # within the prompt, n the same in every sampling_params): test_fuzz.py and
     # test_sglang_native.py cover it instead
