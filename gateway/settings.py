@@ -24,8 +24,8 @@
     adapters_root = "/adapters"    # run-time loads (admin endpoints) must lie inside it
     weights_root = "/checkpoints"  # /update_weights_from_disk must read inside it; unset: off
     max_batch_rows = 256           # distinct dense rows per engine call
-    chat_template = "smollm2-tools"  # a shipped template's name, "tokenizer", or a file inside:
-    chat_templates_root = "/templates"  # where template files may be read from; unset: none
+    chat_template = "smollm2-tools"  # shipped, "tokenizer" (the model's own), or a file in the root
+    chat_templates_root = "/templates"  # where chat_template files may be read from; unset: none
     tool_call_format = "hermes"    # or llama3_json, mistral; unset: read off the chat template
     options = {}                   # backend-specific (with dense_backend: the generation engine's)
     dense_backend = "self"         # or "transformers": it computes the dense rows, `backend` generates
@@ -157,8 +157,9 @@ class ModelSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"model {name!r}: unknown tool_call_format {self.tool_call_format!r}; "
                 f"choose one of: {', '.join(TOOL_FORMATS)}"
             )
-        if self.chat_template == "":
-            raise ConfigError(f"model {name!r}: chat_template is empty; leave it out for the default")
+        for key in ("chat_template", "chat_templates_root"):  # "" would read as the working directory
+            if getattr(self, key) == "":
+                raise ConfigError(f"model {name!r}: {key} is empty; leave it out for the default")
 
 
 class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -53,29 +53,29 @@ def chat_template_text(settings: ModelSettings) -> str | None:
         return None
     if chosen in shipped_templates():
         return (SHIPPED / f"{chosen}.jinja").read_text(encoding="utf-8")
-    return _checked(_template_file(chosen, settings.chat_templates_root).read_text(encoding="utf-8"))
+    return _checked(_template_file_text(chosen, settings.chat_templates_root))
 
 
-def _template_file(given: str, root: str | None) -> Path:
+def _template_file_text(given: str, root: str | None) -> str:
     if root is None:
         raise ConfigError(
             f"chat_template {given!r} is no shipped template ({', '.join(shipped_templates())}) nor "
             f'"{OWN}"; a template file must lie inside chat_templates_root, which is not set'
         )
     try:
-        base = Path(root).resolve(strict=True)
+        base = Path(root).resolve()
+        if not base.is_dir():
+            raise ConfigError(f"chat_templates_root {root!r} is not a directory")
         path = (base / given).resolve()
+        if not path.is_relative_to(base):  # a symlink inside that leads out counts as outside
+            raise ConfigError(f"chat_template {given!r} lies outside chat_templates_root {root!r}")
+        if not path.is_file():
+            raise ConfigError(f"chat_template {given!r}: no such file in chat_templates_root {root!r}")
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"chat_template {given!r} is not UTF-8 text") from None
     except (OSError, RuntimeError) as exc:  # RuntimeError: pathlib's report of a symlink loop
-        raise ConfigError(
-            f"chat_templates_root {root!r} or chat_template {given!r} is unusable: {exc}"
-        ) from None
-    if not base.is_dir():
-        raise ConfigError(f"chat_templates_root {root!r} is not a directory")
-    if not path.is_relative_to(base):  # a symlink inside that leads out counts as outside
-        raise ConfigError(f"chat_template {given!r} lies outside chat_templates_root {root!r}")
-    if not path.is_file():
-        raise ConfigError(f"chat_template {given!r}: no such file in chat_templates_root {root!r}")
-    return path
+        raise ConfigError(f"chat_template {given!r} is not a usable path: {exc}") from None
 
 
 def _checked(text: str) -> str:

@@ -159,6 +159,10 @@ REFUSED = {
     "symlink-leading-out": (["--chat-template", "escape.jinja"], "lies outside chat_templates_root"),
     "missing-file": (["--chat-template", "family/absent.jinja"], "no such file in chat_templates_root"),
     "not-jinja": (["--chat-template", "broken.jinja"], "is not a valid Jinja template: line 1"),
+    "root-not-a-directory": (
+        ["--chat-template", "x.jinja", "--chat-templates-root", "{tmp}/outside.jinja"],
+        "is not a directory",
+    ),
 }
 
 

@@ -275,6 +275,10 @@ BAD_FILES = {
         '[[models]]\nname = "a"\nchat_template = ""\n',
         "model 'a': chat_template is empty; leave it out for the default",
     ),
+    "empty-chat-templates-root": (
+        '[[models]]\nname = "a"\nchat_templates_root = ""\n',
+        "model 'a': chat_templates_root is empty; leave it out for the default",
+    ),
     "port-out-of-range": ("port = 70000\n", "Expected `int` <= 65535 - at `$.port`"),
     "no-models": ("models = []\n", "at least one model must be configured"),
     "models-not-a-list": ('models = "smollm2-135m"\n', "Expected `array`, got `str` - at `$.models`"),
