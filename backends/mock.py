@@ -257,6 +257,6 @@ class MockEngine(Engine):
             return self.logits(prefix, adapter)
 
         async for step in sample_tokens(
-            params, self.info.eos_token_ids, next_logits, grammars=self.structured_outputs
+            params, self.info.eos_token_ids, next_logits, grammars=self.structured_outputs, prompt_ids=ids
         ):
             yield step

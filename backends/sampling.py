@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from backends import token_controls
 from backends.errors import GrammarError
+from backends.token_controls import TokenControls
 from backends.types import GREEDY_BELOW, PromptLogprobs, SamplingParams, TokenStep
 
 if TYPE_CHECKING:
@@ -52,23 +54,36 @@ class Pick:
 
 
 def greedy_alternatives(params: SamplingParams) -> int | None:
-    """For a stream whose every token is its row's most likely one (greedy: no bias, penalty or
-    grammar), how many of the row's best entries a Pick needs (at least the token's own);
-    None where the sampler needs the whole row."""
-    plain = not (params.logit_bias or params.presence_penalty or params.frequency_penalty)
+    """For a stream whose every token is its row's most likely one (greedy: no bias, penalty,
+    grammar or control that changes the most likely token), how many of the row's best entries a
+    Pick needs (at least the token's own); None where the sampler needs the whole row."""
+    plain = not (
+        params.logit_bias
+        or params.presence_penalty
+        or params.frequency_penalty
+        or token_controls.greedy_changing(params)
+    )
     if params.temperature < GREEDY_BELOW and plain and params.grammar is None:
         return max(1, params.top_logprobs)
     return None
 
 
 class Sampler:
-    """Per-request sampling state: the random generator and the counts for penalties."""
+    """Per-request sampling state: the random generator, the tokens so far (for penalties and
+    the token controls) and the tokens that end the stream."""
 
     def __init__(
-        self, params: SamplingParams, eos_token_ids: frozenset[int], normalized: bool = False
+        self,
+        params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        normalized: bool = False,
+        prompt_ids: Sequence[int] = (),
     ) -> None:
         self.params = params
-        self.eos_token_ids = eos_token_ids
+        self.ends = params.stop_token_ids | (frozenset() if params.ignore_eos else eos_token_ids)
+        wanted = token_controls.wanted(params)
+        self.controls = TokenControls(params, prompt_ids, eos_token_ids) if wanted else None
+        self.output: list[int] = []
         self.normalized = normalized  # rows are log-probabilities already (a log_softmax of the logits)
         # numpy refuses negative seeds: use the unsigned 64-bit seed they wrap to
         self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
@@ -87,7 +102,7 @@ class Sampler:
         if allowed is not None:
             logits = np.where(allowed, logits, np.float32(-np.inf))
         penalised = bool(self.counts) and bool(p.presence_penalty or p.frequency_penalty)
-        if p.temperature < GREEDY_BELOW and not p.logit_bias and not penalised:
+        if p.temperature < GREEDY_BELOW and not p.logit_bias and not penalised and self.controls is None:
             token = int(np.argmax(logits))  # float32 orders as float64 does: no copy for greedy
         else:
             scores = logits.astype(np.float64)
@@ -98,13 +113,16 @@ class Sampler:
                 ids = np.fromiter(self.counts.keys(), np.int64)
                 counts = np.fromiter(self.counts.values(), np.float64)
                 scores[ids] -= p.presence_penalty + p.frequency_penalty * counts
+            if self.controls is not None:
+                scores = self.controls.before_temperature(scores, self.output)
             token = int(np.argmax(scores)) if p.temperature < GREEDY_BELOW else self._sample(scores)
         return self._report(token, float(logprobs[token]), *top_k(logprobs, p.top_logprobs))
 
     def _report(self, token: int, logprob: float, top_ids: np.ndarray, top_vals: np.ndarray) -> TokenStep:
         self.counts[token] += 1
         self.generated += 1
-        if token in self.eos_token_ids:
+        self.output.append(token)
+        if token in self.ends:
             finish = "stop"
         elif self.generated >= self.params.max_tokens:
             finish = "length"
@@ -113,7 +131,10 @@ class Sampler:
         return TokenStep(token, logprob, top_ids, top_vals, finish)
 
     def _sample(self, scores: np.ndarray) -> int:
-        probs = np.exp(log_softmax(scores / self.params.temperature).astype(np.float64))
+        scores = scores / self.params.temperature
+        if self.controls is not None:
+            scores = self.controls.keep_top_k(scores)
+        probs = np.exp(log_softmax(scores).astype(np.float64))
         if self.params.top_p < 1.0:
             order = np.argsort(-probs, kind="stable")
             cumulative = np.cumsum(probs[order])
@@ -122,6 +143,8 @@ class Sampler:
             kept = np.zeros_like(probs)
             kept[keep] = probs[keep]
             probs = kept
+        if self.controls is not None:
+            probs = self.controls.keep_min_p(probs)
         probs /= probs.sum()
         return int(self.rng.choice(probs.shape[0], p=probs))
 
@@ -132,6 +155,7 @@ async def sample_tokens(
     next_logits: Callable[[int | None], Awaitable[np.ndarray | Pick]],
     normalized: bool = False,
     grammars: LLGuidanceGrammars | None = None,
+    prompt_ids: Sequence[int] = (),
 ) -> AsyncIterator[TokenStep]:
     """The generation loop of the engines that sample themselves.
 
@@ -139,7 +163,8 @@ async def sample_tokens(
     appends the sampled token and returns the next row (rows of log-probabilities if
     `normalized`), or the engine's Pick of it. Nothing runs ahead of the consumer, so a caller
     that stops iterating (stop string, disconnect) wastes no forward pass. Under `params.grammar`
-    (compiled by `grammars`) each token's mask is computed while its row is.
+    (compiled by `grammars`) each token's mask is computed while its row is. `prompt_ids`: what
+    the repetition penalty counts besides the output.
     """
     if params.max_tokens <= 0:
         return
@@ -148,7 +173,7 @@ async def sample_tokens(
         if grammars is None:
             raise GrammarError("this engine does not hold generation to a grammar")
         constraint = await grammars.constraint(params.grammar)
-    sampler = Sampler(params, eos_token_ids, normalized)
+    sampler = Sampler(params, eos_token_ids, normalized, prompt_ids)
     token = None
     while True:
         mask = None if constraint is None else constraint.next_mask()
@@ -168,6 +193,7 @@ async def sample_in_bursts(
     first: Sequence[Any],
     then: Callable[[Sequence[int], int], Sequence[Any]],
     run_steps: Callable[[Sequence[Any], Callable[[Any], Sequence[Any] | None]], Awaitable[None]],
+    prompt_ids: Sequence[int] = (),
 ) -> AsyncIterator[TokenStep]:
     """sample_tokens for a caller that takes the tokens `params.stream_interval` at a time, under
     no grammar, on rows of log-probabilities: each burst's steps run inside the engine's step
@@ -188,7 +214,7 @@ async def sample_in_bursts(
     if params.max_tokens <= 0:
         return
     loop = asyncio.get_running_loop()
-    sampler = Sampler(params, eos_token_ids, normalized=True)
+    sampler = Sampler(params, eos_token_ids, normalized=True, prompt_ids=prompt_ids)
     first_step: asyncio.Future[TokenStep] = loop.create_future()
     burst: list[TokenStep] = []  # steps the consumer has not been handed
     unfed: list[int] = []  # tokens sampled since the last items were made: not in their row yet

@@ -103,6 +103,15 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     grammar: Grammar | None = None  # tokens outside it are never sampled
+    # vLLM's and SGLang's controls beyond OpenAI's (backends/token_controls.py), each off by default
+    top_k: int = 0  # only the k most likely tokens (0: all)
+    min_p: float = 0.0  # only tokens at least this fraction of the most likely one's probability
+    repetition_penalty: float = 1.0  # logits of tokens in the prompt or output: / above 0, * below
+    min_tokens: int = 0  # end-of-sequence and stop tokens are never sampled before this many
+    ignore_eos: bool = False  # end-of-sequence ends nothing (it may still be sampled)
+    stop_token_ids: frozenset[int] = frozenset()  # tokens that end the stream like end-of-sequence
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the output never completes
+    allowed_token_ids: tuple[int, ...] | None = None  # the only tokens sampled
     # False: the caller reads no token's logprob, so an engine may skip computing them (NaN).
     logprobs: bool = True
     # The caller takes tokens this many at a time (a response sent whole), so an engine whose
@@ -111,7 +120,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Near-zero temperatures are greedy, so every engine, vLLM included, samples them alike.
-        if self.temperature < GREEDY_BELOW:
+        # top_k 1 keeps only the most likely token: greedy whatever the temperature.
+        if self.temperature < GREEDY_BELOW or self.top_k == 1:
             object.__setattr__(self, "temperature", 0.0)
 
 

@@ -293,7 +293,7 @@ class MlxEngine(Engine):
             return (await self.steps.submit([(stream, list(ids) if token is None else [token])]))[0]
 
         async for step in sample_tokens(
-            params, self.info.eos_token_ids, next_logits, grammars=self.structured_outputs
+            params, self.info.eos_token_ids, next_logits, grammars=self.structured_outputs, prompt_ids=ids
         ):
             yield step
 

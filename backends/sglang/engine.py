@@ -297,6 +297,15 @@ class SglangEngine(Engine):
     # -- generation -----------------------------------------------------------------------------
 
     def generate_request(self, ids: Sequence[int], params: SamplingParams, adapter: str | None) -> dict:
+        """SGLang's /generate request for a stream; RequestRejectedError for a control SGLang's
+        sampler lacks."""
+        for field, asked in (
+            ("bad_words", params.bad_words),
+            ("allowed_token_ids", params.allowed_token_ids),
+        ):
+            if asked:
+                raise RequestRejectedError(f"{field} is not supported by the sglang engine", param=field)
+        ends = params.stop_token_ids | (frozenset() if params.ignore_eos else self.info.eos_token_ids)
         sampling = {
             "max_new_tokens": params.max_tokens,
             "temperature": params.temperature,
@@ -305,7 +314,12 @@ class SglangEngine(Engine):
             "frequency_penalty": params.frequency_penalty,
             "logit_bias": {str(t): float(b) for t, b in params.logit_bias.items()} or None,
             "sampling_seed": params.seed,
-            "stop_token_ids": sorted(self.info.eos_token_ids),
+            "top_k": params.top_k or -1,
+            "min_p": params.min_p,
+            "repetition_penalty": params.repetition_penalty,
+            "min_new_tokens": params.min_tokens,
+            "ignore_eos": params.ignore_eos,
+            "stop_token_ids": sorted(ends),
             # Its scheduler then sends this request's tokens to our process once per interval,
             # as it does for its own non-streamed requests, instead of one wake-up per token.
             "stream_interval": params.stream_interval,

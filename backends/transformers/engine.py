@@ -41,6 +41,7 @@ from backends.grammar.constraint import LLGuidanceGrammars
 from backends.rows import GrowingRow, PackedRows
 from backends.sampling import Pick, greedy_alternatives, sample_in_bursts, sample_tokens
 from backends.step_scheduler import StepScheduler
+from backends.token_controls import needs_logits
 from backends.transformers.cache_argument import output_cache, with_cache
 from backends.transformers.capabilities import (
     TransformersAdapters,
@@ -330,7 +331,8 @@ class TransformersEngine(Engine):
     ) -> AsyncIterator[TokenStep]:
         """With prefix K/V reuse, each step is a dense row (the prompt and the tokens so far) in
         the passes the engine shares among requests: concurrent streams decode together, and a
-        step costs one token. Without it (attention the prefix cache cannot hold), a stream keeps
+        step costs one token. Without it (attention the prefix cache cannot hold), or where the
+        sampler needs raw logits rather than those rows (the repetition penalty), a stream keeps
         its own K/V and runs alone."""
         sequence = GrowingRow(ids)
         state = _DecodeState()
@@ -345,25 +347,25 @@ class TransformersEngine(Engine):
             want = alternatives if steps == 1 or alternatives is None else GreedySteps(alternatives, steps)
             return [(sequence.view(), sequence.key, adapter, want)]
 
+        shared = self.prefix_kv is not None and not needs_logits(params)
+
         async def next_logits(token: int | None) -> np.ndarray | Pick:
             # Through the scheduler, rows of log-probabilities: the sampler's choices are those
             # of the logits (a constant shift of every logit changes none), its scores the rows;
             # a greedy stream's token is chosen on the device.
-            if self.prefix_kv is None:
+            if not shared:
                 return await self._run(self._forward, state, list(ids) if token is None else [token], adapter)
             result = await self.steps.submit(step_items([] if token is None else [token]))
             return result if isinstance(result, Pick) else result[0]
 
-        if self.prefix_kv is not None and params.grammar is None and params.stream_interval > 1:
-            bursts = sample_in_bursts(
-                params, self.info.eos_token_ids, step_items([]), step_items, self.steps.run
-            )
+        eos = self.info.eos_token_ids
+        if shared and params.grammar is None and params.stream_interval > 1:
+            bursts = sample_in_bursts(params, eos, step_items([]), step_items, self.steps.run, ids)
             async for step in bursts:
                 yield step
             return
-        normalized = self.prefix_kv is not None
-        grammars = self.structured_outputs
-        async for step in sample_tokens(params, self.info.eos_token_ids, next_logits, normalized, grammars):
+        steps = sample_tokens(params, eos, next_logits, shared, self.structured_outputs, ids)
+        async for step in steps:
             yield step
 
     @torch.inference_mode()

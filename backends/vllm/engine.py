@@ -47,19 +47,17 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
 from vllm.platforms import current_platform
-from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from backends import engine as contract
 from backends.builtin_models import resolve_model_dir
 from backends.engine import Engine
 from backends.errors import AdapterError, EngineUnavailableError, RequestRejectedError
-from backends.grammar.constraint import LLGuidanceGrammars, ascii_digits
+from backends.grammar.constraint import LLGuidanceGrammars
 from backends.rows import PackedRows
 from backends.types import (
     EngineConfig,
     EngineStatus,
-    Grammar,
     ModelInfo,
     PromptLogprobs,
     SamplingParams,
@@ -68,6 +66,7 @@ from backends.types import (
 )
 from backends.vllm.capture import CAPTURE_KEY, DenseRowCapture
 from backends.vllm.handover import VllmDeviceTensors
+from backends.vllm.sampling import generation_params
 from backends.weights_in_place import check_same_tensors
 
 try:  # vLLM >= 0.27: one base class for the errors a request causes
@@ -164,17 +163,6 @@ def _top(entries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         np.array([i for i, _ in ranked], dtype=np.int64),
         np.array([lp.logprob for _, lp in ranked], dtype=np.float32),
     )
-
-
-def _structured(grammar: Grammar | None) -> StructuredOutputsParams | None:
-    """vLLM's spelling of a grammar (its `grammar` takes GBNF or Lark, as llguidance reads them)."""
-    if grammar is None:
-        return None
-    if grammar.kind == "json_schema":
-        return StructuredOutputsParams(json=grammar.source)
-    if grammar.kind == "regex":
-        return StructuredOutputsParams(regex=ascii_digits(grammar.source))
-    return StructuredOutputsParams(grammar=grammar.source)
 
 
 class VllmAdapters(contract.Adapters):
@@ -357,21 +345,7 @@ class VllmEngine(Engine):
         if params.max_tokens == 0:  # scoring only: vLLM always generates at least one token
             return
         with _rejections():
-            request = VllmSamplingParams(
-                max_tokens=params.max_tokens,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                seed=params.seed,
-                presence_penalty=params.presence_penalty,
-                frequency_penalty=params.frequency_penalty,
-                logit_bias=dict(params.logit_bias) or None,
-                # vLLM adds the chosen token's own logprob; None computes none
-                logprobs=params.top_logprobs if params.logprobs else None,
-                stop_token_ids=sorted(self.info.eos_token_ids),
-                detokenize=False,
-                output_kind=RequestOutputKind.DELTA,
-                structured_outputs=_structured(params.grammar),
-            )
+            request = generation_params(params, self.info.eos_token_ids)
         stream = self.engine.generate(
             TokensPrompt(prompt_token_ids=list(ids)),
             request,

@@ -135,9 +135,15 @@ def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
             neutral = [v for v in values if v is not None]
             only = {"type": "null"} if not neutral else _null_or(_only(neutral))
             request["properties"][field] = {**only, "description": UNHONOURED}
-        request["properties"]["top_k"]["description"] = (
-            "vLLM's: 1 is greedy sampling; -1 and 0 change nothing."
-        )
+        request["properties"]["top_k"]["description"] = "vLLM's: 1 is greedy sampling; -1 and 0 every token."
+        request["properties"]["min_tokens"]["description"] = "vLLM's; beyond max_tokens: max_tokens."
+        words = request["properties"]["bad_words"]["anyOf"][0]
+        words["maxItems"] = limits.max_bad_words
+        keep = {"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1}]}
+        request["properties"]["truncate_prompt_tokens"] = {
+            **_null_or(keep),
+            "description": "vLLM's: the prompt's last k tokens; -1: as many as the model's context.",
+        }
     # best_of equal to n (completions and chat). Exclusive options (each given best_of its own), as
     # `oneOf`: schemathesis' canonical form gives up on an `anyOf` of max_n options beside the other
     # rules, and then never generates a request.
@@ -168,6 +174,10 @@ def _apply_route_checks(schemas: dict[str, Any], settings: Settings) -> None:
         {"properties": {"shared_memory": {"type": "null"}}},
         {"properties": {"layout": {"const": "matrix"}}, "required": ["layout"]},
     ]
+    schemas["SglangSamplingParams"]["properties"]["top_k"] = {
+        **_null_or({"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1}]}),
+        "description": "-1: every token; 1: greedy sampling.",
+    }
     generate = schemas["GenerateRequest"]["properties"]
     generate["image_data"] = {"type": "null", "default": None, "description": "Not supported: null only."}
     texts = {"type": "array", "items": _text(), "minItems": 1, "maxItems": limits.max_prompts}

@@ -8,7 +8,15 @@ from __future__ import annotations
 from typing import Any
 
 # The request fields that hold token ids (alone, in lists, or in lists of lists).
-TOKEN_ID_FIELDS = ("prompt", "input", "tokens", "input_ids", "token_ids_logprob")
+TOKEN_ID_FIELDS = (
+    "prompt",
+    "input",
+    "tokens",
+    "input_ids",
+    "token_ids_logprob",
+    "stop_token_ids",
+    "allowed_token_ids",
+)
 REQUESTS = (
     "CompletionRequest",
     "ChatCompletionRequest",
@@ -16,6 +24,7 @@ REQUESTS = (
     "TokenizeRequest",
     "DetokenizeRequest",
     "GenerateRequest",
+    "SglangSamplingParams",
 )
 LOGIT_BIAS_HOLDERS = ("CompletionRequest", "ChatCompletionRequest", "SglangSamplingParams")
 

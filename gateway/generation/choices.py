@@ -57,16 +57,21 @@ async def run_choice(
     adapter: str | None = None,
     stop_ids: Collection[int] = (),
     shown_ids: Collection[int] = (),
+    trim_stop_tokens: bool = False,
+    keep_stop_strings: bool = False,
 ) -> AsyncIterator[Piece]:
     """One choice's text pieces; a token in `stop_ids` ends it like end-of-sequence (kept in the
-    steps, its text too unless it is a special token); special tokens in `shown_ids` keep their
-    text (a tool call's opening token, which the call's reader looks for). Paused generation holds
-    it before its next engine step, or ends it there (finish reason "abort"):
+    steps, its text too unless it is a special token or `trim_stop_tokens`, which leaves out the
+    text of whatever token ended the choice); special tokens in `shown_ids` keep their text (a
+    tool call's opening token, which the call's reader looks for). A stop string ends the text
+    before it (after it with `keep_stop_strings`), once `params.min_tokens` tokens are out. Paused
+    generation holds it before its next engine step, or ends it there (finish reason "abort"):
     gateway/models/weights_lock.py."""
     engine = served.require_engine()
     async with served.reading(adapter):  # a choice is generated with one set of weights
         hidden = served.special_ids - frozenset(shown_ids) if shown_ids else served.special_ids
-        pieces = _pieces(engine.generate(prompt_ids, params, adapter), served, stops, stop_ids, hidden)
+        ending = _Ending(stops, stop_ids, trim_stop_tokens, keep_stop_strings, params.min_tokens)
+        pieces = _pieces(engine.generate(prompt_ids, params, adapter), served, ending, hidden)
         try:
             async for piece in pieces:
                 yield piece
@@ -76,16 +81,27 @@ async def run_choice(
             await pieces.aclose()  # the engine frees the stream's state now, not when collected
 
 
+@dataclass(frozen=True)
+class _Ending:
+    """What ends a choice's text, and what of it stays (run_choice)."""
+
+    stops: Sequence[str]
+    stop_ids: Collection[int]
+    trim_stop_tokens: bool
+    keep_stop_strings: bool
+    min_tokens: int
+
+
 async def _pieces(
     generator: AsyncIterator[TokenStep],
     served: ServedModel,
-    stops: Sequence[str],
-    stop_ids: Collection[int],
+    ending: _Ending,
     hidden_ids: Collection[int],
 ) -> AsyncIterator[Piece]:
     text = IncrementalText(served.token_bytes, hidden_ids)
     pending = ""
     steps: list[TokenStep] = []
+    generated = 0
     first_token = served.metrics.time_to_first_token.labels(served.name)
     between_tokens = served.metrics.inter_token_latency.labels(served.name)
     last = started = time.perf_counter()
@@ -104,13 +120,17 @@ async def _pieces(
             (between_tokens if last > started else first_token).observe(now - last)
             last = now
             steps.append(step)
-            pending += text.add(step.token_id)
-            finish = step.finish_reason or ("stop" if step.token_id in stop_ids else None)
+            generated += 1
+            finish = step.finish_reason or ("stop" if step.token_id in ending.stop_ids else None)
+            if not (finish == "stop" and ending.trim_stop_tokens):
+                pending += text.add(step.token_id)
             if finish is not None:
                 pending += text.flush()
-            cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
+            # as vLLM, stop strings count only in the text after the minimum length
+            stops = ending.stops if generated >= ending.min_tokens else ()
+            cut, stop = min(((pending.find(s), s) for s in stops if s in pending), default=(-1, ""))
             if cut >= 0:
-                yield Piece(pending[:cut], steps, "stop")
+                yield Piece(pending[: cut + len(stop) if ending.keep_stop_strings else cut], steps, "stop")
                 return
             if finish is not None:
                 yield Piece(pending, steps, finish)

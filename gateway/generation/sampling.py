@@ -8,8 +8,10 @@ errors it raises; the checks and the defaults are the same for all three.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import replace
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 from backends.errors import GrammarError
 from backends.grammar.pool import GrammarBusyError
@@ -33,12 +35,14 @@ def sampling_params(
     logit_bias: dict[str, float] | None = None,
     grammar: Grammar | None = None,
     top_logprobs_field: str = "top_logprobs",
+    controls: ControlFields | None = None,
 ) -> SamplingParams:
     """The engine's parameters for a request's fields (None: the default, as OpenAI's). Raises
     InvalidRequestError naming `top_logprobs_field` (the API's name for the alternatives reported
     per token) beyond `limits.max_top_logprobs`, and for a logit_bias that is not the model's.
     `max_tokens` comes checked (check_context), `grammar` too (checked_grammar); a seed wraps to
-    its unsigned 64-bit value."""
+    its unsigned 64-bit value. `controls`: vLLM's and SGLang's fields beyond OpenAI's
+    (checked_controls)."""
     if top_logprobs > limits.max_top_logprobs:
         raise InvalidRequestError(
             f"{top_logprobs_field} must be at most {limits.max_top_logprobs}", param=top_logprobs_field
@@ -53,7 +57,91 @@ def sampling_params(
         frequency_penalty=frequency_penalty or 0.0,
         logit_bias=check_logit_bias(served, logit_bias),
         grammar=grammar,
+        **({} if controls is None else checked_controls(served, limits, controls, max_tokens)),
     )
+
+
+@dataclass(frozen=True)
+class ControlFields:
+    """vLLM's and SGLang's sampling controls beyond OpenAI's, as a request gives them (None: the
+    default, which changes nothing), with the API's names for its errors: `prefix` before each
+    field's name, `min_tokens_field` for the minimum length (SGLang's `min_new_tokens`)."""
+
+    top_k: int | None = None  # -1 and 0 (vLLM) mean every token
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[str] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    prefix: str = ""
+    min_tokens_field: str = "min_tokens"
+
+
+def checked_controls(
+    served: ServedModel, limits: Limits, fields: ControlFields, max_tokens: int
+) -> dict[str, Any]:
+    """SamplingParams' fields for `fields`, each checked as vLLM checks it; InvalidRequestError
+    naming the field otherwise. `bad_words` become token sequences as vLLM tokenizes them."""
+    vocab = served.require_engine().info.vocab_size
+
+    def refuse(name: str, why: str) -> InvalidRequestError:
+        return InvalidRequestError(f"{name} {why}", param=fields.prefix + name)
+
+    top_k = fields.top_k or 0
+    if top_k < -1:
+        raise refuse("top_k", "must be -1, 0 (every token) or at least 1")
+    min_p = fields.min_p or 0.0
+    if not 0.0 <= min_p <= 1.0:
+        raise refuse("min_p", "must be between 0 and 1")
+    penalty = 1.0 if fields.repetition_penalty is None else fields.repetition_penalty
+    if not (penalty > 0.0 and math.isfinite(penalty)):
+        raise refuse("repetition_penalty", "must be a finite number above 0")
+    # more than max_tokens: every token held from stopping (no stop token, no end-of-sequence)
+    min_tokens = min(fields.min_tokens or 0, max_tokens)
+    if min_tokens < 0:
+        raise refuse(fields.min_tokens_field, "must be at least 0")
+    allowed = fields.allowed_token_ids
+    if allowed is not None and not allowed:
+        raise refuse("allowed_token_ids", "must not be empty")
+    for field, ids in (("stop_token_ids", fields.stop_token_ids), ("allowed_token_ids", allowed)):
+        if ids and not all(0 <= i < vocab for i in ids):
+            raise refuse(field, f"must be token ids in [0, {vocab})")
+    return {
+        "top_k": top_k if 1 <= top_k < vocab else 0,
+        "min_p": min_p,
+        "repetition_penalty": penalty,
+        "min_tokens": min_tokens,
+        "ignore_eos": bool(fields.ignore_eos),
+        "stop_token_ids": frozenset(fields.stop_token_ids or ()),
+        "bad_words": bad_words_token_ids(served, limits, fields.bad_words or (), fields.prefix),
+        "allowed_token_ids": None if allowed is None else tuple(sorted(set(allowed))),
+    }
+
+
+def bad_words_token_ids(
+    served: ServedModel, limits: Limits, words: Sequence[str], prefix: str = ""
+) -> tuple[tuple[int, ...], ...]:
+    """Each word as vLLM's `bad_words` tokenizes it: the word, and with a space before it where
+    that is another token sequence of the same length (so the word is barred both at the start of
+    a text and after a space); at most `limits.max_bad_words` words."""
+    tokenizer = served.require_engine().info.tokenizer
+    param = prefix + "bad_words"
+    if len(words) > limits.max_bad_words:
+        raise InvalidRequestError(f"at most {limits.max_bad_words} bad_words are allowed", param=param)
+    sequences: list[tuple[int, ...]] = []
+    for word in dict.fromkeys(words):
+        if not word:
+            raise InvalidRequestError("bad_words must not contain an empty string", param=param)
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not bare:
+            raise InvalidRequestError(f"bad word {word[:32]!r} is no token", param=param)
+        sequences.append(bare)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    return tuple(sequences)
 
 
 async def checked_grammar(

@@ -172,7 +172,7 @@ async def start_chat(admitted: Admitted[ChatCompletionRequest], endpoint: str = 
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     calls = requested_calls(body, served)
     prompt_ids = await admitted.prompts(
-        lambda: chat_prompt_ids(served, body.messages, limits, tools=template_tools(body))
+        lambda: admitted.truncated(chat_prompt_ids(served, body.messages, limits, tools=template_tools(body)))
     )
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = await admitted.sampling_params(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from litestar import Request, Response, post
@@ -34,15 +34,19 @@ class _Prompt:
     text: str
 
 
-def _prompts(served: ServedModel, prompt: str | list, limits: Limits) -> list[_Prompt]:
-    """Tokenizes, or decodes token ids to text: called off the event loop."""
+def _prompts(
+    served: ServedModel, prompt: str | list, limits: Limits, truncated: Callable[[list[int]], list[int]]
+) -> list[_Prompt]:
+    """Tokenizes, or decodes token ids to text, each prompt `truncated`: called off the event loop."""
     inputs = token_inputs(
         served, prompt, add_special_tokens=True, limits=limits, max_items=limits.max_prompts, param="prompt"
     )
-    return [
-        _Prompt(i.ids, i.text if i.text is not None else decode_text(served.token_bytes, i.ids))
-        for i in inputs
-    ]
+    prompts = []
+    for given in inputs:
+        ids = truncated(given.ids)
+        text = given.text if given.text is not None and len(ids) == len(given.ids) else None
+        prompts.append(_Prompt(ids, text if text is not None else decode_text(served.token_bytes, ids)))
+    return prompts
 
 
 def _top_dict(
@@ -137,7 +141,7 @@ async def create_completion(request: Request) -> Response:
     body, served, limits = admitted.body, admitted.served, admitted.limits
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
-    prompts = await admitted.prompts(lambda: _prompts(served, body.prompt, limits))
+    prompts = await admitted.prompts(lambda: _prompts(served, body.prompt, limits, admitted.truncated))
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     params = await admitted.sampling_params(
         [len(p.ids) for p in prompts],

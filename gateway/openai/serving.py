@@ -13,6 +13,7 @@ from typing import Generic, TypeVar
 from litestar import Request
 
 from backends.types import Grammar, SamplingParams
+from gateway.errors import InvalidRequestError
 from gateway.generation import choices as gen
 from gateway.generation import sampling
 from gateway.generation.structured import requested_grammar
@@ -76,7 +77,7 @@ class Admitted(Generic[Body]):
             self.served,
             self.limits,
             max_tokens=min(allowed),
-            temperature=0.0 if unhonoured.greedy_by_top_k(body) else body.temperature,
+            temperature=body.temperature,
             top_p=body.top_p,
             seed=body.seed,
             top_logprobs=top_logprobs,
@@ -85,13 +86,42 @@ class Admitted(Generic[Body]):
             logit_bias=body.logit_bias,
             grammar=checked_grammar,
             top_logprobs_field=top_logprobs_field,
+            controls=sampling.ControlFields(
+                top_k=body.top_k,
+                min_p=body.min_p,
+                repetition_penalty=body.repetition_penalty,
+                min_tokens=body.min_tokens,
+                ignore_eos=body.ignore_eos,
+                stop_token_ids=body.stop_token_ids,
+                bad_words=body.bad_words,
+                allowed_token_ids=body.allowed_token_ids,
+            ),
         )
-        return sampling.delivered(params, logprobs=logprobs, streamed=bool(body.stream), stops=self.stops)
+        stops = [*self.stops, *params.stop_token_ids]
+        return sampling.delivered(params, logprobs=logprobs, streamed=bool(body.stream), stops=stops)
+
+    def truncated(self, ids: list[int]) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: the model's context)."""
+        keep = self.body.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep == 0:
+            raise InvalidRequestError(
+                "truncate_prompt_tokens must be -1 (the model's context) or at least 1",
+                param="truncate_prompt_tokens",
+            )
+        return ids[-(self.served.require_engine().info.max_model_len if keep == -1 else keep) :]
 
     def choices(
         self, prompt_ids: Sequence[int], params: SamplingParams, shown_ids: Collection[int] = ()
     ) -> list[AsyncIterator[gen.Piece]]:
-        """The request's n choices of one prompt, each with its own seed (gateway/generation/)."""
+        """The request's n choices of one prompt, each with its own seed (gateway/generation/).
+        As vLLM: a stop token's text is left out unless `include_stop_str_in_output`, which keeps
+        a stop string's too; `skip_special_tokens: false` keeps every special token's text."""
+        body = self.body
+        if body.skip_special_tokens is False:
+            shown_ids = self.served.special_ids
+        keep_stops = bool(body.include_stop_str_in_output)
         return [
             gen.run_choice(
                 self.served,
@@ -100,6 +130,8 @@ class Admitted(Generic[Body]):
                 self.stops,
                 self.adapter,
                 shown_ids=shown_ids,
+                trim_stop_tokens=not keep_stops,
+                keep_stop_strings=keep_stops,
             )
             for index in range(self.n)
         ]

@@ -127,17 +127,18 @@ class GenerationRequest(OutputControls, kw_only=True):
     # SGLang's: the adapter, as `model="base:adapter"` names it. Routers that route by base model
     # name only (SGLang's model gateway) forward this field unchanged.
     lora_path: Name | None = None
-    # vLLM's sampling fields beyond OpenAI's: each refused (a 400 naming it) unless it holds a
-    # value that changes nothing (gateway/openai/unhonoured.py); never ignored.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    # vLLM's sampling fields beyond OpenAI's (gateway/generation/sampling.py: ControlFields)
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    min_tokens: NonNegativeInt | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
-    truncate_prompt_tokens: int | None = None
+    stop_token_ids: list[TokenId] | None = None
+    bad_words: list[Annotated[str, msgspec.Meta(min_length=1, max_length=1024, pattern=r"\S")]] | None = None
+    allowed_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)] | None = None
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    # refused (a 400 naming the field) unless it holds a value that changes nothing
+    # (gateway/openai/unhonoured.py); never ignored.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None

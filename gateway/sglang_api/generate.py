@@ -34,7 +34,7 @@ def _finish(item: Item, piece_text: str, steps: Sequence[TokenStep], reason: str
     if reason == "abort":
         return piece_text, ABORTED
     served = item.served
-    full = decode_text(served.token_bytes, [s.token_id for s in steps], served.special_ids)
+    full = decode_text(served.token_bytes, [s.token_id for s in steps], served.special_ids - item.shown_ids)
     found = [(full.find(s, len(piece_text)), i, s) for i, s in enumerate(item.stops)]
     found = [f for f in found if f[0] == len(piece_text)]
     if found:  # a stop string: SGLang checks strings before ids
@@ -139,7 +139,7 @@ class ItemRun:
             return
         text, steps = "", []
         async for piece in gen.run_choice(
-            item.served, item.ids, item.params, item.stops, item.adapter, item.stop_ids
+            item.served, item.ids, item.params, item.stops, item.adapter, item.stop_ids, item.shown_ids
         ):
             steps.extend(piece.steps)
             text += piece.text

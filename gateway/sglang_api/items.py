@@ -34,6 +34,7 @@ class Item:
     stops: list[str]
     stop_ids: frozenset[int]
     no_stop_trim: bool
+    shown_ids: frozenset[int]  # special tokens whose text the output keeps (skip_special_tokens false)
     rid: str
     return_logprob: bool
     start: int  # first prompt position with an input logprob (P: none)
@@ -109,22 +110,10 @@ def prompt_ids(served: ServedModel, body: GenerateRequest, limits: Limits) -> tu
     return ids, batch
 
 
-def _check_unsupported(sp: SglangSamplingParams, vocab_size: int) -> None:
+def _check_unsupported(sp: SglangSamplingParams) -> None:
     """What SGLang's sampler does and ours does not: refused, never silently ignored."""
-    if sp.top_k is not None and sp.top_k not in (-1, 1) and sp.top_k < vocab_size:
-        if sp.top_k < -1 or sp.top_k == 0:
-            raise InvalidRequestError("top_k must be -1 or at least 1", param="sampling_params.top_k")
-        raise _unsupported("top_k other than -1, 1 or the vocabulary size", "sampling_params.top_k")
-    if sp.min_p:
-        raise _unsupported("min_p other than 0", "sampling_params.min_p")
-    if sp.repetition_penalty not in (None, 1.0):
-        raise _unsupported("repetition_penalty other than 1", "sampling_params.repetition_penalty")
-    if sp.min_new_tokens:
-        raise _unsupported("min_new_tokens other than 0", "sampling_params.min_new_tokens")
-    if sp.ignore_eos:
-        raise _unsupported("ignore_eos", "sampling_params.ignore_eos")
-    if sp.skip_special_tokens is False:
-        raise _unsupported("skip_special_tokens = false", "sampling_params.skip_special_tokens")
+    if sp.top_k is not None and (sp.top_k < -1 or sp.top_k == 0):
+        raise InvalidRequestError("top_k must be -1 or at least 1", param="sampling_params.top_k")
     if sp.spaces_between_special_tokens is False:
         raise _unsupported(
             "spaces_between_special_tokens = false", "sampling_params.spaces_between_special_tokens"
@@ -159,14 +148,7 @@ def sampling_of(
     """Our sampling parameters for SGLang's (`top_k`: top_logprobs_num), with the stop strings
     and stop ids; max_new_tokens is the parameters' max_tokens."""
     sp = sp or SglangSamplingParams()
-    vocab_size = served.require_engine().info.vocab_size
-    _check_unsupported(sp, vocab_size)
-    stop_ids = frozenset(sp.stop_token_ids or ())
-    if stop_ids and max(stop_ids) >= vocab_size:
-        raise InvalidRequestError(
-            f"stop_token_ids must be below the vocabulary size {vocab_size}",
-            param="sampling_params.stop_token_ids",
-        )
+    _check_unsupported(sp)
     if sp.max_new_tokens is not None and sp.max_new_tokens > limits.max_tokens:
         raise InvalidRequestError(
             f"max_new_tokens must be at most {limits.max_tokens}", param="sampling_params.max_new_tokens"
@@ -178,7 +160,7 @@ def sampling_of(
         served,
         limits,
         max_tokens=max_new,
-        temperature=0.0 if sp.top_k == 1 else sp.temperature,  # top_k 1: greedy
+        temperature=sp.temperature,
         top_p=sp.top_p,
         seed=sp.sampling_seed,
         top_logprobs=top_k,
@@ -187,8 +169,18 @@ def sampling_of(
         logit_bias=sp.logit_bias,
         grammar=grammar,
         top_logprobs_field="top_logprobs_num",
+        controls=sampling.ControlFields(
+            top_k=sp.top_k,
+            min_p=sp.min_p,
+            repetition_penalty=sp.repetition_penalty,
+            min_tokens=sp.min_new_tokens,
+            ignore_eos=sp.ignore_eos,
+            stop_token_ids=sp.stop_token_ids,
+            prefix="sampling_params.",
+            min_tokens_field="min_new_tokens",
+        ),
     )
-    return params, sampling.check_stop(sp.stop, limits), stop_ids
+    return params, sampling.check_stop(sp.stop, limits), params.stop_token_ids
 
 
 def _rids(rid: str | list[str] | None, count: int, batch: bool) -> list[str]:
@@ -262,6 +254,7 @@ async def plan(body: GenerateRequest, served_for: Any, limits: Limits) -> tuple[
                     stops,
                     stop_ids,
                     bool(sps[i] and sps[i].no_stop_trim),
+                    served.special_ids if sps[i] and sps[i].skip_special_tokens is False else frozenset(),
                     rids[i] if n == 1 else f"{rids[i]}_{uuid.uuid4().hex}",
                     bool(want[i]),
                     len(prompt) if start == -1 else start,
