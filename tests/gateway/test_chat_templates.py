@@ -2,7 +2,9 @@
 SDK: the template shipped for smollm2-135m (its own ChatML, plus Hermes-style tools) makes
 `tool_choice: "auto"` work and leaves every conversation without tools as it was; a template file
 is read only inside `chat_templates_root`; `tool_call_format` names the call syntax; and what
-cannot be served is refused before anything loads."""
+cannot be served is refused before anything loads. What the settings make of the served tokenizer
+and of the calls' syntax is the gateway's alone: that test runs the mock engine with the default
+model's tokenizer."""
 
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ ONE_EARLIER_CALL = [
 
 @pytest.fixture(autouse=True)
 def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command line reads os.environ: no LOGPROB_GATEWAY_* variable of the machine may leak in."""
     for name in list(os.environ):
         if name.startswith(ENV_PREFIX):
             monkeypatch.delenv(name)
