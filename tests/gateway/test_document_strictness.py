@@ -85,12 +85,30 @@ REFUSED = [
     ("/v1/next_token_logprobs", {"model": "mock", "input": {"ids": "AAAAAA", "lengths": [1]}}),  # unpadded
     ("/v1/next_token_logprobs", {"model": "mock", "input": {"ids": "AAAA", "lengths": [1]}}),  # 3 bytes
     ("/v1/next_token_logprobs", {"model": "mock", "input": {"ids": "", "lengths": [1]}}),
+    (
+        "/v1/responses",
+        {"model": "mock", "input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+    ),
+    ("/v1/responses", {"model": "mock", "input": [{"role": "user"}]}),
+    ("/v1/responses", {"model": "mock", "input": [{"type": "function_call_output", "call_id": "c"}]}),
 ]
 SERVED = [
     ("/generate", {"text": "a", "image_data": None, "sampling_params": {"max_new_tokens": 1}}),
     ("/v1/next_token_logprobs", {"model": "mock", "input": {"ids": _packed([1]), "lengths": [1]}}),
     ("/v1/next_token_logprobs", {"model": "mock", "input": {"ids": _packed([1, 2]), "lengths": [2]}}),
     ("/v1/next_token_logprobs", {"model": "mock", "input": {"ids": _packed([1, 2, 3]), "lengths": [1, 2]}}),
+    (
+        "/v1/responses",
+        {
+            "model": "mock",
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "a"}]},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": "x"},
+            ],
+            "max_output_tokens": 1,
+        },
+    ),
 ]
 
 
