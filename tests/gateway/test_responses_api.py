@@ -4,12 +4,19 @@ function calls and their second turn; text.format; truncation; what is refused."
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import jsonschema
+import msgspec
 import openai
 import pytest
 
+from gateway.errors import InvalidRequestError
+from gateway.openai.response_output import ResponseShape
+from gateway.openai.response_stream import ResponseEvents
+from gateway.responses import sse_response
+from gateway.schemas.responses import LifecycleEvent, ResponsesRequest
 from tests.conftest import MODEL
 from tests.gateway.test_structured_outputs import WEATHER
 
@@ -259,3 +266,30 @@ def test_what_is_not_served_is_a_400_naming_the_field(http, fields, param, words
 def test_the_sdk_raises_on_a_refused_request(client):
     with pytest.raises(openai.BadRequestError, match="does not store responses"):
         client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_1")
+
+
+def test_a_failure_midway_is_openai_s_error_event_and_the_end():
+    """The gateway layer alone: what a stream sends when its generation fails after it began."""
+    body = msgspec.json.decode(b'{"model": "m", "input": "Hi"}', type=ResponsesRequest)
+    events = ResponseEvents(ResponseShape(body, False, "resp_1", 0))
+
+    async def failing():
+        yield events.event(
+            LifecycleEvent, type="response.created", response=events.shape.response("in_progress", [])
+        )
+        raise InvalidRequestError("the grammar failed while generating", param="text.format")
+
+    async def sent() -> list[bytes]:
+        return [chunk async for chunk in sse_response(failing(), error_event=events.error, ending=b"").events]
+
+    created, error = asyncio.run(sent())
+    assert created.startswith(b"event: response.created\ndata: ")
+    head, data = error.decode().strip().split("\n")
+    assert head == "event: error"
+    assert json.loads(data.removeprefix("data: ")) == {
+        "type": "error",
+        "sequence_number": 1,
+        "code": None,
+        "message": "the grammar failed while generating",
+        "param": "text.format",
+    }
