@@ -109,6 +109,17 @@ def _load_sglang_types():
     return GenerateReqInput, SamplingParams
 
 
+class _NoStopStrings:
+    """A tokenizer for SGLang's checks that need one: the engine sends stop token ids, never
+    stop strings, so nothing is ever encoded."""
+
+    def encode(self, *_args, **_kwargs):
+        raise AssertionError("the engine sends no stop strings to SGLang")
+
+
+_NO_STOP_STRINGS = _NoStopStrings()
+
+
 class Model:
     def __init__(self, args):
         config = json.loads((Path(args.model_path) / "config.json").read_text())
@@ -130,7 +141,8 @@ class Model:
         request = request_class(**body)  # TypeError on a field GenerateReqInput does not have
         request.normalize_batch_and_arguments()
         sampling = sampling_class(**(body.get("sampling_params") or {}))
-        sampling.normalize(None)
+        # a server with its tokenizer (the engine never skips it), which only stop strings would use
+        sampling.normalize(_NO_STOP_STRINGS)
         sampling.verify(self.vocab_size)
 
     def check(self, body):

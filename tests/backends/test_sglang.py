@@ -122,6 +122,31 @@ async def test_generation_streams_token_steps(engine, sent):
     assert body["sampling_params"]["stop_token_ids"] == sorted(engine.info.eos_token_ids)
 
 
+async def test_token_controls_are_sglangs_own_fields(engine, sent):
+    """The stand-in builds SGLang's own SamplingParams from the body, which checks each field."""
+    params = SamplingParams(
+        max_tokens=3,
+        temperature=0.0,
+        top_k=4,
+        min_p=0.1,
+        repetition_penalty=1.5,
+        min_tokens=2,
+        ignore_eos=True,
+        stop_token_ids=frozenset({5}),
+    )
+    steps = [step async for step in engine.generate([2, 7], params)]
+    assert steps
+    (body,) = sent()
+    sampling = body["sampling_params"]
+    assert (sampling["top_k"], sampling["min_p"], sampling["repetition_penalty"]) == (4, 0.1, 1.5)
+    assert (sampling["min_new_tokens"], sampling["ignore_eos"]) == (2, True)
+    assert sampling["stop_token_ids"] == [5]  # end-of-sequence ends nothing under ignore_eos
+    with pytest.raises(RequestRejectedError, match="bad_words"):
+        [step async for step in engine.generate([2, 7], SamplingParams(bad_words=((5, 6),)))]
+    with pytest.raises(RequestRejectedError, match="allowed_token_ids"):
+        [step async for step in engine.generate([2, 7], SamplingParams(allowed_token_ids=(5,)))]
+
+
 async def test_generation_without_logprobs_in_bursts(engine, sent, monkeypatch):
     """A caller that reads no logprobs and takes the tokens whole: SGLang computes no logprobs and
     sends the tokens every `stream_interval` steps; the tokens are the same."""
