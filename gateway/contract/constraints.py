@@ -206,8 +206,10 @@ GRAMMAR_FIELDS = ("response_format", "structured_outputs", "tools", "tool_choice
 def _apply_grammar_checks(schemas: dict[str, Any]) -> None:
     """gateway/generation/structured.py and gateway/openai/tools.py: one constraint per request
     (structured_outputs naming exactly one; not both it and a JSON response_format; no tool call
-    beside either), and a tool_choice that asks for a call only with tools, never "auto" with
-    them. Whether a grammar compiles is the grammar engine's to say (a 400 with its message)."""
+    beside either), and a tool_choice that asks for a call only with tools; "auto" with tools (its
+    default) is served by a model whose chat template shows a tool-call format (the default model's
+    does; `tool_call_format`), else a 400. Whether a grammar compiles is the grammar engine's to
+    say (a 400 with its message)."""
     fields = StructuredOutputs.__struct_fields__
     schemas["StructuredOutputs"]["anyOf"] = [
         {
@@ -240,6 +242,15 @@ def _apply_grammar_checks(schemas: dict[str, Any]) -> None:
                     "response_format": plain_text,
                 },
                 "required": ["tools", "tool_choice"],
+            },
+            {
+                "properties": {
+                    "tools": {"type": "array", "minItems": 1},
+                    "tool_choice": {"enum": [None, "auto"]},
+                    "structured_outputs": {"type": "null"},
+                    "response_format": plain_text,
+                },
+                "required": ["tools"],
             },
         ]
     }

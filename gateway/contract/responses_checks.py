@@ -57,6 +57,13 @@ def constrain_responses(schemas: dict[str, Any], settings: Settings) -> None:
                     },
                     "required": ["tools", "tool_choice"],
                 },
+                {
+                    "properties": {
+                        "tools": {"type": "array", "minItems": 1},
+                        "tool_choice": {"enum": [None, "auto"]},
+                    },
+                    "required": ["tools"],
+                },
             ]
         }
     ]
