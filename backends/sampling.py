@@ -80,7 +80,7 @@ class Sampler:
         prompt_ids: Sequence[int] = (),
     ) -> None:
         self.params = params
-        self.ends = params.stop_token_ids | (frozenset() if params.ignore_eos else eos_token_ids)
+        self.ends = params.ending_tokens(eos_token_ids)
         wanted = token_controls.wanted(params)
         self.controls = TokenControls(params, prompt_ids, eos_token_ids) if wanted else None
         self.output: list[int] = []
@@ -88,7 +88,6 @@ class Sampler:
         # numpy refuses negative seeds: use the unsigned 64-bit seed they wrap to
         self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
         self.counts: Counter[int] = Counter()
-        self.generated = 0
 
     def step(self, logits: np.ndarray | Pick, allowed: np.ndarray | None = None) -> TokenStep:
         """Pick a token from a [vocab] float32 row of logits (or of log-probabilities, when
@@ -118,9 +117,12 @@ class Sampler:
             token = int(np.argmax(scores)) if p.temperature < GREEDY_BELOW else self._sample(scores)
         return self._report(token, float(logprobs[token]), *top_k(logprobs, p.top_logprobs))
 
+    @property
+    def generated(self) -> int:
+        return len(self.output)
+
     def _report(self, token: int, logprob: float, top_ids: np.ndarray, top_vals: np.ndarray) -> TokenStep:
         self.counts[token] += 1
-        self.generated += 1
         self.output.append(token)
         if token in self.ends:
             finish = "stop"

@@ -118,6 +118,10 @@ class SamplingParams:
     # tokens cross processes may hand them over in bursts of up to this many; 1: each as it comes.
     stream_interval: int = 1
 
+    def ending_tokens(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
+        """The tokens that end the stream: the stop tokens, and end-of-sequence unless `ignore_eos`."""
+        return self.stop_token_ids | (frozenset() if self.ignore_eos else eos_token_ids)
+
     def __post_init__(self) -> None:
         # Near-zero temperatures are greedy, so every engine, vLLM included, samples them alike.
         # top_k 1 keeps only the most likely token: greedy whatever the temperature.

@@ -305,7 +305,6 @@ class SglangEngine(Engine):
         ):
             if asked:
                 raise RequestRejectedError(f"{field} is not supported by the sglang engine", param=field)
-        ends = params.stop_token_ids | (frozenset() if params.ignore_eos else self.info.eos_token_ids)
         sampling = {
             "max_new_tokens": params.max_tokens,
             "temperature": params.temperature,
@@ -319,7 +318,7 @@ class SglangEngine(Engine):
             "repetition_penalty": params.repetition_penalty,
             "min_new_tokens": params.min_tokens,
             "ignore_eos": params.ignore_eos,
-            "stop_token_ids": sorted(ends),
+            "stop_token_ids": sorted(params.ending_tokens(self.info.eos_token_ids)),
             # Its scheduler then sends this request's tokens to our process once per interval,
             # as it does for its own non-streamed requests, instead of one wake-up per token.
             "stream_interval": params.stream_interval,

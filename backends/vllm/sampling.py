@@ -12,7 +12,6 @@ from backends.types import Grammar, SamplingParams
 def generation_params(params: SamplingParams, eos_token_ids: frozenset[int]) -> VllmSamplingParams:
     """vLLM's parameters for a stream of token ids (no text: the gateway decodes), ended by the
     model's end-of-sequence tokens (unless `ignore_eos`) and the request's stop tokens."""
-    ends = params.stop_token_ids | (frozenset() if params.ignore_eos else eos_token_ids)
     request = VllmSamplingParams(
         max_tokens=params.max_tokens,
         temperature=params.temperature,
@@ -29,7 +28,7 @@ def generation_params(params: SamplingParams, eos_token_ids: frozenset[int]) -> 
         allowed_token_ids=None if params.allowed_token_ids is None else list(params.allowed_token_ids),
         # vLLM adds the chosen token's own logprob; None computes none
         logprobs=params.top_logprobs if params.logprobs else None,
-        stop_token_ids=sorted(ends),
+        stop_token_ids=sorted(params.ending_tokens(eos_token_ids)),
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
         structured_outputs=_structured(params.grammar),
