@@ -55,14 +55,13 @@ async def run_choice(
     params: SamplingParams,
     stops: Sequence[str],
     adapter: str | None = None,
-    stop_ids: Collection[int] = (),
     shown_ids: Collection[int] = (),
     trim_stop_tokens: bool = False,
     keep_stop_strings: bool = False,
 ) -> AsyncIterator[Piece]:
-    """One choice's text pieces; a token in `stop_ids` ends it like end-of-sequence (kept in the
-    steps, its text too unless it is a special token or `trim_stop_tokens`, which leaves out the
-    text of whatever token ended the choice); special tokens in `shown_ids` keep their text (a
+    """One choice's text pieces; the engine ends it at end-of-sequence or a stop token
+    (`params.stop_token_ids`), kept in the steps, its text too unless it is a special token or
+    `trim_stop_tokens`, which leaves out the text of whatever token ended the choice; special tokens in `shown_ids` keep their text (a
     tool call's opening token, which the call's reader looks for). A stop string ends the text
     before it (after it with `keep_stop_strings`), once `params.min_tokens` tokens are out. Paused
     generation holds it before its next engine step, or ends it there (finish reason "abort"):
@@ -70,7 +69,7 @@ async def run_choice(
     engine = served.require_engine()
     async with served.reading(adapter):  # a choice is generated with one set of weights
         hidden = served.special_ids - frozenset(shown_ids) if shown_ids else served.special_ids
-        ending = _Ending(stops, stop_ids, trim_stop_tokens, keep_stop_strings, params.min_tokens)
+        ending = _Ending(stops, trim_stop_tokens, keep_stop_strings, params.min_tokens)
         pieces = _pieces(engine.generate(prompt_ids, params, adapter), served, ending, hidden)
         try:
             async for piece in pieces:
@@ -86,7 +85,6 @@ class _Ending:
     """What ends a choice's text, and what of it stays (run_choice)."""
 
     stops: Sequence[str]
-    stop_ids: Collection[int]
     trim_stop_tokens: bool
     keep_stop_strings: bool
     min_tokens: int
@@ -121,7 +119,7 @@ async def _pieces(
             last = now
             steps.append(step)
             generated += 1
-            finish = step.finish_reason or ("stop" if step.token_id in ending.stop_ids else None)
+            finish = step.finish_reason
             if not (finish == "stop" and ending.trim_stop_tokens):
                 pending += text.add(step.token_id)
             if finish is not None:

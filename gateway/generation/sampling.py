@@ -244,7 +244,7 @@ def delivered(
     reports logprobs; tokens one at a time where the client reads them as they come or where a
     stop string or stop token may end the choice early (tokens of a burst past it would be
     generated for nothing), else in bursts."""
-    interval = 1 if streamed or stops else WHOLE_RESPONSE_INTERVAL
+    interval = 1 if streamed or stops or params.stop_token_ids else WHOLE_RESPONSE_INTERVAL
     return replace(params, logprobs=logprobs, stream_interval=interval)
 
 

@@ -97,8 +97,7 @@ class Admitted(Generic[Body]):
                 allowed_token_ids=body.allowed_token_ids,
             ),
         )
-        stops = [*self.stops, *params.stop_token_ids]
-        return sampling.delivered(params, logprobs=logprobs, streamed=bool(body.stream), stops=stops)
+        return sampling.delivered(params, logprobs=logprobs, streamed=bool(body.stream), stops=self.stops)
 
     def truncated(self, ids: list[int]) -> list[int]:
         """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: the model's context)."""

@@ -139,7 +139,7 @@ class ItemRun:
             return
         text, steps = "", []
         async for piece in gen.run_choice(
-            item.served, item.ids, item.params, item.stops, item.adapter, item.stop_ids, item.shown_ids
+            item.served, item.ids, item.params, item.stops, item.adapter, item.shown_ids
         ):
             steps.extend(piece.steps)
             text += piece.text

@@ -32,7 +32,6 @@ class Item:
     params: SamplingParams
     max_new_tokens: int
     stops: list[str]
-    stop_ids: frozenset[int]
     no_stop_trim: bool
     shown_ids: frozenset[int]  # special tokens whose text the output keeps (skip_special_tokens false)
     rid: str
@@ -144,9 +143,9 @@ def sampling_of(
     top_k: int,
     limits: Limits,
     grammar: Grammar | None = None,
-) -> tuple[SamplingParams, list[str], frozenset[int]]:
-    """Our sampling parameters for SGLang's (`top_k`: top_logprobs_num), with the stop strings
-    and stop ids; max_new_tokens is the parameters' max_tokens."""
+) -> tuple[SamplingParams, list[str]]:
+    """Our sampling parameters for SGLang's (`top_k`: top_logprobs_num; the stop ids their
+    `stop_token_ids`), with the stop strings; max_new_tokens is the parameters' max_tokens."""
     sp = sp or SglangSamplingParams()
     _check_unsupported(sp)
     if sp.max_new_tokens is not None and sp.max_new_tokens > limits.max_tokens:
@@ -180,7 +179,7 @@ def sampling_of(
             min_tokens_field="min_new_tokens",
         ),
     )
-    return params, sampling.check_stop(sp.stop, limits), params.stop_token_ids
+    return params, sampling.check_stop(sp.stop, limits)
 
 
 def _rids(rid: str | list[str] | None, count: int, batch: bool) -> list[str]:
@@ -225,10 +224,8 @@ async def plan(body: GenerateRequest, served_for: Any, limits: Limits) -> tuple[
         served, adapter = served_for(lora[i])
         top_k = tops[i] or 0
         grammar = await sampling.checked_grammar(served, limits, *grammar_of(sps[i]))
-        params, stops, stop_ids = sampling_of(served, sps[i], top_k, limits, grammar)
-        params = sampling.delivered(
-            params, logprobs=bool(want[i]), streamed=bool(body.stream), stops=[*stops, *stop_ids]
-        )
+        params, stops = sampling_of(served, sps[i], top_k, limits, grammar)
+        params = sampling.delivered(params, logprobs=bool(want[i]), streamed=bool(body.stream), stops=stops)
         try:
             sampling.check_context(served, len(prompt), params.max_tokens, limits)
         except ContextLengthError as exc:  # named as SGLang's fields
@@ -252,7 +249,6 @@ async def plan(body: GenerateRequest, served_for: Any, limits: Limits) -> tuple[
                     sampling.choice_params(params, j),
                     params.max_tokens,
                     stops,
-                    stop_ids,
                     bool(sps[i] and sps[i].no_stop_trim),
                     served.special_ids if sps[i] and sps[i].skip_special_tokens is False else frozenset(),
                     rids[i] if n == 1 else f"{rids[i]}_{uuid.uuid4().hex}",
