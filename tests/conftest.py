@@ -118,6 +118,11 @@ class Reference:
             return torch.log_softmax(logits, dim=-1).numpy()
 
     def greedy(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy tokens, end-of-sequence ending nothing."""
+        return self.generate(ids, max_new_tokens, eos_token_id=None)
+
+    def generate(self, ids: list[int], max_new_tokens: int, **controls) -> list[int]:
+        """transformers' own greedy `generate` under `controls` (its logits processors' arguments)."""
         import torch
 
         with torch.inference_mode():
@@ -129,7 +134,7 @@ class Reference:
                 attention_mask=torch.ones_like(tokens),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
-                eos_token_id=None,
+                **controls,
             )
         return out[0, len(ids) :].tolist()
 

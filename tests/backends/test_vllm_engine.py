@@ -115,8 +115,6 @@ async def test_generation_without_logprobs_is_the_same_tokens(engine, reference)
 async def test_vllm_honours_each_token_control_as_transformers_generate(engine, reference):
     """Each control reaches vLLM's own sampler: greedy tokens equal transformers' `generate` under
     the same control, and differ from those without it."""
-    from tests.gateway.test_sampling_fields import hf_generate
-
     ids = reference.tokenizer("The capital of France is").input_ids
     paris = tuple(reference.tokenizer(" Paris", add_special_tokens=False).input_ids)
     allowed = (28, 30, 198, 314, 1345)
@@ -125,11 +123,11 @@ async def test_vllm_honours_each_token_control_as_transformers_generate(engine, 
         ({"bad_words": (paris,)}, {"bad_words_ids": [list(paris)]}),
         ({"allowed_token_ids": allowed}, {"prefix_allowed_tokens_fn": lambda _b, _i: list(allowed)}),
     ]
-    plain = hf_generate(reference, ids, 10, eos_token_id=None)
+    plain = reference.generate(ids, 10, eos_token_id=None)
     for ours, theirs in cases:
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, **ours)
         tokens = [s.token_id async for s in engine.generate(ids, params)]
-        expected = hf_generate(reference, ids, 10, eos_token_id=None, **theirs)
+        expected = reference.generate(ids, 10, eos_token_id=None, **theirs)
         assert tokens == expected != plain, ours
     stop = plain[3]
     stopped = [
@@ -143,12 +141,10 @@ async def test_vllm_honours_each_token_control_as_transformers_generate(engine, 
 
 
 async def test_vllm_holds_end_of_sequence_back_for_min_tokens(engine, reference):
-    from tests.gateway.test_sampling_fields import hf_generate
-
     ids = chat_ids(reference.tokenizer, "Hi")
     eos = reference.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    plain = hf_generate(reference, ids, 64, eos_token_id=eos)
-    held = hf_generate(reference, ids, 64, eos_token_id=eos, min_new_tokens=len(plain) + 4)
+    plain = reference.generate(ids, 64, eos_token_id=eos)
+    held = reference.generate(ids, 64, eos_token_id=eos, min_new_tokens=len(plain) + 4)
     params = SamplingParams(max_tokens=64, temperature=0.0, min_tokens=len(plain) + 4)
     assert [s.token_id async for s in engine.generate(ids, params)] == held
     ignoring = SamplingParams(max_tokens=len(plain) + 6, temperature=0.0, ignore_eos=True)

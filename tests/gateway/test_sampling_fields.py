@@ -55,22 +55,6 @@ def body(path: str, **fields) -> dict:
     return {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **fields}
 
 
-def hf_generate(reference, ids: list[int], max_new_tokens: int, **controls) -> list[int]:
-    """transformers' own greedy `generate` under `controls`, stopping at end-of-sequence."""
-    import torch
-
-    with torch.inference_mode():
-        tokens = torch.tensor([ids])
-        out = reference.model.generate(
-            tokens,
-            attention_mask=torch.ones_like(tokens),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            **controls,
-        )
-    return out[0, len(ids) :].tolist()
-
-
 def generated_ids(http, ids: list[int], max_new_tokens: int, **sampling) -> dict:
     answer = http.post(
         GENERATE,
@@ -134,8 +118,8 @@ def test_a_greedy_control_is_what_transformers_generate_makes_of_it(http, refere
     elif theirs == "allowed":
         allowed = ours["allowed_token_ids"]
         theirs = {"prefix_allowed_tokens_fn": lambda _batch, _ids: allowed}
-    expected = hf_generate(reference, ids, 12, eos_token_id=None, **theirs)
-    assert expected != hf_generate(reference, ids, 12, eos_token_id=None)  # the control matters
+    expected = reference.generate(ids, 12, eos_token_id=None, **theirs)
+    assert expected != reference.generate(ids, 12, eos_token_id=None)  # the control matters
     completion = http.post(
         COMPLETIONS,
         json={"model": MODEL, "prompt": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **ours},
@@ -152,9 +136,9 @@ def chat_ids(reference, content: str) -> list[int]:
 def test_min_tokens_and_ignore_eos_hold_end_of_sequence_back(http, reference):
     ids = list(chat_ids(reference, "Hi"))
     eos = reference.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    plain = hf_generate(reference, ids, 64, eos_token_id=eos)
+    plain = reference.generate(ids, 64, eos_token_id=eos)
     assert plain[-1] == eos and len(plain) < 60  # the model ends its turn on its own
-    held = hf_generate(reference, ids, 64, eos_token_id=eos, min_new_tokens=len(plain) + 4)
+    held = reference.generate(ids, 64, eos_token_id=eos, min_new_tokens=len(plain) + 4)
     out = generated_ids(http, ids, 64, min_new_tokens=len(plain) + 4)
     assert out["output_ids"] == held and len(held) > len(plain)
     ignored = generated_ids(http, ids, len(plain) + 6, ignore_eos=True)
@@ -257,7 +241,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(http, reference):
 def test_generate_honours_sglang_controls(http, reference):
     ids = reference.tokenizer(PROMPT)["input_ids"]
     penalised = generated_ids(http, ids, 10, repetition_penalty=1.8, ignore_eos=True, top_k=5, min_p=0.05)
-    expected = hf_generate(reference, ids, 10, eos_token_id=None, repetition_penalty=1.8)
+    expected = reference.generate(ids, 10, eos_token_id=None, repetition_penalty=1.8)
     assert penalised["output_ids"] == expected
 
 
